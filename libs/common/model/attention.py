@@ -1,0 +1,89 @@
+"""Attention over the paged KV pool, for a packed batch of new tokens.
+
+The model hands each layer's new q/k/v here; this module writes k/v into the
+pool at the tokens' slots and attends over each sequence's blocks. Prefill
+batches are packed (``[T, ...]``, sequences back to back, each with its own
+cached context); decode batches are one token per sequence, padded to the
+longest block table and masked.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from libs.common.model.kv_pool import KVPool
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's share of a packed prefill batch."""
+
+    query_start: int  # first of its rows in the packed batch
+    query_len: int  # new tokens computed now
+    context_len: int  # tokens attended to: cached context + the new ones
+    block_table: torch.Tensor  # [num_blocks] long, covering context_len
+
+
+@dataclass
+class AttentionBatch:
+    slot_blocks: torch.Tensor  # [T] long: the block each new token's K/V goes to
+    slot_offsets: torch.Tensor  # [T] long: its position inside that block
+    prefill_spans: list[PrefillSpan] | None = None
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] long, padded
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+
+    @property
+    def is_decode(self) -> bool:
+        return self.decode_block_tables is not None
+
+
+def paged_attention(
+    layer: int,
+    q: torch.Tensor,  # [T, Hq, D]
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    pool: KVPool,
+    batch: AttentionBatch,
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, D]
+    pool.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
+    if batch.is_decode:
+        return _decode_attention(layer, q, pool, batch, scale)
+    out = torch.empty_like(q)
+    for span in batch.prefill_spans:
+        rows = slice(span.query_start, span.query_start + span.query_len)
+        out[rows] = _prefill_attention(layer, q[rows], k[rows], v[rows], pool, span, scale)
+    return out
+
+
+def _prefill_attention(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, span: PrefillSpan, scale: float
+) -> torch.Tensor:
+    n, ctx = span.query_len, span.context_len
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    if ctx == n:  # nothing cached: attend to this chunk alone, plain causal
+        kh = k.transpose(0, 1).unsqueeze(0)  # [1, Hkv, n, D]
+        vh = v.transpose(0, 1).unsqueeze(0)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:  # attend to the cached context in the pool (which now holds this chunk too)
+        kh = _gather(pool, layer, 0, span.block_table, ctx)  # [1, Hkv, ctx, D]
+        vh = _gather(pool, layer, 1, span.block_table, ctx)
+        # row i is position ctx - n + i and sees every key up to it
+        mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+
+def _gather(pool: KVPool, layer: int, plane: int, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    blocks = pool.gather(layer, plane, block_table)  # [nb, bs, H, D]
+    return blocks.flatten(0, 1)[:length].transpose(0, 1).unsqueeze(0)  # [1, H, length, D]
+
+
+def _decode_attention(layer: int, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    tables = batch.decode_block_tables
+    keys = pool.gather(layer, 0, tables).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+    values = pool.gather(layer, 1, tables).flatten(1, 2).transpose(1, 2)
+    qh = q.unsqueeze(2)  # [B, Hq, 1, D]
+    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=batch.decode_mask, scale=scale, enable_gqa=True)
+    return out.squeeze(2)  # [B, Hq, D]

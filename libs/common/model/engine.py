@@ -1,0 +1,154 @@
+"""The model engine: prefill and decode steps over a paged KV pool.
+
+``prefill`` computes the uncached part of each sequence's tokens, in chunks of
+at most ``max_chunk_tokens``; ``decode_step`` runs one token for each sequence of
+a batch of any lengths. Both return logits and leave sampling, stopping and
+scheduling to the caller (`generator.py` in one process, the workers in the
+cluster). The engine knows nothing about text.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from libs.common.errors import EmptyPromptError, PromptTooLongError
+from libs.common.model.attention import AttentionBatch, PrefillSpan
+from libs.common.model.kv_cache import KVCacheManager
+from libs.common.model.kv_pool import KVPool
+from libs.common.model.llama import LayerCallback, LlamaModel
+from libs.common.model.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_chunk_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's context window
+    enable_prefix_cache: bool = True
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, pool: KVPool, cache: KVCacheManager, config: EngineConfig) -> None:
+        self.model = model
+        self.pool = pool
+        self.cache = cache
+        self.config = config
+        self.max_model_len = min(config.max_model_len or 1 << 62, model.config.max_position_embeddings)
+        self.device = pool.kv.device
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    def check_prompt(self, num_prompt_tokens: int, max_new_tokens: int = 0) -> None:
+        """Raise if a prompt cannot be served: empty, or (with the tokens it asks
+        for) longer than the context window. Never truncates."""
+        if num_prompt_tokens == 0:
+            raise EmptyPromptError("the prompt is empty")
+        if num_prompt_tokens + max_new_tokens > self.max_model_len:
+            raise PromptTooLongError(num_prompt_tokens, self.max_model_len, max_new_tokens)
+
+    def prefill(self, seqs: list[Sequence], layer_done: LayerCallback | None = None) -> torch.Tensor:
+        """Compute every sequence's tokens from ``num_computed_tokens`` on; return
+        the logits of each one's last token, [B, V].
+
+        Blocks before ``num_computed_tokens`` must already hold valid K/V (a
+        cached prefix); the rest are allocated here. ``layer_done(layer)`` fires
+        after each layer of the final chunk, for layer-wise hand-off.
+        """
+        hidden = self._prefill(seqs, keep_all=False, layer_done=layer_done)
+        return self.model.compute_logits(torch.cat([h[-1] for h in hidden])).float()
+
+    def prefill_all_logits(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """Like ``prefill``, but the logits of every computed token: one [n_i, V] per sequence."""
+        hidden = self._prefill(seqs, keep_all=True, layer_done=None)
+        return [self.model.compute_logits(torch.cat(h)).float() for h in hidden]
+
+    @torch.inference_mode()
+    def _prefill(
+        self, seqs: list[Sequence], keep_all: bool, layer_done: LayerCallback | None
+    ) -> list[list[torch.Tensor]]:
+        for seq in seqs:
+            self.check_prompt(seq.num_tokens)
+            if seq.num_computed_tokens >= seq.num_tokens:
+                raise ValueError(f"{seq.request_id}: nothing left to prefill")
+        for seq in seqs:
+            self.cache.allocate(seq, seq.num_tokens)
+        hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
+        pending = list(range(len(seqs)))
+        while pending:
+            chunk, budget = [], self.config.max_chunk_tokens
+            for i in pending:
+                if budget == 0:
+                    break
+                n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget)
+                chunk.append((i, n))
+                budget -= n
+            remaining = sum(seqs[i].num_tokens - seqs[i].num_computed_tokens for i in pending)
+            is_last = sum(n for _, n in chunk) == remaining
+            out = self._run_prefill_chunk([(seqs[i], n) for i, n in chunk], layer_done if is_last else None)
+            start = 0
+            for i, n in chunk:
+                rows = out[start : start + n]  # [n, hidden]
+                hidden[i].append(rows if keep_all else rows[-1:])
+                start += n
+            pending = [i for i in pending if seqs[i].num_computed_tokens < seqs[i].num_tokens]
+        for seq in seqs:
+            self.cache.cache_full_blocks(seq)
+        return hidden
+
+    def _run_prefill_chunk(self, chunk: list[tuple[Sequence, int]], layer_done: LayerCallback | None) -> torch.Tensor:
+        ids, positions, slots, spans = [], [], [], []
+        for seq, n in chunk:
+            start = seq.num_computed_tokens
+            table = seq.block_table[: self.cache.blocks_needed(start + n)]
+            spans.append(PrefillSpan(len(ids), n, start + n, torch.tensor(table, device=self.device)))
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // self.block_size] for p in range(start, start + n))
+        batch = AttentionBatch(*self._slots(slots, positions), prefill_spans=spans)
+        hidden = self._forward(ids, positions, batch, layer_done)
+        for seq, n in chunk:
+            seq.num_computed_tokens += n
+        return hidden
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run each sequence's last token (not yet computed); return logits [B, V]."""
+        for seq in seqs:
+            if seq.num_computed_tokens != seq.num_tokens - 1:
+                raise ValueError(f"{seq.request_id}: decode needs exactly one uncomputed token")
+            if seq.num_tokens > self.max_model_len:
+                raise PromptTooLongError(seq.num_tokens, self.max_model_len)
+        for seq in seqs:
+            self.cache.allocate(seq, seq.num_tokens)
+        bs = self.block_size
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        slots = [seq.block_table[p // bs] for seq, p in zip(seqs, positions)]
+        max_blocks = max(len(seq.block_table) for seq in seqs)
+        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)  # padding points at block 0, masked out
+        for row, seq in enumerate(seqs):
+            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
+        lengths = torch.tensor([seq.num_tokens for seq in seqs])
+        mask = torch.arange(max_blocks * bs)[None, :] < lengths[:, None]  # [B, S]
+        batch = AttentionBatch(
+            *self._slots(slots, positions),
+            decode_block_tables=tables.to(self.device),
+            decode_mask=mask[:, None, None, :].to(self.device),
+        )
+        hidden = self._forward([seq.token_ids[-1] for seq in seqs], positions, batch, None)
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+            self.cache.cache_full_blocks(seq)
+        return self.model.compute_logits(hidden).float()
+
+    def _slots(self, blocks: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = [p % self.block_size for p in positions]
+        return torch.tensor(blocks, device=self.device), torch.tensor(offsets, device=self.device)
+
+    def _forward(
+        self, ids: list[int], positions: list[int], batch: AttentionBatch, layer_done: LayerCallback | None
+    ) -> torch.Tensor:
+        input_ids = torch.tensor(ids, device=self.device)
+        return self.model(input_ids, torch.tensor(positions, device=self.device), self.pool, batch, layer_done)

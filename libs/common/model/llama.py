@@ -1,0 +1,214 @@
+"""A Llama-family transformer in plain PyTorch, reading and writing a paged KV pool.
+
+RMSNorm -> rotary embeddings -> grouped-query attention -> SwiGLU MLP ->
+decoder layer -> model. Inputs are packed: ``input_ids`` and ``positions`` are
+``[T]`` (every new token of every sequence in the batch, back to back), and
+``AttentionBatch`` says which rows belong to which sequence and where their
+K/V live. q/k/v and gate/up are fused into one matmul each; ``load_weights``
+takes Hugging Face tensor names and fills the fused weights.
+"""
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from libs.common.model.attention import AttentionBatch, paged_attention
+from libs.common.model.config import ModelConfig
+from libs.common.model.kv_pool import KVPool
+
+LayerCallback = Callable[[int], None]  # called with each layer index once its K/V is written
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies with the checkpoint's theta and scaling (none, linear, llama3)."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_context = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_context / low, old_context / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling {kind!r}")
+
+
+class RotaryEmbedding:
+    """cos/sin tables for every position up to the context window: ``[max_pos, D]``."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str) -> None:
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.int64).float()
+        freqs = torch.outer(positions, rope_inv_freq(config))  # [max_pos, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = emb.cos().to(device)
+        self.sin = emb.sin().to(device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        bias = config.attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
+        self.scale = self.head_dim**-0.5
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, pool: KVPool, batch: AttentionBatch
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rope(q, k, positions)
+        out = paged_attention(self.layer, q, k, v, pool, batch, self.scale)  # [T, Hq, D]
+        return self.o_proj(out.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, pool: KVPool, batch: AttentionBatch
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, pool, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope: RotaryEmbedding | None = None  # built by `materialize` on the final device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        pool: KVPool,
+        batch: AttentionBatch,
+        layer_done: LayerCallback | None = None,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, self.rope, pool, batch)
+            if layer_done is not None:
+                layer_done(layer.self_attn.layer)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def materialize(self, device: torch.device | str, dtype: torch.dtype) -> "LlamaModel":
+        """Move to the final device/dtype and build the rotary tables there."""
+        self.to(device=device, dtype=dtype)
+        self.rope = RotaryEmbedding(self.config, device)
+        return self
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Fill parameters from Hugging Face-named tensors; raise on anything missing or unknown."""
+        params = dict(self.named_parameters())
+        fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            shard = None
+            for part, (target, index) in fused.items():
+                if f".{part}." in name:
+                    name, shard = name.replace(part, target), index
+                    break
+            if name not in params:
+                raise KeyError(f"unexpected weight {name!r} in checkpoint")
+            param = params[name]
+            if shard is None:
+                param.copy_(tensor)
+            else:
+                sizes = self._shard_sizes(name)
+                start = sum(sizes[:shard])
+                param[start : start + sizes[shard]].copy_(tensor)
+            loaded.add(f"{name}#{shard}")
+        expected = {f"{n}#{s}" for n in params for s in self._shard_ids(n)}
+        if self.config.tie_word_embeddings:
+            expected.discard("lm_head.weight#None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise KeyError(f"checkpoint lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+
+    def _shard_sizes(self, name: str) -> list[int]:
+        c = self.config
+        if "qkv_proj" in name:
+            return [c.q_size, c.kv_size, c.kv_size]
+        return [c.intermediate_size, c.intermediate_size]
+
+    def _shard_ids(self, name: str) -> list[int | None]:
+        if "qkv_proj" in name:
+            return [0, 1, 2]
+        if "gate_up_proj" in name:
+            return [0, 1]
+        return [None]
+

@@ -1,0 +1,53 @@
+"""A sequence being generated: its tokens, where its KV lives, and how far it has got."""
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from libs.common.model.hashing import BlockHash
+from libs.common.model.sampling import SamplingParams
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # an end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens reached, or the context window is full
+    ABORT = "abort"  # cancelled by the client or the system
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt, then generated tokens
+    num_prompt_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    block_table: list[int] = field(default_factory=list)  # append-only
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of the full blocks so far
+    num_computed_tokens: int = 0  # tokens whose K/V is in the pool
+    num_cached_tokens: int = 0  # prompt tokens reused from a cache instead of computed
+    finish_reason: FinishReason | None = None
+
+    @classmethod
+    def from_prompt(cls, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> "Sequence":
+        return cls(request_id, list(prompt_ids), len(prompt_ids), params or SamplingParams())
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

@@ -1,0 +1,51 @@
+"""Turns a sequence's generated tokens into text, and decides when it stops.
+
+Stops on an end-of-sequence or stop token (not shown), on a stop string (the
+text is cut before it), on max_tokens, or when the context window is full.
+While stop strings are set, the last ``len(longest stop) - 1`` characters are
+held back, so a client never sees the start of a stop string that later
+completes.
+"""
+
+from libs.common.model.sampling import SamplingParams
+from libs.common.model.sequence import FinishReason
+from libs.common.model.tokenizer import Tokenizer
+
+
+class StopChecker:
+    def __init__(self, tokenizer: Tokenizer, params: SamplingParams, max_model_len: int, num_prompt_tokens: int) -> None:
+        self.params = params
+        self._stream = tokenizer.decode_stream()
+        self._stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            self._stop_ids.update(tokenizer.eos_token_ids)
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._room = max_model_len - num_prompt_tokens  # tokens the context window leaves
+        self.text = ""
+        self.num_tokens = 0
+        self._emitted = 0
+        self.finish_reason: FinishReason | None = None
+
+    def add(self, token_id: int) -> str:
+        """Account for one generated token; return the text that is now safe to show."""
+        assert self.finish_reason is None, "token added after the sequence finished"
+        self.num_tokens += 1
+        if token_id in self._stop_ids:
+            self.finish_reason = FinishReason.STOP
+        else:
+            before = len(self.text)
+            self.text += self._stream.step(token_id)
+            self._check_stop_strings(before)
+        if self.finish_reason is None and (self.num_tokens >= self.params.max_tokens or self.num_tokens >= self._room):
+            self.finish_reason = FinishReason.LENGTH
+        end = len(self.text) if self.finish_reason else max(self._emitted, len(self.text) - self._holdback)
+        delta, self._emitted = self.text[self._emitted : end], end
+        return delta
+
+    def _check_stop_strings(self, before: int) -> None:
+        for stop in self.params.stop:
+            at = self.text.find(stop, max(0, before - len(stop) + 1))
+            if at != -1:
+                self.text = self.text[:at]
+                self.finish_reason = FinishReason.STOP
+                return

@@ -1,0 +1,98 @@
+"""Fixtures every test layer shares: a tiny random Llama with a byte tokenizer,
+and the real default model (float32, for exact parity with transformers)."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# Tests never touch the developer's own cache unless CI asks for a shared one.
+os.environ.setdefault("KVSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "kvserve"))
+
+TINY_CONFIG = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    bos_token_id=256,
+    eos_token_id=257,
+)
+
+
+def gpt2_byte_chars() -> list[str]:
+    """The printable character byte-level BPE uses for each byte 0..255 (GPT-2's table)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def write_byte_tokenizer(folder: Path) -> None:
+    """A byte-level tokenizer: ids 0-255 are bytes, then <s>, </s>, <pad>; no merges."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    tok = Tokenizer(BPE(vocab={c: i for i, c in enumerate(gpt2_byte_chars())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    tok.save(str(folder / "tokenizer.json"))
+    template = (
+        "{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>assistant\n{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": template})
+    )
+
+
+def make_tiny_checkpoint(folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random tiny Llama (via transformers, the reference) as a HF checkpoint folder."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**TINY_CONFIG, **overrides}))
+    model.save_pretrained(folder, safe_serialization=True)
+    write_byte_tokenizer(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint):
+    from libs.common.model.loader import load_model
+
+    return load_model(str(tiny_checkpoint), dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The default model in float32: exact against transformers on the same weights."""
+    from libs.common.model.loader import load_model
+
+    return load_model(None, dtype="float32", progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(str(smollm.checkpoint.path), dtype=torch.float32).eval()

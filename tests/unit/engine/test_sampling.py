@@ -1,0 +1,77 @@
+"""Sampling and stopping: exact, seeded, and never showing a stop string."""
+
+import torch
+
+from libs.common.model.sampling import SamplingParams, sample
+from libs.common.model.sequence import FinishReason
+from libs.common.model.stopping import StopChecker
+
+LOGITS = torch.tensor([[0.0, 3.0, 2.9, 1.0, -5.0]])
+
+
+def draws(params: SamplingParams, n: int = 200) -> list[int]:
+    return [sample(LOGITS, [params], [i])[0] for i in range(n)]
+
+
+def test_greedy_takes_the_argmax_whatever_the_seed():
+    assert sample(LOGITS, [SamplingParams(temperature=0, seed=3)], [0]) == [1]
+    assert sample(LOGITS, [SamplingParams(temperature=0.7, top_k=1)], [0]) == [1]
+
+
+def test_a_seed_gives_the_same_draws_in_any_batch():
+    params = SamplingParams(temperature=1.0, seed=42)
+    alone = draws(params)
+    assert alone == draws(params)
+    batch = torch.cat([LOGITS, LOGITS.flip(-1)])
+    assert [sample(batch, [params, SamplingParams(seed=1)], [i, 0])[0] for i in range(200)] == alone
+    assert len(set(alone)) > 1
+    assert draws(SamplingParams(temperature=1.0, seed=43)) != alone
+
+
+def test_top_k_and_top_p_cut_the_tail():
+    assert set(draws(SamplingParams(temperature=5.0, top_k=2, seed=0))) == {1, 2}
+    # probabilities at t=1: [.02, .47, .42, .06, .00]; top_p=0.5 keeps tokens 1 and 2
+    assert set(draws(SamplingParams(temperature=1.0, top_p=0.5, seed=0))) == {1, 2}
+    assert set(draws(SamplingParams(temperature=1.0, top_p=0.3, seed=0))) == {1}
+
+
+def test_temperature_follows_the_distribution():
+    counts = torch.bincount(torch.tensor(draws(SamplingParams(temperature=1.0, seed=7), 4000)), minlength=5)
+    probs = torch.softmax(LOGITS[0], -1)
+    assert ((counts / 4000 - probs).abs() < 0.03).all()
+
+
+def test_stop_string_is_cut_and_never_shown(smollm):
+    checker = StopChecker(smollm.tokenizer, SamplingParams(stop=["END"], max_tokens=100), 8192, 10)
+    shown = []
+    for i in smollm.tokenizer.encode("one two ENDING three", add_special_tokens=False):
+        shown.append(checker.add(i))
+        if checker.finish_reason:
+            break
+    assert "".join(shown) == checker.text == "one two "
+    assert checker.finish_reason is FinishReason.STOP
+
+
+def test_stop_tokens_eos_and_max_tokens(smollm):
+    tok = smollm.tokenizer
+    im_end = tok.token_to_id("<|im_end|>")
+    hello = tok.encode("Hello", add_special_tokens=False)[0]
+
+    eos = StopChecker(tok, SamplingParams(max_tokens=10), 8192, 10)
+    assert eos.add(hello) == "Hello" and eos.finish_reason is None
+    assert eos.add(im_end) == "" and eos.finish_reason is FinishReason.STOP
+
+    ignoring = StopChecker(tok, SamplingParams(max_tokens=2, ignore_eos=True), 8192, 10)
+    ignoring.add(im_end)
+    assert ignoring.finish_reason is None
+    ignoring.add(hello)
+    assert ignoring.finish_reason is FinishReason.LENGTH
+
+    custom = StopChecker(tok, SamplingParams(max_tokens=10, stop_token_ids=[hello]), 8192, 10)
+    custom.add(hello)
+    assert custom.finish_reason is FinishReason.STOP and custom.text == ""
+
+    window = StopChecker(tok, SamplingParams(max_tokens=100), max_model_len=12, num_prompt_tokens=10)
+    window.add(hello)
+    window.add(hello)
+    assert window.finish_reason is FinishReason.LENGTH
