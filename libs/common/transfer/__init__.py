@@ -1,0 +1,7 @@
+"""The data plane: registered memory segments and batched byte transfers between them."""
+
+from libs.common.transfer.descriptors import Descriptor, TransferError
+from libs.common.transfer.engine import TransferEngine
+from libs.common.transfer.segment import SharedSegment
+
+__all__ = ["Descriptor", "SharedSegment", "TransferEngine", "TransferError"]
