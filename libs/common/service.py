@@ -68,7 +68,8 @@ class Service:
     # --- NATS -----------------------------------------------------------------
     async def _connect(self) -> NATS:
         async def disconnected() -> None:
-            self.log.warning("disconnected from NATS; reconnecting")
+            if not self.stopping.is_set():
+                self.log.warning("disconnected from NATS; reconnecting")
 
         async def reconnected() -> None:
             self.log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc else "?")

@@ -7,9 +7,26 @@ held back, so a client never sees the start of a stop string that later
 completes.
 """
 
+from collections.abc import Collection
+
 from libs.common.model.sampling import SamplingParams
-from libs.common.model.sequence import FinishReason
+from libs.common.model.sequence import FinishReason, Sequence
 from libs.common.model.tokenizer import Tokenizer
+
+
+def check_finish(seq: Sequence, eos_token_ids: Collection[int], max_model_len: int) -> FinishReason | None:
+    """Whether the token just appended ends ``seq``, without looking at text.
+
+    Workers use this; stop strings need the text and are the gateway's job
+    (`StopChecker` below, which applies the same token rules first).
+    """
+    params = seq.params
+    last = seq.token_ids[-1]
+    if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+        return FinishReason.STOP
+    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+        return FinishReason.LENGTH
+    return None
 
 
 class StopChecker:

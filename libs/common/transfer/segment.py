@@ -53,14 +53,17 @@ class SharedSegment:
         return cls(name, nbytes, mm, owner=False)
 
     def close(self) -> None:
-        """Unmap; the owner also removes the name (attachers keep their mapping valid)."""
+        """Unmap; the owner also removes the name (attachers keep their mapping valid). Idempotent."""
+        if self._mmap is None:
+            return
         if self.owner:
             try:
                 os.unlink(SHM_DIR / self.name)
             except FileNotFoundError:
                 pass
-        del self.tensor
+        self.tensor = None
         try:
             self._mmap.close()
         except BufferError:
             pass  # a tensor view still exists somewhere; the OS unmaps at exit
+        self._mmap = None

@@ -1,0 +1,81 @@
+"""Hosts a model engine inside a worker service: the KV pool in shared memory,
+and one engine thread that alone touches the engine and its blocks.
+
+The event loop never runs a forward pass or mutates the block pool; it hands
+closures to `EngineHost.run`, which executes them in order on the engine
+thread. That single rule is the whole concurrency story of a worker.
+"""
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+
+from libs.common.contract import make_contract
+from libs.common.model.engine import Engine, EngineConfig
+from libs.common.model.loader import LoadedModel, build_engine, load_model
+from libs.common.schema import KVContract
+from libs.common.settings import ModelSettings
+from libs.common.transfer import SharedSegment, TransferEngine
+from libs.common.transfer.segment import new_segment_name
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineHost:
+    loaded: LoadedModel
+    engine: Engine
+    segment: SharedSegment
+    transfers: TransferEngine
+    contract: KVContract
+    _thread: ThreadPoolExecutor
+
+    @classmethod
+    def create(
+        cls, settings: ModelSettings, owner: str, max_chunk_tokens: int = 512, enable_prefix_cache: bool = True
+    ) -> "EngineHost":
+        """Load the model and place a KV pool of ``settings.num_blocks`` blocks in a new shm segment."""
+        torch.set_grad_enabled(False)
+        if torch.device(settings.device).type != "cpu":
+            raise SystemExit("cluster workers keep their KV pool in shared memory and run on the CPU for now")
+        loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, progress=False)
+        config = EngineConfig(
+            block_size=settings.block_size,
+            num_blocks=settings.num_blocks,
+            max_chunk_tokens=max_chunk_tokens,
+            max_model_len=settings.max_model_len,
+            enable_prefix_cache=enable_prefix_cache,
+        )
+        layout = loaded.kv_layout(settings.block_size)
+        segment = SharedSegment.create(new_segment_name(owner, "kv"), settings.num_blocks * layout.block_nbytes)
+        engine = build_engine(loaded, config, pool_buffer=segment.tensor)
+        transfers = TransferEngine()
+        transfers.register(segment)
+        log.info(
+            "%s loaded: %s, %s KV blocks of %d tokens (%.1f MB) in %s",
+            owner, loaded.dtype, settings.num_blocks, settings.block_size, segment.nbytes / 1e6, segment.name,
+        )  # fmt: skip
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        return cls(loaded, engine, segment, transfers, make_contract(loaded.model_id, layout), thread)
+
+    async def run(self, fn: Callable[..., T], *args) -> T:
+        """Run ``fn(*args)`` on the engine thread, after everything submitted before it."""
+        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+
+    def block_offset(self, block_id: int) -> int:
+        return self.engine.pool.block_range(block_id)[0]
+
+    @property
+    def block_nbytes(self) -> int:
+        return self.engine.pool.layout.block_nbytes
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+        self.transfers.close()
+        self.segment.close()

@@ -1,0 +1,22 @@
+"""python -m services.prefill — settings from KVSERVE_* variables."""
+
+from libs.common.service import configure_logging, run_service
+from libs.common.settings import ModelSettings, ServiceSettings, env_bool, env_int, env_str
+from services.prefill.worker import PrefillSettings, PrefillWorker
+
+
+def main() -> None:
+    service = ServiceSettings.from_env("prefill")
+    configure_logging(service.instance_id, env_str("LOG_LEVEL", "INFO"))
+    settings = PrefillSettings(
+        service=service,
+        model=ModelSettings.from_env(),
+        max_chunk_tokens=env_int("MAX_CHUNK_TOKENS", 512),
+        max_batch_tokens=env_int("MAX_BATCH_TOKENS", 2048),
+        use_store=env_bool("USE_STORE", True),
+    )
+    run_service(PrefillWorker(settings))
+
+
+if __name__ == "__main__":
+    main()

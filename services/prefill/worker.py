@@ -1,0 +1,185 @@
+"""The prefill worker: computes each request's KV (reusing cached prefix blocks
+from its own cache, then from the store), samples the first token, and hands
+the KV to the decode worker the conductor chose.
+
+Per request: prepare (local prefix hit, store fetch, decode lease) -> compute
+(batched with whatever else is waiting) -> finish (first token out, KV copied
+into the decode worker's leased blocks, hand-over, new blocks to the store).
+Finishing overlaps the next batch's compute.
+"""
+
+import asyncio
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+from nats.aio.msg import Msg
+
+from libs.common import subjects
+from libs.common.engine_host import EngineHost
+from libs.common.errors import KVServeError
+from libs.common.model.sampling import sample
+from libs.common.model.sequence import Sequence
+from libs.common.model.stopping import check_finish
+from libs.common.recent import RecentIds
+from libs.common.schema import Ack, Cancel, ErrorInfo, Heartbeat, PrefillRequest, ReserveReply, TokenChunk
+from libs.common.service import Service
+from libs.common.settings import ModelSettings, ServiceSettings
+from services.prefill.handoff import Handoff, HandoffError
+from services.prefill.store_client import StoreClient
+
+
+@dataclass(frozen=True)
+class PrefillSettings:
+    service: ServiceSettings
+    model: ModelSettings
+    max_chunk_tokens: int = 512
+    max_batch_tokens: int = 2048
+    use_store: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_chunk_tokens < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_chunk_tokens and max_batch_tokens must be positive")
+
+
+@dataclass
+class Job:
+    request: PrefillRequest
+    seq: Sequence
+    lease: ReserveReply | None = None  # the decode worker's lease, once granted
+
+
+class PrefillWorker(Service):
+    def __init__(self, settings: PrefillSettings) -> None:
+        super().__init__(settings.service)
+        self.config = settings
+        self.host = EngineHost.create(settings.model, self.instance_id, max_chunk_tokens=settings.max_chunk_tokens)
+        self.engine = self.host.engine
+        self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
+        self.queue: asyncio.Queue[Job] = asyncio.Queue()
+        self.in_flight: dict[str, Job] = {}
+        self.cancelled = RecentIds()
+        self.store = StoreClient(self, self.host) if settings.use_store else None
+        self.handoff = Handoff(self, self.host)
+
+    async def start(self, stack: AsyncExitStack) -> None:
+        stack.callback(self.host.close)
+        await self.subscribe(subjects.prefill_submit(self.instance_id), PrefillRequest, self.on_submit)
+        await self.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        loop = self.spawn(self._prefill_loop())
+        stack.callback(loop.cancel)
+
+    async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack:
+        try:
+            request.sampling.validate()
+            self.engine.check_prompt(len(request.prompt_token_ids))
+        except KVServeError as e:
+            return Ack(error=ErrorInfo(code="invalid_request", message=str(e)))
+        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
+        job = Job(request, seq)
+        self.in_flight[request.request_id] = job
+        self.queue.put_nowait(job)
+        return Ack()
+
+    async def on_cancel(self, request: Cancel, msg: Msg) -> None:
+        self.cancelled.add(request.request_id)
+
+    # --- the loop --------------------------------------------------------------
+    async def _prefill_loop(self) -> None:
+        while True:
+            jobs = [await self.queue.get()]
+            budget = self.config.max_batch_tokens - jobs[0].seq.num_tokens
+            while not self.queue.empty() and budget > 0:
+                job = self.queue.get_nowait()
+                jobs.append(job)
+                budget -= job.seq.num_tokens
+            ready = [job for job in await asyncio.gather(*(self._prepare(j) for j in jobs)) if job is not None]
+            if not ready:
+                continue
+            try:
+                tokens = await self.host.run(self._compute, [job.seq for job in ready])
+            except Exception as e:
+                self.log.exception("prefill of %d requests failed", len(ready))
+                for job in ready:
+                    await self._fail(job, ErrorInfo(code="internal", message=f"prefill failed: {e}"))
+                continue
+            for job, token in zip(ready, tokens):
+                self.spawn(self._finish(job, token))
+
+    async def _prepare(self, job: Job) -> Job | None:
+        """Reuse cached blocks (local, then store) and lease room on the decode worker."""
+        if job.request.request_id in self.cancelled:
+            await self._drop(job)
+            return None
+        seq = job.seq
+        try:
+            await self.host.run(self._attach_local_prefix, seq)
+        except KVServeError as e:
+            await self._fail(job, ErrorInfo(code="no_capacity", message=str(e)))
+            return None
+        if self.store is not None:
+            await self.store.fetch_prefix(seq)
+        try:
+            job.lease = await self.handoff.reserve(job.request, seq.num_prompt_tokens)
+        except HandoffError as e:
+            await self._fail(job, ErrorInfo(code=e.code, message=str(e)))
+            return None
+        return job
+
+    def _attach_local_prefix(self, seq: Sequence) -> None:
+        """Engine thread: take this worker's cached prefix blocks and allocate the rest."""
+        self.engine.cache.match_prefix(seq)
+        self.engine.cache.allocate(seq, seq.num_tokens)
+
+    def _compute(self, seqs: list[Sequence]) -> list[int]:
+        """Engine thread: prefill the batch, sample each first token."""
+        logits = self.engine.prefill(seqs)
+        return sample(logits, [s.params for s in seqs], [0] * len(seqs))
+
+    async def _finish(self, job: Job, token: int) -> None:
+        seq, request_id = job.seq, job.request.request_id
+        seq.append_token(token)
+        reason = check_finish(seq, self.eos_ids, self.engine.max_model_len)
+        cancelled = request_id in self.cancelled
+        if not cancelled:
+            await self.publish(subjects.tokens(request_id), TokenChunk(
+                request_id=request_id, index=0, token_ids=[token], finish_reason=reason.value if reason else None,
+                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                instance_id=self.instance_id))  # fmt: skip
+        try:
+            if reason is None and not cancelled:
+                await self.handoff.send(job.request, seq, job.lease)
+            else:
+                await self.handoff.release(job.request, job.lease)
+        except HandoffError as e:
+            self.log.warning("hand-off of %s failed: %s", request_id, e)
+            await self.publish(subjects.tokens(request_id), TokenChunk(
+                request_id=request_id, index=1, finish_reason="abort", instance_id=self.instance_id,
+                error=ErrorInfo(code=e.code, message=str(e))))  # fmt: skip
+        if self.store is not None:
+            await self.store.write_back(seq)  # holds its own references until the store has the bytes
+        await self._drop(job)
+
+    async def _fail(self, job: Job, error: ErrorInfo) -> None:
+        self.log.warning("request %s failed: %s", job.request.request_id, error.message)
+        if job.lease is not None:
+            await self.handoff.release(job.request, job.lease)
+        await self.publish(subjects.tokens(job.request.request_id), TokenChunk(
+            request_id=job.request.request_id, index=0, finish_reason="abort", instance_id=self.instance_id,
+            error=error))  # fmt: skip
+        await self._drop(job)
+
+    async def _drop(self, job: Job) -> None:
+        self.in_flight.pop(job.request.request_id, None)
+        if job.seq.block_table:
+            await self.host.run(self.engine.cache.free, job.seq)
+
+    def heartbeat(self) -> Heartbeat:
+        beat = super().heartbeat()
+        pool = self.engine.cache.block_pool
+        beat.load = len(self.in_flight)
+        beat.capacity = pool.num_blocks
+        beat.free_blocks = pool.num_free_blocks
+        beat.segment = self.host.segment.name
+        beat.contract = self.host.contract
+        return beat
+
