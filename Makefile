@@ -17,8 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 up: $(STAMP)
-	$(BIN)/kvserve model prepare
-	$(BIN)/kvserve chat
+	$(BIN)/kvserve up
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

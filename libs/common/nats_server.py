@@ -54,6 +54,7 @@ class NatsServer:
             [find_nats_server(), "-a", self.host, "-p", "-1", "--ports_file_dir", self._dir.name,
              "--auth", self.token],
             stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher, which stops us last
         )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from libs.common.model.sampling import SamplingParams
+from libs.common.model.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 

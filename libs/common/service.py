@@ -67,6 +67,10 @@ class Service:
 
     # --- NATS -----------------------------------------------------------------
     async def _connect(self) -> NATS:
+        """Connect, retrying forever (nats-py retries the first connect itself with
+        max_reconnect_attempts=-1); give up only if the service is told to stop."""
+        failures = 0
+
         async def disconnected() -> None:
             if not self.stopping.is_set():
                 self.log.warning("disconnected from NATS; reconnecting")
@@ -75,28 +79,38 @@ class Service:
             self.log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc else "?")
 
         async def error(e: Exception) -> None:
-            self.log.warning("NATS error: %s", e)
+            nonlocal failures
+            failures += 1
+            if failures & (failures - 1) == 0:  # 1st, 2nd, 4th, 8th... failure: informative, not a flood
+                self.log.warning("NATS at %s: %s (attempt %d; retrying)", _redact(self.settings.nats_url), e, failures)
 
-        delay = 0.2
-        while True:
-            try:
-                return await nats.connect(
-                    self.settings.nats_url,
-                    name=self.instance_id,
-                    max_reconnect_attempts=-1,  # forever
-                    reconnect_time_wait=0.5,
-                    disconnected_cb=disconnected,
-                    reconnected_cb=reconnected,
-                    error_cb=error,
-                )
-            except Exception as e:  # the first connect does not retry on its own
-                self.log.warning("cannot reach NATS at %s (%s); retrying", _redact(self.settings.nats_url), e)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        connect = asyncio.ensure_future(
+            nats.connect(
+                self.settings.nats_url,
+                name=self.instance_id,
+                max_reconnect_attempts=-1,  # forever, the first connect included
+                reconnect_time_wait=0.5,
+                disconnected_cb=disconnected,
+                reconnected_cb=reconnected,
+                error_cb=error,
+            )
+        )
+        stop = asyncio.ensure_future(self.stopping.wait())
+        await asyncio.wait([connect, stop], return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if not connect.done():
+            connect.cancel()
+            raise SystemExit(0)  # told to stop before NATS was ever reached
+        failures = 0
+        return connect.result()
 
     async def _drain(self) -> None:
-        if self.nc is not None and not self.nc.is_closed:
+        if self.nc is None or self.nc.is_closed:
+            return
+        if self.nc.is_connected:
             await self.nc.drain()
+        else:  # nothing to drain to
+            await self.nc.close()
 
     async def _heartbeat_loop(self) -> None:
         subject = subjects.heartbeat(self.settings.role)

@@ -15,7 +15,8 @@ import torch
 
 from libs.common.errors import OutOfKVBlocksError
 from libs.common.model.engine import Engine
-from libs.common.model.sampling import SamplingParams, sample
+from libs.common.model.sampling import sample
+from libs.common.model.sampling_params import SamplingParams
 from libs.common.model.sequence import FinishReason, Sequence
 from libs.common.model.stopping import StopChecker
 from libs.common.model.tokenizer import Tokenizer

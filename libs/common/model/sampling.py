@@ -1,45 +1,16 @@
-"""Sampling parameters and the sampler that turns a batch of logits into tokens.
+"""The sampler: turns a batch of logits into tokens, by each request's SamplingParams.
 
 Randomness is a function of (seed, output index) alone, so a seeded request
 samples the same tokens whether its first token comes from a prefill worker and
 the rest from a decode worker, or all of them from one process.
 """
 
-import msgspec
 import torch
 
-from libs.common.errors import InvalidRequestError
+from libs.common.model.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads nearby seeds apart
 _MASK63 = (1 << 63) - 1
-
-
-class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
-    top_p: float = 1.0
-    top_k: int | None = None  # None: no top-k cut
-    seed: int | None = None
-    stop: list[str] = msgspec.field(default_factory=list)
-    stop_token_ids: list[int] = msgspec.field(default_factory=list)
-    ignore_eos: bool = False
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    def validate(self) -> None:
-        """Raise InvalidRequestError naming the first parameter out of range."""
-        if self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise InvalidRequestError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k is not None and self.top_k < 1:
-            raise InvalidRequestError(f"top_k must be at least 1, got {self.top_k}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop strings must not be empty")
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:

@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from libs.common.model.hashing import BlockHash
-from libs.common.model.sampling import SamplingParams
+from libs.common.model.sampling_params import SamplingParams
 
 
 class FinishReason(str, Enum):

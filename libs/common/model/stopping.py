@@ -9,7 +9,7 @@ completes.
 
 from collections.abc import Collection
 
-from libs.common.model.sampling import SamplingParams
+from libs.common.model.sampling_params import SamplingParams
 from libs.common.model.sequence import FinishReason, Sequence
 from libs.common.model.tokenizer import Tokenizer
 
@@ -57,6 +57,12 @@ class StopChecker:
             self.finish_reason = FinishReason.LENGTH
         end = len(self.text) if self.finish_reason else max(self._emitted, len(self.text) - self._holdback)
         delta, self._emitted = self.text[self._emitted : end], end
+        return delta
+
+    def flush(self) -> str:
+        """The text held back for a possible stop string, once the sequence ended
+        for another reason (e.g. a worker stopped it); nothing is held back after."""
+        delta, self._emitted = self.text[self._emitted :], len(self.text)
         return delta
 
     def _check_stop_strings(self, before: int) -> None:

@@ -4,7 +4,8 @@ import torch
 
 from libs.common.model.engine import EngineConfig
 from libs.common.model.loader import build_engine
-from libs.common.model.sampling import SamplingParams, sample
+from libs.common.model.sampling import sample
+from libs.common.model.sampling_params import SamplingParams
 from libs.common.model.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0)

@@ -2,7 +2,8 @@
 
 import torch
 
-from libs.common.model.sampling import SamplingParams, sample
+from libs.common.model.sampling import sample
+from libs.common.model.sampling_params import SamplingParams
 from libs.common.model.sequence import FinishReason
 from libs.common.model.stopping import StopChecker
 

@@ -1,0 +1,413 @@
+"""A whole kvserve cluster on this machine: nats-server and one process per service instance.
+
+LocalCluster owns processes — it starts them, prefixes and keeps their logs,
+watches heartbeats to tell when the cluster is ready, and stops them — and
+knows nothing about what the services do. `kvserve up` and the integration
+tests both run on it.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from libs.cli.heartbeats import HeartbeatWatcher
+from libs.common.errors import KVServeError
+from libs.common.model.default_model import DEFAULT_MODEL_ID, resolve_model_path
+from libs.common.nats_server import NatsServer
+from libs.common.schema import Heartbeat
+
+ROLES = ("conductor", "store", "prefill", "decode", "gateway")  # also the start order
+GATEWAY_ID = "gateway-0"
+LOG_TAIL_LINES = 200
+STOP_GRACE_SECONDS = 10.0
+_COLOURS = {"conductor": "35", "store": "34", "prefill": "33", "decode": "32", "gateway": "36", "kvserve": "1"}
+_STDOUT: Any = object()  # `log`'s default: sys.stdout as it is when the cluster is built, not at import
+
+
+class ClusterError(KVServeError):
+    """The cluster could not start, or a service in it failed."""
+
+
+@dataclass
+class _Instance:
+    instance_id: str
+    role: str
+    module: str
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    reader: threading.Thread | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+
+class LocalCluster:
+    """nats-server plus conductor, store, N prefill, M decode workers and a gateway.
+
+    ``modules`` maps a role to the module run for it (``services.<role>`` by
+    default), so the launcher itself can be tested with stand-in services.
+    ``env`` is added to every service's environment, last.
+    """
+
+    def __init__(
+        self,
+        *,
+        prefill: int = 1,
+        decode: int = 1,
+        store: bool = True,
+        gateway_port: int = 8000,
+        gateway_host: str = "127.0.0.1",
+        model: str | None = None,
+        dtype: str = "auto",
+        device: str = "cpu",
+        env: dict[str, str] | None = None,
+        log: TextIO | None = _STDOUT,
+        api_key: str | None = None,
+        modules: dict[str, str] | None = None,
+    ) -> None:
+        if prefill < 1 or decode < 1:
+            raise ValueError("a cluster needs at least one prefill and one decode worker")
+        if unknown := set(modules or {}) - set(ROLES):
+            raise ValueError(f"no such service: {', '.join(sorted(unknown))}")
+        self.counts = {"conductor": 1, "store": int(store), "prefill": prefill, "decode": decode, "gateway": 1}
+        self.gateway_port = gateway_port
+        self.gateway_host = gateway_host
+        self.model = model
+        self.dtype = dtype  # the explicit dtype every service gets, once start() has resolved "auto"
+        self.device = device
+        self.api_key = api_key
+        self.extra_env = dict(env or {})
+        self.modules = {role: f"services.{role}" for role in ROLES} | (modules or {})
+        self.model_id = ""
+        self.model_path: Path | None = None
+        self.gateway_url = ""  # set once ready
+        self.nats_url = ""  # with the auth token
+        self._log = sys.stdout if log is _STDOUT else log
+        self._colour = _isatty(self._log)
+        self._log_lock = threading.Lock()
+        self._cond = threading.Condition()  # guards the heartbeats; notified on each one and on each exit
+        self._heartbeats: dict[str, Heartbeat] = {}
+        self._last_seen: dict[str, float] = {}
+        self._procs: dict[str, _Instance] = {}
+        self._nats: NatsServer | None = None
+        self._watcher: HeartbeatWatcher | None = None
+        ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
+        self._label_width = max(len(i) for i in ids + ["kvserve"]) + 3  # "[" id "] "
+
+    # --- what the cluster looks like ------------------------------------------
+    @property
+    def instances(self) -> dict[str, Heartbeat]:
+        """The last heartbeat of every instance heard from, by instance id (a snapshot)."""
+        with self._cond:
+            return dict(self._heartbeats)
+
+    @property
+    def last_seen(self) -> dict[str, float]:
+        """``time.monotonic()`` of every instance's last heartbeat (a snapshot)."""
+        with self._cond:
+            return dict(self._last_seen)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        """The process id of every service instance started."""
+        return {i: inst.proc.pid for i, inst in self._procs.items() if inst.proc is not None}
+
+    def logs(self, instance_id: str) -> list[str]:
+        """The last lines (up to 200) an instance wrote to stdout or stderr."""
+        return list(self._instance(instance_id).tail)
+
+    # --- lifecycle ------------------------------------------------------------
+    def start(self, timeout: float = 60.0) -> None:
+        """Start everything and return once every instance has sent a heartbeat and the
+        gateway has reported its address, within ``timeout`` seconds of starting the
+        services (preparing the model and starting nats-server are not counted).
+        Raises ClusterError (having stopped everything) when that does not happen."""
+        if self._nats is not None:
+            raise ClusterError("this cluster is already started")
+        try:
+            self._resolve_model()
+            self._nats = NatsServer().start()
+            self.nats_url = self._nats.url
+            self.echo(f"nats-server listening on {self._nats.public_url}", label="kvserve")
+            self._watcher = HeartbeatWatcher(self.nats_url, self._on_heartbeat)
+            self._watcher.start()
+            if not self._watcher.subscribed.wait(10.0) or self._watcher.error is not None:
+                raise ClusterError(f"cannot watch heartbeats on nats-server: {self._watcher.error or 'timed out'}")
+            deadline = time.monotonic() + timeout
+            for role in ROLES:
+                for i in range(self.counts[role]):
+                    self._spawn(self._plan(role, f"{role}-{i}"))
+            self._wait_ready(deadline, timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
+        """SIGTERM every service (they drain), SIGKILL those still running after
+        ``grace`` seconds, then stop nats-server. Safe to call more than once."""
+        running = [inst for inst in self._procs.values() if inst.exit_code() is None]
+        for inst in running:
+            _signal(inst.proc, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for inst in running:
+            try:
+                inst.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.echo(f"{inst.instance_id} did not stop within {grace:g}s; killing it", label="kvserve")
+                inst.proc.kill()
+                inst.proc.wait()
+        for inst in self._procs.values():
+            self._reap_group(inst)
+            if inst.reader is not None:
+                inst.reader.join(timeout=5)
+        if self._watcher is not None:
+            self._watcher.stop()
+            self._watcher = None
+        if self._nats is not None:
+            self._nats.stop()
+            self._nats = None
+
+    def __enter__(self) -> "LocalCluster":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- for tests and for `kvserve up` --------------------------------------
+    def wait_for(self, predicate: Callable[[dict[str, Heartbeat]], bool], timeout: float) -> None:
+        """Return once ``predicate(heartbeats by instance id)`` holds; it is checked
+        at each heartbeat. Raises TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not predicate(dict(self._heartbeats)):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the cluster did not reach the expected state within {timeout:g}s")
+                self._cond.wait(remaining)
+
+    def wait_for_exit(self, timeout: float | None = None) -> tuple[str, int] | None:
+        """Block until a service process has exited: (instance id, exit code, negative
+        for a signal); None when ``timeout`` passes first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for inst in self._procs.values():
+                    if (code := inst.exit_code()) is not None:
+                        return inst.instance_id, code
+                remaining = 1.0 if deadline is None else deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                # Each exit notifies; the cap only guards against an output pipe a
+                # grandchild still holds open after the service itself is gone.
+                self._cond.wait(min(remaining, 1.0))
+
+    def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to one instance (for fault tests); SIGKILL returns once it is gone."""
+        inst = self._instance(instance_id)
+        _signal(inst.proc, sig)
+        if sig == signal.SIGKILL:
+            inst.proc.wait()
+
+    def restart(self, instance_id: str) -> None:
+        """Start an instance that has exited again, with the same id and environment."""
+        inst = self._instance(instance_id)
+        if inst.exit_code() is None:
+            raise ClusterError(f"{instance_id} is still running")
+        self._reap_group(inst)
+        if inst.reader is not None:
+            inst.reader.join(timeout=5)
+        self._spawn(inst)
+
+    def echo(self, text: str, label: str | None = None) -> None:
+        """Write ``text`` to the cluster's log, whole, between service lines."""
+        if self._log is None:
+            return
+        if label is not None:
+            text = "\n".join(self._prefix(label, label) + line for line in text.splitlines())
+        with self._log_lock:
+            try:
+                self._log.write(text + "\n")
+                self._log.flush()
+            except (OSError, ValueError):  # a closed or broken log must not stop the pipes draining
+                pass
+
+    # --- internals ------------------------------------------------------------
+    def _resolve_model(self) -> None:
+        """Prepare the model once, here, and fix the dtype every worker must share
+        (part of the KV contract), so no two services decide differently."""
+        import torch
+
+        from libs.common.model.checkpoint import open_checkpoint
+        from libs.common.model.loader import DTYPES, resolve_dtype
+
+        path, self.model_id = resolve_model_path(self.model, progress=True)
+        self.model_path = path.absolute()  # not resolve(): a symlink's name is the model id
+        hidden, intermediate = 576, 1536  # resolve_dtype's defaults; only "auto" needs the real ones
+        if self.dtype == "auto":
+            config = open_checkpoint(self.model_path, self.model_id).config
+            hidden, intermediate = config.hidden_size, config.intermediate_size
+        try:
+            chosen = resolve_dtype(self.dtype, torch.device(self.device), hidden, intermediate)
+        except ValueError as e:
+            raise ClusterError(str(e)) from None
+        self.dtype = next(name for name, dt in DTYPES.items() if dt == chosen)
+
+    def _plan(self, role: str, instance_id: str) -> _Instance:
+        env = dict(os.environ)
+        for inherited in ("KVSERVE_MODEL", "KVSERVE_API_KEY"):  # only what this cluster was given
+            env.pop(inherited, None)
+        env.update(
+            PYTHONUNBUFFERED="1",
+            KVSERVE_NATS_URL=self.nats_url,
+            KVSERVE_INSTANCE_ID=instance_id,
+            KVSERVE_HOST_ID=socket.gethostname(),
+            KVSERVE_DTYPE=self.dtype,
+            KVSERVE_DEVICE=self.device,
+        )
+        if self.model is not None and self.model != DEFAULT_MODEL_ID:
+            env["KVSERVE_MODEL"] = str(self.model_path)
+        if self.api_key is not None:
+            env["KVSERVE_API_KEY"] = self.api_key
+        if role == "gateway":
+            env.update(KVSERVE_GATEWAY_HOST=self.gateway_host, KVSERVE_GATEWAY_PORT=str(self.gateway_port))
+        if not self.counts["store"]:
+            env["KVSERVE_USE_STORE"] = "0"  # prefill workers then never ask a store that is not there
+        env.update(self.extra_env)
+        return _Instance(instance_id, role, self.modules[role], env)
+
+    def _spawn(self, inst: _Instance) -> None:
+        inst.proc = subprocess.Popen(
+            [sys.executable, "-m", inst.module],
+            env=inst.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            # Its own process group: a Ctrl-C in the terminal reaches this supervisor
+            # only, which then stops the services in order instead of all at once.
+            start_new_session=True,
+        )
+        with self._cond:
+            self._procs[inst.instance_id] = inst
+        inst.reader = threading.Thread(target=self._pump, args=(inst,), name=f"log-{inst.instance_id}", daemon=True)
+        inst.reader.start()
+
+    def _pump(self, inst: _Instance) -> None:
+        """Copy an instance's output to the log, line by line, keeping its tail."""
+        prefix = self._prefix(inst.instance_id, inst.role)
+        for raw in inst.proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\r\n")
+            inst.tail.append(line)
+            self.echo(prefix + line)
+        inst.proc.stdout.close()
+        inst.proc.wait()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _prefix(self, label: str, role: str) -> str:
+        prefix = f"[{label}]".ljust(self._label_width)
+        if self._colour:
+            return f"\x1b[{_COLOURS.get(role, '0')}m{prefix}\x1b[0m"
+        return prefix
+
+    def _on_heartbeat(self, beat: Heartbeat) -> None:
+        with self._cond:
+            self._heartbeats[beat.instance_id] = beat
+            self._last_seen[beat.instance_id] = time.monotonic()
+            self._cond.notify_all()
+
+    def _wait_ready(self, deadline: float, timeout: float) -> None:
+        with self._cond:
+            while True:
+                dead = next((inst for inst in self._procs.values() if inst.exit_code() is not None), None)
+                if dead is not None:
+                    break
+                gateway = self._heartbeats.get(GATEWAY_ID)
+                if gateway is not None and gateway.address and self._procs.keys() <= self._heartbeats.keys():
+                    self.gateway_url = _base_url(gateway.address)
+                    return
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise ClusterError(self._not_ready(timeout))
+                self._cond.wait(min(remaining, 1.0))  # the cap: see wait_for_exit
+        if dead.reader is not None:
+            dead.reader.join(timeout=5)  # its last lines, which say why
+        raise ClusterError(
+            f"{dead.instance_id} {describe_exit(dead.exit_code())} before the cluster was ready"
+            + self._tail_of(dead)
+        )
+
+    def _not_ready(self, timeout: float) -> str:
+        silent = [inst for i, inst in self._procs.items() if i not in self._heartbeats]
+        if not silent:
+            return f"{GATEWAY_ID} did not report its address within {timeout:g}s" + self._tail_of(
+                self._procs[GATEWAY_ID]
+            )
+        names = ", ".join(inst.instance_id for inst in silent)
+        return f"no heartbeat from {names} within {timeout:g}s" + "".join(self._tail_of(inst) for inst in silent)
+
+    def _tail_of(self, inst: _Instance, lines: int = 40) -> str:
+        tail = list(inst.tail)[-lines:]
+        if not tail:
+            return f"\n--- {inst.instance_id} wrote nothing ---"
+        return f"\n--- last lines of {inst.instance_id} ---\n" + "\n".join(tail)
+
+    def _instance(self, instance_id: str) -> _Instance:
+        try:
+            return self._procs[instance_id]
+        except KeyError:
+            raise ClusterError(f"no instance {instance_id!r}; this cluster runs {', '.join(self._procs)}") from None
+
+    @staticmethod
+    def _reap_group(inst: _Instance) -> None:
+        """Kill whatever the service left behind in its process group."""
+        if inst.proc is None or inst.proc.poll() is None:
+            return
+        try:
+            # The leader is reaped, but Linux keeps its pid from being reused while
+            # its group has members, so this reaches only the leftovers.
+            os.killpg(inst.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _base_url(address: str) -> str:
+    """The gateway's base URL, without a trailing slash or /v1."""
+    url = address.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def _signal(proc: subprocess.Popen | None, sig: int) -> None:
+    if proc is not None and proc.poll() is None:
+        try:
+            proc.send_signal(sig)
+        except ProcessLookupError:
+            pass
+
+
+def _isatty(stream: TextIO | None) -> bool:
+    try:
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,71 @@
+"""Heartbeats as the launcher sees them: a thread with its own event loop that
+hands every Heartbeat on the bus to a callback (LocalCluster keeps the latest)."""
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import nats
+from nats.aio.msg import Msg
+
+from libs.common import schema, subjects
+from libs.common.schema import BadMessageError, Heartbeat
+
+
+class HeartbeatWatcher(threading.Thread):
+    """``start()``, wait for ``subscribed`` (then check ``error``), ``stop()``."""
+
+    def __init__(self, url: str, on_heartbeat: Callable[[Heartbeat], None]) -> None:
+        super().__init__(name="kvserve-heartbeats", daemon=True)
+        self._url = url
+        self._on_heartbeat = on_heartbeat
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._done: asyncio.Event | None = None
+        self.subscribed = threading.Event()
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._done = asyncio.Event()
+        try:
+            nc = await nats.connect(
+                self._url,
+                name="kvserve-cluster",
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=_quiet,  # the services' own logs say when NATS is gone
+                disconnected_cb=_quiet,
+            )
+        except Exception as e:
+            self.error = e
+            self.subscribed.set()
+            return
+        try:
+            await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_message)
+            await nc.flush()  # the server has the subscription before any service starts
+            self.subscribed.set()
+            await self._done.wait()
+        finally:
+            await nc.close()
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            beat = schema.decode(msg.data, Heartbeat)
+        except BadMessageError:
+            return  # a peer speaking another protocol: it never counts as ready
+        self._on_heartbeat(beat)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._done is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._done.set)
+            except RuntimeError:  # the loop has already ended
+                pass
+        self.join(timeout=5)
+
+
+async def _quiet(*args: object) -> None:
+    pass

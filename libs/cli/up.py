@@ -1,0 +1,139 @@
+"""``kvserve up``: a whole local cluster in the foreground, until Ctrl-C.
+
+The command line and the terminal only; starting, watching and stopping the
+processes is LocalCluster's job.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import signal
+
+from libs.cli.cluster import LocalCluster, describe_exit
+from libs.cli.options import add_model_options
+
+DESCRIPTION = """\
+Run a kvserve cluster on this machine, in the foreground: nats-server, a conductor,
+a KV store, prefill and decode workers and the OpenAI-compatible gateway, each its
+own process, their logs interleaved here with a [service-N] prefix. The model is
+prepared first (once, with a progress bar). When every service is ready, the URL
+and a curl command to try are printed. Ctrl-C (or SIGTERM) stops everything
+cleanly; if a service dies, the whole cluster stops with exit code 1."""
+
+EPILOG = """\
+examples:
+  kvserve up                              one worker of each kind on http://127.0.0.1:8000/v1
+  kvserve up --prefill 2 --decode 2       more workers
+  kvserve up --host 0.0.0.0 --api-key s3cret
+  kvserve up --model path/to/hf-folder --dtype float32"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "up",
+        help="run a local cluster (nats, conductor, store, prefill, decode, gateway) until Ctrl-C",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--prefill", type=_positive, default=1, metavar="N", help="prefill workers (default 1)")
+    parser.add_argument("--decode", type=_positive, default=1, metavar="M", help="decode workers (default 1)")
+    parser.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000; 0 picks a free one)")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="gateway listen address (default 127.0.0.1; 0.0.0.0 for every interface)"
+    )
+    parser.add_argument(
+        "--no-store", dest="store", action="store_false",
+        help="run without the KV store: prefix reuse stays within each prefill worker",
+    )  # fmt: skip
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("KVSERVE_API_KEY") or None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every request (default: $KVSERVE_API_KEY, else none)",
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, metavar="SECONDS",
+        help="how long every service has to become ready (default 120; preparing the model is not counted)",
+    )  # fmt: skip
+    add_model_options(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    cluster = LocalCluster(
+        prefill=args.prefill,
+        decode=args.decode,
+        store=args.store,
+        gateway_port=args.port,
+        gateway_host=args.host,
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        api_key=args.api_key,
+    )
+    return serve(cluster, timeout=args.timeout)
+
+
+def serve(cluster: LocalCluster, timeout: float) -> int:
+    """Start ``cluster``, announce it, and hold it up: 0 after Ctrl-C or SIGTERM,
+    1 when a service dies. A cluster that cannot start raises ClusterError."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        cluster.start(timeout=timeout)
+        cluster.echo(banner(cluster))
+        instance_id, code = cluster.wait_for_exit()
+        cluster.echo(f"{instance_id} {describe_exit(code)}; stopping the cluster", label="kvserve")
+        return 1
+    except KeyboardInterrupt:
+        cluster.echo("stopping (Ctrl-C again to kill at once)", label="kvserve")
+        return 0
+    finally:
+        try:
+            cluster.stop()
+        except KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            cluster.stop(grace=0)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def banner(cluster: LocalCluster) -> str:
+    """What to call, printed once the cluster is ready."""
+    url = f"{cluster.gateway_url}/v1"
+    body = {
+        "model": cluster.model_id,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "stream": True,
+    }
+    curl = ["curl", "-N", f"{url}/chat/completions", "-H", "Content-Type: application/json"]
+    if cluster.api_key:
+        curl += ["-H", f"Authorization: Bearer {cluster.api_key}"]
+    curl += ["-d", json.dumps(body)]
+    return (
+        f"\nkvserve is up: {url}\n"
+        f"model: {cluster.model_id} ({cluster.dtype}, {cluster.device})\n"
+        f"try it:\n  {shlex.join(curl)}\n"
+        f"Ctrl-C stops the cluster.\n"
+    )
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the cluster exactly as Ctrl-C does
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+

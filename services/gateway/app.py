@@ -1,0 +1,105 @@
+"""The gateway service: an aiohttp server on top of the NATS service base.
+
+`Gateway` owns the served model and the HTTP listener, reports its URL and load
+in its heartbeat, and runs one request through the cluster (`generate`);
+`init_app` builds the aiohttp application its handlers live in.
+"""
+
+import asyncio
+import ipaddress
+import socket
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import msgspec
+from aiohttp import web
+
+from libs.common.schema import Heartbeat
+from libs.common.service import Service
+from services.gateway import handlers
+from services.gateway.dispatch import RequestRun
+from services.gateway.errors import ModelNotServedError
+from services.gateway.generation import Delta, TextStream, stream_deltas
+from services.gateway.openai_protocol import GenerateRequest, Usage
+from services.gateway.served_model import ServedModel
+from services.gateway.settings import GatewaySettings
+
+SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
+
+
+@dataclass
+class Generation:
+    """One admitted request: where it runs and the text it has produced so far."""
+
+    run: RequestRun
+    text: TextStream
+
+    def deltas(self) -> AsyncIterator[Delta]:
+        return stream_deltas(self.run, self.text)
+
+    def usage(self) -> Usage:
+        return Usage(self.text.num_prompt_tokens, self.text.num_completion_tokens, self.text.num_cached_tokens)
+
+
+class Gateway(Service):
+    settings: GatewaySettings
+
+    def __init__(self, settings: GatewaySettings, model: ServedModel | None = None) -> None:
+        super().__init__(settings)
+        self.model = model  # loaded in `start` when not given
+        self.address: str | None = None  # base URL, e.g. http://127.0.0.1:8000, once listening
+        self.num_in_flight = 0
+
+    async def start(self, stack: AsyncExitStack) -> None:
+        s = self.settings
+        if self.model is None:
+            self.model = await asyncio.to_thread(ServedModel.load, s.model, s.block_size, s.max_model_len)
+        runner = web.AppRunner(init_app(self), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, s.host, s.port).start()
+        port = runner.addresses[0][1]
+        self.address = f"http://{_url_host(s.host)}:{port}"
+        self.log.info("OpenAI-compatible API on %s/v1 (model %s)", self.address, self.model.model_id)
+
+    def heartbeat(self) -> Heartbeat:
+        return msgspec.structs.replace(super().heartbeat(), address=self.address or "", load=self.num_in_flight)
+
+    @asynccontextmanager
+    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Generation]:
+        """Admit ``request`` and start it on the cluster; inside the block, read its
+        text. Leaving the block early (an error, a disconnect) cancels it."""
+        model = self.model
+        if request.model != model.model_id:
+            raise ModelNotServedError(request.model)
+        prepared = await model.prepare(request, request_id)
+        text = TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
+        self.num_in_flight += 1
+        try:
+            async with RequestRun(self, prepared, self.settings.request_timeout) as run:
+                yield Generation(run, text)
+        finally:
+            self.num_in_flight -= 1
+
+
+def init_app(gateway: Gateway) -> web.Application:
+    app = web.Application(middlewares=[handlers.error_middleware, handlers.auth_middleware])
+    app[handlers.GATEWAY] = gateway
+    app.router.add_post("/v1/chat/completions", handlers.chat_completions)
+    app.router.add_post("/v1/completions", handlers.completions)
+    app.router.add_get("/v1/models", handlers.list_models)
+    app.router.add_get("/v1/models/{model}", handlers.get_model)
+    app.router.add_get("/health", handlers.health)
+    return app
+
+
+def _url_host(host: str) -> str:
+    """The host part of the URL clients should use for a listener bound to ``host``."""
+    if host in ("", "0.0.0.0", "::"):
+        return socket.gethostname()  # bound to every interface: advertise this machine's name
+    try:
+        is_v6 = ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return host
+    return f"[{host}]" if is_v6 else host

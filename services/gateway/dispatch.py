@@ -1,0 +1,202 @@
+"""The NATS side of one request: admission by the conductor, submission to the
+chosen prefill worker, and the request's tokens back, in order.
+
+`RequestRun` is an async context manager; whichever way the block is left it
+unsubscribes from the token subject and, unless the workers said the request
+finished, broadcasts a Cancel so no worker keeps running it. Failures are
+raised as the gateway's domain errors; nothing here knows about HTTP.
+"""
+
+import asyncio
+import logging
+
+import nats.errors
+
+from libs.common import schema, subjects
+from libs.common.schema import (
+    Ack,
+    AdmitReply,
+    AdmitRequest,
+    BadMessageError,
+    Cancel,
+    ErrorInfo,
+    PrefillRequest,
+    TokenChunk,
+)
+from libs.common.service import Service
+from services.gateway.errors import (
+    InvalidParameterError,
+    RateLimitedError,
+    RequestTimeoutError,
+    ServiceUnavailableError,
+    UpstreamError,
+)
+from services.gateway.reorder import ChunkReorderer
+from services.gateway.served_model import PreparedRequest
+
+CONTROL_TIMEOUT = 5.0  # seconds the conductor and a prefill worker have to answer
+_MISSING_ROLE_CODES = ("no_prefill", "no_decode", "no_instances")
+
+log = logging.getLogger("kvserve.gateway.dispatch")
+
+
+class RequestRun:
+    def __init__(
+        self,
+        service: Service,
+        prepared: PreparedRequest,
+        token_timeout: float,
+        control_timeout: float = CONTROL_TIMEOUT,
+    ) -> None:
+        self.service = service
+        self.prepared = prepared
+        self.request_id = prepared.request_id
+        self.token_timeout = token_timeout
+        self.control_timeout = control_timeout
+        self.prefill_id: str | None = None
+        self.decode_id: str | None = None
+        self._reorder = ChunkReorderer()
+        self._sub = None
+        self._may_be_running = False  # some service may hold the request: cancel it on the way out
+        self._failure: str | None = None  # why the token stream failed, for the Cancel
+
+    @property
+    def finished(self) -> bool:
+        """The workers said the request is done."""
+        return self._reorder.finished
+
+    async def __aenter__(self) -> "RequestRun":
+        try:
+            await self._admit()
+            # Subscribe before any work is sent, so not even the first token can be missed.
+            self._sub = await self.service.nc.subscribe(subjects.tokens(self.request_id))
+            await self._submit()
+        except BaseException as e:
+            await self.close(_reason(e))
+            raise
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self.close(self._failure or _reason(exc) or "error")
+
+    # --- the way in -------------------------------------------------------------
+    async def _admit(self) -> None:
+        p = self.prepared
+        admit = AdmitRequest(
+            request_id=self.request_id,
+            num_prompt_tokens=p.num_prompt_tokens,
+            max_tokens=p.sampling.max_tokens,
+            block_hashes=list(p.block_hashes),
+        )
+        self._may_be_running = True  # from here on the conductor may have admitted it
+        try:
+            reply = await self.service.request(subjects.CONDUCTOR_ADMIT, admit, AdmitReply, self.control_timeout)
+        except nats.errors.NoRespondersError:
+            self._may_be_running = False
+            raise ServiceUnavailableError("conductor unavailable: no conductor is running", "no_conductor") from None
+        except nats.errors.TimeoutError:
+            raise ServiceUnavailableError(
+                f"conductor unavailable: no answer within {self.control_timeout:g}s", "no_conductor"
+            ) from None
+        except nats.errors.Error as e:
+            raise ServiceUnavailableError(f"conductor unavailable: {e}", "no_conductor") from e
+        except BadMessageError as e:
+            raise UpstreamError(f"the conductor failed to admit the request: {e}") from e
+        if reply.error is not None:
+            self._may_be_running = False
+            raise _admission_error(reply.error)
+        if not reply.prefill_id or not reply.decode_id:
+            raise UpstreamError("the conductor admitted the request without naming a prefill and a decode instance")
+        self.prefill_id, self.decode_id = reply.prefill_id, reply.decode_id
+
+    async def _submit(self) -> None:
+        p = self.prepared
+        request = PrefillRequest(
+            request_id=self.request_id,
+            prompt_token_ids=p.prompt_token_ids,
+            sampling=p.sampling,
+            decode_id=self.decode_id,
+        )
+        subject, where = subjects.prefill_submit(self.prefill_id), f"prefill instance {self.prefill_id}"
+        try:
+            ack = await self.service.request(subject, request, Ack, self.control_timeout)
+        except nats.errors.NoRespondersError:
+            raise ServiceUnavailableError(f"{where} is unavailable", "no_prefill") from None
+        except nats.errors.TimeoutError:
+            message = f"{where} did not answer within {self.control_timeout:g}s"
+            raise ServiceUnavailableError(message, "no_prefill") from None
+        except nats.errors.Error as e:
+            raise ServiceUnavailableError(f"{where} is unreachable: {e}", "no_prefill") from e
+        except BadMessageError as e:
+            raise UpstreamError(f"{where} failed: {e}") from e
+        if ack.error is not None:
+            raise _worker_error(ack.error, where)
+
+    # --- the tokens -------------------------------------------------------------
+    async def next_chunks(self) -> list[TokenChunk]:
+        """Wait for the next message on the token subject; return the chunks now in
+        order (often one, possibly none). Raises when a worker fails or nothing
+        arrives for ``token_timeout`` seconds."""
+        assert self._sub is not None, "next_chunks outside `async with`"
+        try:
+            msg = await self._sub.next_msg(timeout=self.token_timeout)
+        except nats.errors.TimeoutError:
+            self._failure = "timeout"
+            raise RequestTimeoutError(f"no token arrived for {self.token_timeout:g} seconds") from None
+        try:
+            chunk = schema.decode(msg.data, TokenChunk)
+        except BadMessageError as e:
+            log.warning("dropped a message on %s: %s", msg.subject, e)
+            return []
+        if chunk.error is not None:
+            self._failure = f"error: {chunk.error.code}"
+            raise _worker_error(chunk.error, f"instance {chunk.instance_id}" if chunk.instance_id else "a worker")
+        return self._reorder.push(chunk)
+
+    # --- the way out ------------------------------------------------------------
+    async def cancel(self, reason: str) -> None:
+        """Tell every service to drop the request; at most once, never after it finished."""
+        if not self._may_be_running or self.finished:
+            return
+        self._may_be_running = False
+        log.info("cancelling %s: %s", self.request_id, reason)
+        try:
+            await self.service.publish(subjects.CANCEL, Cancel(request_id=self.request_id, reason=reason))
+        except Exception as e:  # NATS gone: the workers' own timeouts are the last line
+            log.warning("cancel of %s not sent: %s", self.request_id, e)
+
+    async def close(self, reason: str) -> None:
+        await self.cancel(reason)
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception as e:
+                log.warning("unsubscribe from %s failed: %s", subjects.tokens(self.request_id), e)
+
+
+def _reason(exc: BaseException | None) -> str | None:
+    """The Cancel reason for leaving a run with ``exc``."""
+    if exc is None:
+        return None
+    if isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
+        return "client disconnected"
+    if isinstance(exc, RequestTimeoutError):
+        return "timeout"
+    return "error"
+
+
+def _admission_error(error: ErrorInfo) -> Exception:
+    if error.code == "rejected":
+        return RateLimitedError(error.message)
+    if error.code in _MISSING_ROLE_CODES:
+        return ServiceUnavailableError(error.message, error.code)
+    return ServiceUnavailableError(f"the conductor cannot admit the request: {error.message}", error.code)
+
+
+def _worker_error(error: ErrorInfo, where: str) -> Exception:
+    if error.code == "no_capacity":
+        return ServiceUnavailableError(f"{where} has no capacity: {error.message}", error.code)
+    if error.code == "invalid_request":
+        return InvalidParameterError(error.message)
+    return UpstreamError(f"{where} failed: {error.message}", error.code)

@@ -1,0 +1,89 @@
+"""The gateway's domain errors, and the one table that turns any error into an
+HTTP status and an OpenAI error body.
+
+The core raises these (or libs.common's InvalidRequestError family); only the
+HTTP layer calls `to_http`.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from libs.common.errors import InvalidRequestError, KVServeError
+
+
+class InvalidParameterError(InvalidRequestError):
+    """A request field that is missing, of the wrong type, or out of range."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotServedError(KVServeError):
+    def __init__(self, model: str) -> None:
+        super().__init__(f"The model `{model}` does not exist or you do not have access to it.")
+
+
+class AuthenticationError(KVServeError):
+    """No API key, or the wrong one."""
+
+
+class ServiceUnavailableError(KVServeError):
+    """A role the request needs is missing or does not answer (no prefill, no decode, no conductor)."""
+
+    def __init__(self, message: str, code: str = "service_unavailable") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RateLimitedError(KVServeError):
+    """The conductor rejected the request: the cluster cannot meet its targets now."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestTimeoutError(KVServeError):
+    """No token arrived for the configured number of seconds."""
+
+
+class UpstreamError(KVServeError):
+    """A worker or the conductor failed while serving the request."""
+
+    def __init__(self, message: str, code: str = "internal_error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class HTTPError:
+    status: int
+    body: dict[str, Any]  # {"error": {...}}
+    headers: dict[str, str]
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def to_http(error: Exception) -> HTTPError:
+    """The status, OpenAI error body and extra headers for ``error``."""
+    message = str(error)
+    if isinstance(error, InvalidRequestError):
+        return HTTPError(400, error_body(message, "invalid_request_error", getattr(error, "param", None)), {})
+    if isinstance(error, ModelNotServedError):
+        return HTTPError(404, error_body(message, "invalid_request_error", None, "model_not_found"), {})
+    if isinstance(error, AuthenticationError):
+        return HTTPError(401, error_body(message, "invalid_request_error", None, "invalid_api_key"), {})
+    if isinstance(error, RateLimitedError):
+        headers = {"Retry-After": str(max(1, math.ceil(error.retry_after)))} if error.retry_after is not None else {}
+        return HTTPError(429, error_body(message, "rate_limit_error", None, "rate_limit_exceeded"), headers)
+    if isinstance(error, ServiceUnavailableError):
+        return HTTPError(503, error_body(message, "server_error", None, error.code), {})
+    if isinstance(error, RequestTimeoutError):
+        return HTTPError(504, error_body(message, "server_error", None, "timeout"), {})
+    if isinstance(error, UpstreamError):
+        return HTTPError(500, error_body(message, "server_error", None, error.code), {})
+    return HTTPError(500, error_body("internal server error", "server_error", None, "internal_error"), {})

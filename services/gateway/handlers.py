@@ -1,0 +1,191 @@
+"""The HTTP layer: route handlers and middlewares.
+
+The only place domain errors become HTTP statuses and OpenAI error bodies
+(through `errors.to_http`); everything a handler does beyond that is the
+Gateway's.
+"""
+
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+from libs.common.errors import KVServeError
+from services.gateway import sse
+from services.gateway.errors import (
+    AuthenticationError,
+    InvalidParameterError,
+    ModelNotServedError,
+    error_body,
+    to_http,
+)
+from services.gateway.openai_protocol import (
+    GenerateRequest,
+    ResponseBodies,
+    model_card,
+    model_list,
+    parse_chat_request,
+    parse_completion_request,
+)
+
+if TYPE_CHECKING:
+    from services.gateway.app import Gateway, Generation
+
+GATEWAY: "web.AppKey[Gateway]" = web.AppKey("gateway")
+
+log = logging.getLogger("kvserve.gateway.http")
+
+
+# --- generation ---------------------------------------------------------------------
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat_request, "chatcmpl")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion_request, "cmpl")
+
+
+async def _generate(
+    request: web.Request, parse: Callable[[Any], GenerateRequest], id_prefix: str
+) -> web.StreamResponse:
+    gateway = request.app[GATEWAY]
+    parsed = parse(await _json_body(request))
+    response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    bodies = ResponseBodies(response_id, gateway.model.model_id, parsed.is_chat, parsed.include_usage)
+    stream: web.StreamResponse | None = None
+    try:
+        async with gateway.generate(parsed, response_id) as generation:
+            headers = {
+                "x-request-id": response_id,
+                "x-kvserve-prefill-instance": generation.run.prefill_id or "",
+                "x-kvserve-decode-instance": generation.run.decode_id or "",
+            }
+            if not parsed.stream:
+                return await _complete(generation, bodies, headers)
+            stream = await sse.open_stream(request, headers)
+            await _write_events(stream, generation, bodies)
+            return stream
+    except ConnectionResetError:
+        if stream is None:
+            raise
+        return stream  # the client left mid-stream; leaving the run cancelled the workers
+
+
+async def _complete(generation: "Generation", bodies: ResponseBodies, headers: dict[str, str]) -> web.Response:
+    pieces, finish_reason = [], None
+    async with aclosing(generation.deltas()) as deltas:
+        async for delta in deltas:
+            pieces.append(delta.text)
+            finish_reason = delta.finish_reason
+    body = bodies.completion("".join(pieces), finish_reason, generation.usage())
+    return _json_response(body, headers=headers)
+
+
+async def _write_events(stream: web.StreamResponse, generation: "Generation", bodies: ResponseBodies) -> None:
+    """Write the request's chunks as they come; a failure after the first byte
+    becomes an error event, since the status line has already gone out."""
+    try:
+        if bodies.is_chat:
+            await stream.write(sse.event(bodies.role_chunk()))
+        async with aclosing(generation.deltas()) as deltas:
+            async for delta in deltas:
+                if delta.text:
+                    await stream.write(sse.event(bodies.text_chunk(delta.text)))
+                if delta.finish_reason is not None:
+                    await stream.write(sse.event(bodies.finish_chunk(delta.finish_reason)))
+        if bodies.include_usage:
+            await stream.write(sse.event(bodies.usage_chunk(generation.usage())))
+    except ConnectionResetError:
+        raise  # the client is gone: nothing more to write
+    except Exception as e:
+        if isinstance(e, KVServeError):
+            log.warning("%s failed mid-stream: %s", bodies.id, e)
+        else:
+            log.exception("%s failed mid-stream", bodies.id)
+        await stream.write(sse.event(to_http(e).body))
+    await stream.write(sse.DONE)
+    await stream.write_eof()
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return msgspec.json.decode(await request.read())
+    except msgspec.DecodeError as e:
+        raise InvalidParameterError(f"We could not parse the JSON body of your request: {e}") from None
+
+
+# --- models and health ------------------------------------------------------------
+async def list_models(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    model = gateway.model
+    return _json_response(model_list(model.model_id, int(gateway.started_at), model.max_model_len))
+
+
+async def get_model(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    model = gateway.model
+    if request.match_info["model"] != model.model_id:
+        raise ModelNotServedError(request.match_info["model"])
+    return _json_response(model_card(model.model_id, int(gateway.started_at), model.max_model_len))
+
+
+async def health(request: web.Request) -> web.Response:
+    gateway = request.app[GATEWAY]
+    body = {
+        "status": "ok",
+        "instance_id": gateway.instance_id,
+        "model": gateway.model.model_id,
+        "in_flight": gateway.num_in_flight,
+        "uptime_s": round(time.time() - gateway.started_at, 3),
+    }
+    return _json_response(body)
+
+
+# --- middlewares ----------------------------------------------------------------------
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """Every error a handler raises leaves as an OpenAI error body."""
+    try:
+        return await handler(request)
+    except KVServeError as e:
+        error = to_http(e)
+        if error.status >= 500:
+            log.warning("%s %s -> %d: %s", request.method, request.path, error.status, e)
+        return _json_response(error.body, status=error.status, headers=error.headers)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = f"Invalid URL ({request.method} {request.path})" if e.status in (404, 405) else e.reason
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return _json_response(error_body(message, kind), status=e.status)
+    except Exception:
+        log.exception("%s %s failed", request.method, request.path)
+        body = error_body("internal server error", "server_error", None, "internal_error")
+        return _json_response(body, status=500)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """With an API key configured, every /v1 route needs ``Authorization: Bearer <key>``."""
+    key = request.app[GATEWAY].settings.api_key
+    if key is not None and request.path.startswith("/v1"):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise AuthenticationError(
+                "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
+                "(i.e. Authorization: Bearer YOUR_KEY)."
+            )
+        if not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise AuthenticationError("Incorrect API key provided.")
+    return await handler(request)
+
+
+def _json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    body_bytes = msgspec.json.encode(body)
+    return web.Response(body=body_bytes, status=status, content_type="application/json", headers=headers)

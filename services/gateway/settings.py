@@ -1,0 +1,31 @@
+"""The gateway's settings: one frozen dataclass, validated when built.
+
+Only `__main__` reads the environment; tests and launchers build this directly.
+"""
+
+from dataclasses import dataclass
+
+from libs.common.settings import ServiceSettings
+
+
+@dataclass(frozen=True)
+class GatewaySettings(ServiceSettings):
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: the OS picks a free port (the heartbeat reports the real one)
+    api_key: str | None = None  # when set, every /v1 request needs "Authorization: Bearer <key>"
+    model: str | None = None  # None: the embedded default model
+    block_size: int = 16
+    max_model_len: int | None = None  # None: the model's context window
+    request_timeout: float = 120.0  # seconds without a token before a request fails
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"the gateway port must be in [0, 65535], got {self.port}")
+        if self.block_size < 1:
+            raise ValueError(f"the block size must be at least 1, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"the maximum model length must be at least 2 tokens, got {self.max_model_len}")
+        if not self.request_timeout > 0:
+            raise ValueError(f"the request timeout must be positive, got {self.request_timeout}")
+        if self.api_key == "":
+            raise ValueError("the API key must not be empty (leave it unset to serve without one)")

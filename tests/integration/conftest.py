@@ -1,0 +1,46 @@
+"""Real clusters for integration tests: a real nats-server and one process per
+service, started through the same LocalCluster that `kvserve up` runs."""
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from libs.cli.cluster import LocalCluster
+
+# float32 so outputs compare exactly with the one-process reference; small pools keep start-up quick
+CLUSTER_ENV = {
+    "KVSERVE_NUM_BLOCKS": "192",
+    "KVSERVE_STORE_CAPACITY_BYTES": str(128 << 20),
+}
+
+
+def start_cluster(prefill: int = 1, decode: int = 1, env: dict | None = None) -> LocalCluster:
+    cluster = LocalCluster(
+        prefill=prefill, decode=decode, gateway_port=0, dtype="float32", env={**CLUSTER_ENV, **(env or {})}, log=None
+    )
+    cluster.start(timeout=120)
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster()
+    yield c
+    c.stop()
+
+
+@pytest.fixture(scope="module")
+def openai_client(cluster):
+    from openai import OpenAI
+
+    return OpenAI(base_url=cluster.gateway_url + "/v1", api_key="unused", max_retries=0)
+
+
+def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> None:
+    """Poll ``condition`` until it holds; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout}s")
+        time.sleep(interval)  # polling with a deadline, not synchronising on a guess

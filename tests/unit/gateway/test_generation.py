@@ -1,0 +1,79 @@
+"""In-order tokens become text: stop strings end it here (and cancel the workers),
+a worker's finish flushes what was held back, usage counts what was generated."""
+
+from libs.common.model.sampling_params import SamplingParams
+from libs.common.schema import TokenChunk
+from services.gateway.generation import Delta, TextStream, stream_deltas
+
+EOS = 257  # the tiny checkpoint's </s>
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())  # the byte tokenizer: id = byte
+
+
+def chunk(index: int, text: str, finish: str | None = None, extra: list[int] = (), cached: int = 0) -> TokenChunk:
+    return TokenChunk(request_id="r", index=index, token_ids=ids(text) + list(extra), finish_reason=finish,
+                      num_cached_tokens=cached)  # fmt: skip
+
+
+def stream(served_model, **sampling) -> TextStream:
+    params = SamplingParams(**{"max_tokens": 100, **sampling})
+    return TextStream(served_model.tokenizer, params, served_model.max_model_len, num_prompt_tokens=10)
+
+
+def test_text_flows_and_the_worker_finish_ends_it(served_model):
+    t = stream(served_model)
+    assert t.feed(chunk(0, "He", cached=8)) == Delta("He")
+    assert t.feed(chunk(2, "llo", finish="length")) == Delta("llo", "length")
+    assert (t.num_completion_tokens, t.num_cached_tokens, t.finish_reason) == (5, 8, "length")
+
+
+def test_eos_is_counted_but_not_shown(served_model):
+    t = stream(served_model)
+    assert t.feed(chunk(0, "Hi", finish="stop", extra=[EOS])) == Delta("Hi", "stop")
+    assert t.num_completion_tokens == 3
+
+
+def test_a_stop_string_ends_the_text_before_the_workers_do(served_model):
+    t = stream(served_model, stop=["wor"])
+    assert t.feed(chunk(0, "Hello w")) == Delta("Hello")  # len("wor") - 1 characters held back
+    assert t.feed(chunk(7, "orld")) == Delta(" ", "stop", stopped_early=True)
+    assert t.text == "Hello " and t.num_completion_tokens == 9  # counted up to the token that completed "wor"
+
+
+def test_a_worker_finish_releases_text_held_back_for_a_stop_string(served_model):
+    t = stream(served_model, stop=["xyz"])
+    assert t.feed(chunk(0, "abcx")) == Delta("ab")
+    assert t.feed(chunk(4, "y", finish="length")) == Delta("cxy", "length")
+
+
+def test_the_max_tokens_limit_is_enforced_here_too(served_model):
+    t = stream(served_model, max_tokens=3)
+    assert t.feed(chunk(0, "abcdef")) == Delta("abc", "length", stopped_early=True)
+
+
+class FakeSource:
+    def __init__(self, batches: list[list[TokenChunk]]) -> None:
+        self.batches = batches
+        self.cancels: list[str] = []
+
+    async def next_chunks(self) -> list[TokenChunk]:
+        return self.batches.pop(0)
+
+    async def cancel(self, reason: str) -> None:
+        self.cancels.append(reason)
+
+
+async def test_stream_deltas_cancels_the_workers_on_a_stop_string(served_model):
+    source = FakeSource([[], [chunk(0, "Hel")], [chunk(3, "lo."), chunk(6, "never read")]])
+    deltas = [d async for d in stream_deltas(source, stream(served_model, stop=["."]))]
+    assert deltas == [Delta("Hel"), Delta("lo", "stop", stopped_early=True)]
+    assert source.cancels == ["stop"]
+
+
+async def test_stream_deltas_sends_no_cancel_when_the_workers_finished(served_model):
+    source = FakeSource([[chunk(0, "ok", finish="stop", extra=[EOS])]])
+    deltas = [d async for d in stream_deltas(source, stream(served_model))]
+    assert deltas == [Delta("ok", "stop")]
+    assert source.cancels == []
