@@ -1,0 +1,148 @@
+"""``kvserve bench``: replay a Mooncake-format trace against any OpenAI-compatible
+endpoint and report latency percentiles, SLO attainment and goodput.
+
+The command line and the files it names only; the replay is ``libs.replay``'s.
+"""
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+from libs.common.errors import KVServeError
+from libs.common.model.default_model import DEFAULT_MODEL_ID
+
+DESCRIPTION = """\
+Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length,
+hash_ids; 512 tokens per hash id) open-loop against an OpenAI-compatible server:
+each request is sent at its timestamp times --time-scale, never waiting for
+earlier ones, as a token-id prompt to /v1/completions (streamed, greedy,
+ignore_eos, max_tokens = its output length). Equal hash ids become equal blocks
+of --block-tokens token ids, so the trace's prefix sharing is reproduced
+exactly; the input length is scaled by block-tokens/512, and the last partial
+block is the request's own.
+
+Per request it measures, from the client: TTFT, every inter-token latency, TPOT,
+end-to-end latency, cached tokens (usage.prompt_tokens_details.cached_tokens),
+and whether it was rejected (HTTP 429, not an error) or failed. It reports
+p50/p90/p99, SLO attainment (good requests / requests sent) and goodput (good
+requests / second), with vLLM's `bench serve --goodput` definitions: a request
+is good when it completed with TTFT <= --slo-ttft-ms and TPOT <= --slo-tbt-ms.
+
+Several --time-scale values make a load sweep: one run each, in order, with
+prompts seeded seed, seed+1, ... so no run hits the previous run's cache.
+--out gets a JSON file per run (every request), summary.md, ttft_cdf.png and,
+for a sweep, goodput_vs_load.png."""
+
+EPILOG = """\
+examples:
+  kvserve bench --trace ../shared/traces/conversation_trace.jsonl \\
+      --base-url http://127.0.0.1:8000 --max-requests 200 --max-output 32
+  kvserve bench --trace T.jsonl --base-url http://127.0.0.1:8080 --time-scale 1 0.5 0.25 --out bench/out/sweep"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="replay a Mooncake trace against an OpenAI-compatible server: latencies, SLO attainment, goodput",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--trace", required=True, type=Path, metavar="FILE", help="Mooncake-format JSONL trace")
+    p.add_argument("--base-url", required=True, metavar="URL", help="server root, e.g. http://127.0.0.1:8000 (/v1 optional)")
+    p.add_argument("--model", default=DEFAULT_MODEL_ID, metavar="M", help=f"model name sent (default {DEFAULT_MODEL_ID})")
+    p.add_argument(
+        "--api-key", default=os.environ.get("KVSERVE_API_KEY") or None, metavar="K",
+        help="sent as 'Authorization: Bearer K' (default: $KVSERVE_API_KEY, else none)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tokenizer", default=None, metavar="PATH",
+        help=f"HF folder or tokenizer.json whose ordinary (non-special) token ids prompts are made of "
+        f"(default: {DEFAULT_MODEL_ID}, prepared on first use)",
+    )  # fmt: skip
+    p.add_argument("--block-tokens", type=_positive, default=16, metavar="T", help="tokens per hash id (default 16)")
+    p.add_argument(
+        "--time-scale", type=_non_negative, nargs="+", default=[1.0], metavar="X",
+        help="arrival time = trace timestamp x X (default 1; 0.5 is twice the rate); several make a sweep",
+    )  # fmt: skip
+    p.add_argument("--start", type=_non_negative_int, default=0, metavar="I", help="first trace request (default 0)")
+    p.add_argument("--max-requests", type=_positive, default=None, metavar="N", help="replay N requests (default all)")
+    p.add_argument(
+        "--max-input", type=_positive, default=None, metavar="T",
+        help="cap prompts at T tokens by truncating (keeps the leading hash-id blocks, so sharing is preserved)",
+    )  # fmt: skip
+    p.add_argument("--max-output", type=_positive, default=None, metavar="T", help="cap max_tokens at T")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, metavar="MS", help="TTFT objective (default 2000)")
+    p.add_argument(
+        "--slo-tbt-ms", type=float, default=150.0, metavar="MS",
+        help="time-between-tokens objective, checked on each request's TPOT as vLLM's goodput does (default 150)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt synthesis seed (default 0)")
+    p.add_argument("--label", default=None, help="name of the runs in the reports (default: the base URL)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per-request limit (default 600)")
+    p.add_argument("--out", type=Path, default=None, metavar="DIR", help="where results go (default bench/out/<time>)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from libs.replay.client import Endpoint
+    from libs.replay.metrics import SLO
+    from libs.replay.report import runs_table
+    from libs.replay.sweep import SweepSettings, run_sweep, write_outputs
+    from libs.replay.trace import load_trace
+
+    requests = load_trace(args.trace, args.max_requests, args.start)
+    settings = SweepSettings(
+        vocab=load_vocab(args.tokenizer),
+        time_scales=args.time_scale,
+        block_tokens=args.block_tokens,
+        seed=args.seed,
+        max_input=args.max_input,
+        max_output=args.max_output,
+        slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),
+    )
+    endpoint = Endpoint(args.base_url, args.model, args.api_key, args.timeout)
+    out = args.out or Path("bench/out") / time.strftime("bench-%Y%m%d-%H%M%S")
+    label = args.label or args.base_url
+    results = run_sweep(
+        endpoint, requests, settings, label=label, out_dir=out, trace_name=str(args.trace), progress=args.progress
+    )
+    written = write_outputs(results, out, title=f"kvserve bench: {label}")
+    print(runs_table([summary for _, summary in results]))
+    print("wrote " + ", ".join(str(p) for p in written) + f" and one JSON file per run in {out}")
+    return 0 if all(s.completed for _, s in results) else 1
+
+
+def load_vocab(spec: str | None) -> list[int]:
+    """The ordinary token ids of a tokenizer: a tokenizer.json, a HF folder, or the default model."""
+    from libs.common.model.default_model import resolve_model_path
+    from libs.replay.prompts import ordinary_vocab
+
+    path = Path(spec) if spec is not None else resolve_model_path(None)[0]
+    tok_file = path if path.is_file() else path / "tokenizer.json"
+    if tok_file.suffix != ".json" or not tok_file.exists():
+        raise KVServeError(f"no tokenizer.json at {spec}: give a Hugging Face folder or its tokenizer.json")
+    return ordinary_vocab(tok_file.read_text())
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value

@@ -1,0 +1,84 @@
+"""One trace window replayed at several time scales against one endpoint, and
+the files a replay leaves: a JSON file per run (every request, plus its
+summary), ``summary.md``, ``ttft_cdf.png`` and, for several runs,
+``goodput_vs_load.png``.
+
+Run ``i`` of a sweep synthesizes its prompts with seed ``seed + i``: the same
+lengths and the same sharing, but different tokens, so a run never finds the
+previous run's prompts in the server's cache and the runs can share one server.
+"""
+
+import asyncio
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from libs.replay import plots, report
+from libs.replay.client import Endpoint, plan, replay
+from libs.replay.metrics import SLO, Summary, summarize
+from libs.replay.prompts import PromptSynthesizer
+from libs.replay.records import Run
+from libs.replay.trace import TraceRequest
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    vocab: Sequence[int]
+    time_scales: Sequence[float]
+    block_tokens: int = 16
+    seed: int = 0
+    max_input: int | None = None
+    max_output: int | None = None
+    slo: SLO = SLO()
+
+
+def run_sweep(
+    endpoint: Endpoint,
+    requests: Sequence[TraceRequest],
+    settings: SweepSettings,
+    *,
+    label: str,
+    out_dir: Path | None = None,
+    trace_name: str = "",
+    progress: bool = True,
+) -> list[tuple[Run, Summary]]:
+    results = []
+    for i, scale in enumerate(settings.time_scales):
+        seed = settings.seed + i
+        synth = PromptSynthesizer(settings.vocab, settings.block_tokens, seed, settings.max_input, settings.max_output)
+        planned = plan(requests, synth, scale)
+        meta = {
+            "trace": trace_name,
+            "first_request": min(r.index for r in requests),
+            "num_requests": len(requests),
+            "block_tokens": settings.block_tokens,
+            "seed": seed,
+            "max_input": settings.max_input,
+            "max_output": settings.max_output,
+            "model": endpoint.model,
+        }
+        run = asyncio.run(replay(endpoint, planned, label=label, time_scale=scale, settings=meta, progress=progress))
+        summary = summarize(run, settings.slo, settings.block_tokens)
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            run.save(out_dir / f"{_slug(label)}-x{scale:g}.json", summary.to_json())
+        results.append((run, summary))
+    return results
+
+
+def write_outputs(results: Sequence[tuple[Run, Summary]], out_dir: Path, title: str = "Trace replay") -> list[Path]:
+    """summary.md and the plots for ``results`` (runs of any labels), in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    runs = [run for run, _ in results]
+    summaries = [summary for _, summary in results]
+    written = [out_dir / "summary.md"]
+    written[0].write_text(report.markdown(summaries, title))
+    written.append(plots.ttft_cdf(runs, out_dir / "ttft_cdf.png", summaries[0].slo.ttft_ms))
+    if len(results) > 1:
+        written.append(plots.goodput_vs_load(summaries, out_dir / "goodput_vs_load.png"))
+    return written
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "run"

@@ -1,0 +1,60 @@
+"""`kvserve bench` end to end against the fake server: a two-load sweep of a
+tiny trace leaves every request in JSON, a summary and the plots."""
+
+import json
+
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+
+from libs.cli.main import main
+from tests.unit.replay.fake_openai import FakeServer, Script, serving_in_thread
+
+TRACE = [
+    {"timestamp": 0, "input_length": 1100, "output_length": 3, "hash_ids": [0, 1, 2]},
+    {"timestamp": 100, "input_length": 1024, "output_length": 50, "hash_ids": [0, 1]},
+    {"timestamp": 200, "input_length": 300, "output_length": 2, "hash_ids": [7]},
+]
+
+
+def tiny_tokenizer(path) -> None:
+    vocab = {"<s>": 0, "</s>": 1} | {f"w{i}": i for i in range(2, 40)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="w2"))
+    tok.add_special_tokens(["<s>", "</s>"])
+    tok.save(str(path))
+
+
+def test_bench_sweep_writes_every_request_a_summary_and_plots(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in TRACE) + "\n")
+    tiny_tokenizer(tmp_path / "tokenizer.json")
+    server = FakeServer({}, default=Script(ttft_s=0.01, itl_s=(0.01,), cached_tokens=8))
+    out = tmp_path / "out"
+    with serving_in_thread(server) as url:
+        code = main([
+            "bench", "--trace", str(trace), "--base-url", url, "--tokenizer", str(tmp_path / "tokenizer.json"),
+            "--block-tokens", "8", "--max-output", "4", "--time-scale", "1", "0.5", "--seed", "10",
+            "--label", "fake", "--out", str(out), "--no-progress",
+        ])  # fmt: skip
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "fake-x0.5.json", "fake-x1.json", "goodput_vs_load.png", "summary.md", "ttft_cdf.png",
+    ]  # fmt: skip
+    run = json.loads((out / "fake-x1.json").read_text())
+    assert [r["index"] for r in run["requests"]] == [0, 1, 2]
+    assert [r["input_tokens"] for r in run["requests"]] == [17, 16, 5]  # 1100 * 8 / 512 rounded, ...
+    assert [r["max_tokens"] for r in run["requests"]] == [3, 4, 2]
+    assert [r["cached_blocks_expected"] for r in run["requests"]] == [0, 2, 0]
+    assert all(r["status"] == "ok" and r["cached_tokens"] == 8 for r in run["requests"])
+    assert run["settings"]["seed"] == 10 and json.loads((out / "fake-x0.5.json").read_text())["settings"]["seed"] == 11
+    assert run["summary"]["requests"] == 3 and run["summary"]["good"] == 3
+    # both runs sent the same structure with different tokens; special tokens never
+    prompts = [b["prompt"] for b in server.bodies]
+    assert len(prompts) == 6 and all(0 not in p and 1 not in p for p in prompts)
+    first, second = prompts[:3], prompts[3:]  # the runs go one after the other
+    for sent in (first, second):
+        by_length = {len(p): p for p in sent}
+        assert by_length[17][:16] == by_length[16]  # hash ids 0, 1 shared
+    assert {len(p): p for p in first}[16] != {len(p): p for p in second}[16]  # seed 10 vs 11
+    summary = (out / "summary.md").read_text()
+    assert "| fake | 1 |" in summary and "| fake | 0.5 |" in summary
+    assert "Goodput at 90% SLO attainment" in summary
