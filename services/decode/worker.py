@@ -40,6 +40,7 @@ class DecodeSettings:
     model: ModelSettings
     max_batch_size: int = 64
     lease_seconds: float = 30.0
+    enable_prefix_cache: bool = False  # decode only recomputes preempted sequences; off by default
     reserve_wait_seconds: float = 10.0
 
     def __post_init__(self) -> None:
@@ -51,7 +52,7 @@ class DecodeWorker(Service):
     def __init__(self, settings: DecodeSettings) -> None:
         super().__init__(settings.service)
         self.config = settings
-        self.host = EngineHost.create(settings.model, self.instance_id, enable_prefix_cache=False)
+        self.host = EngineHost.create(settings.model, self.instance_id, enable_prefix_cache=settings.enable_prefix_cache)
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
         self.leases = LeaseTable(settings.lease_seconds)

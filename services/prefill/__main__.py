@@ -14,6 +14,7 @@ def main() -> None:
         max_chunk_tokens=env_int("MAX_CHUNK_TOKENS", 512),
         max_batch_tokens=env_int("MAX_BATCH_TOKENS", 2048),
         use_store=env_bool("USE_STORE", True),
+        enable_prefix_cache=env_bool("ENABLE_PREFIX_CACHE", True),
     )
     run_service(PrefillWorker(settings))
 

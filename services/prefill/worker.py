@@ -35,6 +35,7 @@ class PrefillSettings:
     max_chunk_tokens: int = 512
     max_batch_tokens: int = 2048
     use_store: bool = True
+    enable_prefix_cache: bool = True  # off: every prompt is computed in full (a baseline)
 
     def __post_init__(self) -> None:
         if self.max_chunk_tokens < 1 or self.max_batch_tokens < 1:
@@ -52,7 +53,10 @@ class PrefillWorker(Service):
     def __init__(self, settings: PrefillSettings) -> None:
         super().__init__(settings.service)
         self.config = settings
-        self.host = EngineHost.create(settings.model, self.instance_id, max_chunk_tokens=settings.max_chunk_tokens)
+        self.host = EngineHost.create(
+            settings.model, self.instance_id, max_chunk_tokens=settings.max_chunk_tokens,
+            enable_prefix_cache=settings.enable_prefix_cache,
+        )  # fmt: skip
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
