@@ -19,9 +19,9 @@ from libs.common.contract import make_contract
 from libs.common.model.engine import Engine, EngineConfig
 from libs.common.model.loader import LoadedModel, build_engine, load_model
 from libs.common.schema import KVContract
-from libs.common.settings import ModelSettings
+from libs.common.settings import ModelSettings, TransferSettings
 from libs.common.transfer import SharedSegment, TransferEngine
-from libs.common.transfer.segment import new_segment_name
+from libs.common.transfer.segment import new_segment_name, remove_stale_segments
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -38,10 +38,20 @@ class EngineHost:
 
     @classmethod
     def create(
-        cls, settings: ModelSettings, owner: str, max_chunk_tokens: int = 512, enable_prefix_cache: bool = True
+        cls,
+        settings: ModelSettings,
+        owner: str,
+        host_id: str,
+        transfer: TransferSettings,
+        max_chunk_tokens: int = 512,
+        enable_prefix_cache: bool = True,
     ) -> "EngineHost":
-        """Load the model and place a KV pool of ``settings.num_blocks`` blocks in a new shm segment."""
+        """Load the model, place a KV pool of ``settings.num_blocks`` blocks in a new
+        shm segment, and open the transfer engine (with its TCP listener) on it."""
         torch.set_grad_enabled(False)
+        removed = remove_stale_segments()
+        if removed:
+            log.info("removed %d shared-memory segments left by dead processes", len(removed))
         if torch.device(settings.device).type != "cpu":
             raise SystemExit("cluster workers keep their KV pool in shared memory and run on the CPU for now")
         loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, progress=False)
@@ -55,7 +65,13 @@ class EngineHost:
         layout = loaded.kv_layout(settings.block_size)
         segment = SharedSegment.create(new_segment_name(owner, "kv"), settings.num_blocks * layout.block_nbytes)
         engine = build_engine(loaded, config, pool_buffer=segment.tensor)
-        transfers = TransferEngine()
+        transfers = TransferEngine(
+            host_id,
+            listen=f"{transfer.listen_host}:0",
+            transport=transfer.transport,
+            connections=transfer.connections,
+            timeout=transfer.timeout,
+        )
         transfers.register(segment)
         log.info(
             "%s loaded: %s, %s KV blocks of %d tokens (%.1f MB) in %s",
@@ -70,6 +86,10 @@ class EngineHost:
 
     def block_offset(self, block_id: int) -> int:
         return self.engine.pool.block_range(block_id)[0]
+
+    def block_ranges(self, block_ids: list[int]) -> list[tuple[int, int]]:
+        """(offset, length) of each block in the pool's segment."""
+        return [self.engine.pool.block_range(b) for b in block_ids]
 
     @property
     def block_nbytes(self) -> int:

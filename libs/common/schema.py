@@ -6,7 +6,7 @@ speaks another version instead of failing on a missing field. Bulk KV bytes are
 never in these messages: they move through the transfer engine.
 """
 
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -50,6 +50,40 @@ class KVContract(msgspec.Struct, frozen=True, kw_only=True):
         return "KV contract mismatch: " + "; ".join(diffs) if diffs else None
 
 
+class WriteTicket(msgspec.Struct, frozen=True, kw_only=True):
+    """A receiver's grant to write into some of its memory, for one transfer.
+
+    Same host: the sender maps ``segment`` (shared memory) and copies. Other host:
+    it connects to ``address`` and presents ``token``, which the receiver issued
+    for this transfer alone and accepts for no other ranges and no longer than
+    the lease. A new ticket is needed for every transfer.
+    """
+
+    token: str
+    host_id: str
+    segment: str
+    address: str | None = None  # "host:port" of the receiver's TCP listener
+
+
+class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's cost model in seconds, fitted at start-up on its own hardware
+    (`libs/common/cost_model.py` holds the formulas and the calibration).
+
+    prefill(n new tokens after c cached) = base + per_token·n + per_token_context·n·(c + n/2)
+    decode step(batch b, total context t) = base + per_seq·b + per_context_token·t
+    """
+
+    block_size: int
+    prefill_base: float
+    prefill_per_token: float
+    prefill_per_token_context: float  # per new token per token it attends to
+    decode_base: float
+    decode_per_seq: float
+    decode_per_context_token: float
+    transfer_per_block: float  # one KV block copied between shared-memory segments
+    load_per_block: dict[str, float] = msgspec.field(default_factory=dict)  # a store's tiers: dram, disk
+
+
 # --- membership ------------------------------------------------------------------
 class Heartbeat(Message):
     instance_id: str
@@ -62,6 +96,20 @@ class Heartbeat(Message):
     segment: str | None = None  # shared-memory segment of its KV pool
     contract: KVContract | None = None
     started_at: float = 0.0
+    cost: CostCoefficients | None = None  # workers (and stores): their measured cost model
+    queued_tokens: int = 0  # prefill: prompt tokens still to compute
+    batch_size: int = 0  # decode: sequences running or waiting
+    context_tokens: int = 0  # decode: tokens of KV those sequences hold
+    kv_epoch: int = 0  # KV event publishers: their epoch (0: publishes no KV events)
+    kv_seq: int = 0  # ... and the last KV event sequence number published
+
+
+class MetricsRequest(Message):
+    pass
+
+
+class MetricsReply(Message):
+    text: str  # Prometheus text exposition format
 
 
 # --- conductor -----------------------------------------------------------------
@@ -70,11 +118,68 @@ class AdmitRequest(Message):
     num_prompt_tokens: int
     max_tokens: int
     block_hashes: list[bytes] = msgspec.field(default_factory=list)
+    slo_ttft_s: float | None = None  # None: the conductor's default
+    slo_tbt_s: float | None = None
 
 
 class AdmitReply(Message):
     prefill_id: str | None = None
     decode_id: str | None = None
+    prefill_on_decode: bool = False  # conditional disaggregation: the decode worker prefills it itself
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+    cached_tokens: dict[str, int] = msgspec.field(default_factory=dict)  # predicted reuse, by tier
+    retry_after_s: float | None = None  # rejected: when the conductor predicts it could be admitted
+    error: ErrorInfo | None = None  # code "rejected": the SLO cannot be met now
+
+
+class RequestProgress(Message):
+    """Gateway -> conductor: how an admitted request went, to settle the
+    conductor's predictions (queues, decode load) and measure their error."""
+
+    request_id: str
+    kind: Literal["first_token", "finished"]
+    ttft_s: float | None = None  # first_token: measured from admission
+    num_output_tokens: int = 0
+
+
+# --- KV events (publishers: prefill workers' caches, stores) -----------------------
+class KVEvent(msgspec.Struct, frozen=True, kw_only=True):
+    """One change to what a publisher holds, numbered ``seq`` (1, 2, ... per epoch).
+
+    stored: now held in ``tier``. evicted / removed: no longer held in ``tier``
+    (for capacity / on purpose or corruption). promoted / demoted: moved into
+    ``tier`` from ``source_tier`` and no longer held there (a copy that keeps
+    its source is ``stored``). Tiers, fastest first: device, dram, disk.
+    """
+
+    seq: int
+    kind: Literal["stored", "promoted", "demoted", "evicted", "removed"]
+    tier: Literal["device", "dram", "disk"]
+    block_hashes: list[bytes]
+    source_tier: Literal["device", "dram", "disk"] | None = None
+
+
+class KVEventBatch(Message):
+    """Consecutive KV events of one publisher. ``epoch`` is random per process
+    start: a new epoch means the publisher restarted and its numbering with it."""
+
+    instance_id: str
+    epoch: int
+    events: list[KVEvent]
+
+
+class KVSnapshotRequest(Message):
+    instance_id: str
+
+
+class KVSnapshotReply(Message):
+    """Everything the publisher holds, as of event ``seq`` of ``epoch`` included."""
+
+    instance_id: str
+    epoch: int
+    seq: int
+    tiers: dict[str, list[bytes]] = msgspec.field(default_factory=dict)
     error: ErrorInfo | None = None
 
 
@@ -83,7 +188,7 @@ class PrefillRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    decode_id: str
+    decode_id: str  # on a decode worker's own prefill subject: itself
 
 
 class Ack(Message):
@@ -99,7 +204,7 @@ class ReserveRequest(Message):
 
 class ReserveReply(Message):
     block_ids: list[int] = msgspec.field(default_factory=list)
-    segment: str = ""
+    ticket: WriteTicket | None = None  # where and how to write the KV into those blocks
     lease_seconds: float = 0.0
     error: ErrorInfo | None = None
 

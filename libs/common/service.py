@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from libs.common import schema, subjects
+from libs.common.metrics import REGISTRY
 from libs.common.schema import BadMessageError, ErrorInfo, Heartbeat, Message
 from libs.common.settings import ServiceSettings
 
@@ -47,6 +48,7 @@ class Service:
         async with AsyncExitStack() as stack:
             self.nc = await self._connect()
             stack.push_async_callback(self._drain)
+            await self.subscribe(subjects.metrics(self.instance_id), schema.MetricsRequest, self._on_metrics)
             await self.start(stack)
             stack.push_async_callback(self.stop)
             beat = asyncio.create_task(self._heartbeat_loop())
@@ -60,6 +62,9 @@ class Service:
 
     async def stop(self) -> None:
         """Stop taking work (called before NATS drains)."""
+
+    async def _on_metrics(self, request: schema.MetricsRequest, msg: Msg) -> schema.MetricsReply:
+        return schema.MetricsReply(text=REGISTRY.render())
 
     def heartbeat(self) -> Heartbeat:
         s = self.settings

@@ -87,3 +87,28 @@ class ModelSettings:
         if settings.block_size < 1 or settings.num_blocks < 1:
             raise SystemExit("KVSERVE_BLOCK_SIZE and KVSERVE_NUM_BLOCKS must be positive")
         return settings
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """How a process moves KV bytes: which transport, where it listens, how long it waits."""
+
+    listen_host: str = "127.0.0.1"  # the TCP listener's address (port chosen by the OS)
+    transport: str = "auto"  # auto: shared memory with peers on this host, TCP otherwise
+    timeout: float = 30.0
+    connections: int = 4
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "shm", "tcp"):
+            raise SystemExit(f"KVSERVE_TRANSPORT must be auto, shm or tcp, got {self.transport!r}")
+        if self.timeout <= 0 or self.connections < 1:
+            raise SystemExit("KVSERVE_TRANSFER_TIMEOUT and KVSERVE_TRANSFER_CONNECTIONS must be positive")
+
+    @classmethod
+    def from_env(cls) -> "TransferSettings":
+        return cls(
+            listen_host=env_str("TRANSFER_HOST", "127.0.0.1"),
+            transport=env_str("TRANSPORT", "auto"),
+            timeout=env_float("TRANSFER_TIMEOUT", 30.0),
+            connections=env_int("TRANSFER_CONNECTIONS", 4),
+        )

@@ -28,6 +28,21 @@ HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
 # --- conductor ----------------------------------------------------------------
 CONDUCTOR_ADMIT = f"{PREFIX}.conductor.admit"  # request/reply, queue group "conductor"
 CONDUCTOR_QUEUE = "conductor"
+CONDUCTOR_PROGRESS = f"{PREFIX}.conductor.progress"  # gateway -> every conductor: RequestProgress
+
+
+# --- KV events ------------------------------------------------------------------
+def kv_events(instance_id: str) -> str:
+    """A publisher's KV events (KVEventBatch), in sequence order."""
+    return f"{PREFIX}.kv.events.{_token(instance_id)}"
+
+
+KV_EVENTS_ALL = f"{PREFIX}.kv.events.*"
+
+
+def kv_snapshot(instance_id: str) -> str:
+    """Request/reply: everything a KV event publisher holds (KVSnapshotReply)."""
+    return f"{PREFIX}.kv.snapshot.{_token(instance_id)}"
 
 
 # --- prefill workers ----------------------------------------------------------
@@ -47,6 +62,11 @@ def decode_admit(instance_id: str) -> str:
     return f"{PREFIX}.decode.{_token(instance_id)}.admit"
 
 
+def decode_prefill(instance_id: str) -> str:
+    """Gateway -> decode worker: prefill this request here (conditional disaggregation; request/reply ack)."""
+    return f"{PREFIX}.decode.{_token(instance_id)}.prefill"
+
+
 def decode_release(instance_id: str) -> str:
     """Prefill -> decode: give a lease back unused (publish)."""
     return f"{PREFIX}.decode.{_token(instance_id)}.release"
@@ -59,6 +79,11 @@ def store_op(op: str) -> str:
 
 
 STORE_QUEUE = "store"
+
+def metrics(instance_id: str) -> str:
+    """Request/reply: the instance's metrics in the Prometheus text format."""
+    return f"{PREFIX}.metrics.{_token(instance_id)}"
+
 
 # --- per request ----------------------------------------------------------------
 CANCEL = f"{PREFIX}.cancel"  # broadcast: every worker drops the request

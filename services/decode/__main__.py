@@ -1,7 +1,7 @@
 """python -m services.decode — settings from KVSERVE_* variables."""
 
 from libs.common.service import configure_logging, run_service
-from libs.common.settings import ModelSettings, ServiceSettings, env_bool, env_float, env_int, env_str
+from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings, env_bool, env_float, env_int, env_str
 from services.decode.worker import DecodeSettings, DecodeWorker
 
 
@@ -11,6 +11,7 @@ def main() -> None:
     settings = DecodeSettings(
         service=service,
         model=ModelSettings.from_env(),
+        transfer=TransferSettings.from_env(),
         max_batch_size=env_int("MAX_BATCH_SIZE", 64),
         lease_seconds=env_float("LEASE_SECONDS", 30.0),
         enable_prefix_cache=env_bool("ENABLE_PREFIX_CACHE", False),

@@ -16,6 +16,7 @@ class Lease:
     request_id: str
     block_ids: list[int]
     expires_at: float
+    ticket_token: str | None = None  # the transfer ticket that may write into the blocks
 
 
 class LeaseTable:
@@ -30,8 +31,8 @@ class LeaseTable:
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._leases
 
-    def grant(self, request_id: str, block_ids: list[int]) -> Lease:
-        lease = Lease(request_id, block_ids, self.clock() + self.lease_seconds)
+    def grant(self, request_id: str, block_ids: list[int], ticket_token: str | None = None) -> Lease:
+        lease = Lease(request_id, block_ids, self.clock() + self.lease_seconds, ticket_token)
         self._leases[request_id] = lease
         return lease
 

@@ -30,7 +30,7 @@ from libs.common.schema import (
     TokenChunk,
 )
 from libs.common.service import Service
-from libs.common.settings import ModelSettings, ServiceSettings
+from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings
 from services.decode.leases import LeaseTable
 
 
@@ -38,6 +38,7 @@ from services.decode.leases import LeaseTable
 class DecodeSettings:
     service: ServiceSettings
     model: ModelSettings
+    transfer: TransferSettings = TransferSettings()
     max_batch_size: int = 64
     lease_seconds: float = 30.0
     enable_prefix_cache: bool = False  # decode only recomputes preempted sequences; off by default
@@ -52,7 +53,9 @@ class DecodeWorker(Service):
     def __init__(self, settings: DecodeSettings) -> None:
         super().__init__(settings.service)
         self.config = settings
-        self.host = EngineHost.create(settings.model, self.instance_id, enable_prefix_cache=settings.enable_prefix_cache)
+        self.host = EngineHost.create(
+            settings.model, self.instance_id, settings.service.host_id, settings.transfer, enable_prefix_cache=settings.enable_prefix_cache
+        )
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
         self.leases = LeaseTable(settings.lease_seconds)
@@ -96,16 +99,19 @@ class DecodeWorker(Service):
         if request.request_id in self.cancelled:
             await self._free(block_ids)
             return ReserveReply(error=ErrorInfo(code="cancelled", message="the request was cancelled"))
-        lease = self.leases.grant(request.request_id, block_ids)
-        return ReserveReply(block_ids=lease.block_ids, segment=self.host.segment.name,
-                            lease_seconds=self.leases.lease_seconds)  # fmt: skip
+        ticket = self.host.transfers.expect(self.host.segment.name, self.host.block_ranges(block_ids),
+                                            ttl=self.leases.lease_seconds)  # fmt: skip
+        lease = self.leases.grant(request.request_id, block_ids, ticket.token)
+        return ReserveReply(block_ids=lease.block_ids, ticket=ticket, lease_seconds=self.leases.lease_seconds)
 
     async def on_handoff(self, request: HandoffRequest, msg: Msg) -> Ack:
         lease = self.leases.take(request.request_id)
         if lease is None or lease.block_ids != request.block_ids:
             if lease is not None:
-                await self._free(lease.block_ids)
+                await self._end_lease(lease)
             return Ack(error=ErrorInfo(code="no_lease", message=f"no live lease for {request.request_id}"))
+        if lease.ticket_token is not None:
+            self.host.transfers.close_ticket(lease.ticket_token)  # the KV is in: no more writes
         if request.request_id in self.cancelled:
             await self._free(lease.block_ids)
             return Ack()
@@ -125,13 +131,13 @@ class DecodeWorker(Service):
     async def on_release(self, request: ReleaseRequest, msg: Msg) -> None:
         lease = self.leases.take(request.request_id)
         if lease is not None:
-            await self._free(lease.block_ids)
+            await self._end_lease(lease)
 
     async def on_cancel(self, request: Cancel, msg: Msg) -> None:
         self.cancelled.add(request.request_id)
         lease = self.leases.take(request.request_id)
         if lease is not None:
-            await self._free(lease.block_ids)
+            await self._end_lease(lease)
         self._work.set()  # the loop drops a cancelled running sequence before its next step
 
     async def _expire_leases(self) -> None:
@@ -139,7 +145,13 @@ class DecodeWorker(Service):
             await asyncio.sleep(1.0)
             for lease in self.leases.expired():
                 self.log.warning("lease for %s expired; freeing %d blocks", lease.request_id, len(lease.block_ids))
-                await self._free(lease.block_ids)
+                await self._end_lease(lease)
+
+    async def _end_lease(self, lease) -> None:
+        """A lease that will not be handed over: refuse further writes, free its blocks."""
+        if lease.ticket_token is not None:
+            self.host.transfers.close_ticket(lease.ticket_token)
+        await self._free(lease.block_ids)
 
     async def _free(self, block_ids: list[int]) -> None:
         await self.host.run(self.engine.cache.block_pool.free, block_ids)

@@ -1,7 +1,7 @@
 """python -m services.prefill — settings from KVSERVE_* variables."""
 
 from libs.common.service import configure_logging, run_service
-from libs.common.settings import ModelSettings, ServiceSettings, env_bool, env_int, env_str
+from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings, env_bool, env_int, env_str
 from services.prefill.worker import PrefillSettings, PrefillWorker
 
 
@@ -11,6 +11,7 @@ def main() -> None:
     settings = PrefillSettings(
         service=service,
         model=ModelSettings.from_env(),
+        transfer=TransferSettings.from_env(),
         max_chunk_tokens=env_int("MAX_CHUNK_TOKENS", 512),
         max_batch_tokens=env_int("MAX_BATCH_TOKENS", 2048),
         use_store=env_bool("USE_STORE", True),

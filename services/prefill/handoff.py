@@ -1,15 +1,39 @@
-"""Hands a request's KV to its decode worker: lease blocks there, copy the
-prompt's blocks into them through the transfer engine, then hand the request
-over. Every failure becomes a HandoffError with a code the gateway can map."""
+"""Hands a request's KV to a decode worker: lease blocks there (with a write
+ticket), stream the prompt's KV into them layer by layer while the prefill
+computes, then hand the request over.
+
+Each hand-off is an explicit state machine, and every way it can end releases
+what it holds on both sides::
+
+    leased -> streaming -> written -> handed over
+       \\          \\           \\
+        +----------+-----------+--> released (lease given back, writer aborted)
+
+If a hand-off fails (transfer error, timeout, the decode worker gone), the
+worker retries once on another live decode worker, shipping whole blocks.
+"""
+
+import asyncio
+import enum
+from dataclasses import dataclass
 
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from libs.common import subjects
 from libs.common.engine_host import EngineHost
 from libs.common.model.sequence import Sequence
-from libs.common.schema import Ack, BadMessageError, HandoffRequest, PrefillRequest, ReleaseRequest, ReserveReply, ReserveRequest
+from libs.common.schema import (
+    Ack,
+    BadMessageError,
+    HandoffRequest,
+    PrefillRequest,
+    ReleaseRequest,
+    ReserveReply,
+    ReserveRequest,
+)
 from libs.common.service import Service
-from libs.common.transfer import Descriptor, TransferError
+from libs.common.transfer import Span, TransferError
+from libs.common.transfer.writers import Writer
 
 RESERVE_TIMEOUT = 15.0  # the decode worker waits up to 10 s for blocks before saying no
 HANDOFF_TIMEOUT = 5.0
@@ -21,55 +45,118 @@ class HandoffError(Exception):
         self.code = code
 
 
+class State(enum.Enum):
+    LEASED = "leased"
+    STREAMING = "streaming"
+    WRITTEN = "written"
+    HANDED_OVER = "handed_over"
+    RELEASED = "released"
+
+
+@dataclass
+class Transfer:
+    """One request's hand-off to one decode worker."""
+
+    request: PrefillRequest
+    decode_id: str
+    lease: ReserveReply
+    state: State = State.LEASED
+    writer: Writer | None = None
+
+
 class Handoff:
     def __init__(self, service: Service, host: EngineHost) -> None:
         self.service = service
         self.host = host
+        layout = host.engine.pool.layout
+        self.block_nbytes, self.layer_nbytes = layout.block_nbytes, layout.layer_nbytes
 
-    async def reserve(self, request: PrefillRequest, num_tokens: int) -> ReserveReply:
+    async def reserve(self, request: PrefillRequest, decode_id: str, num_tokens: int) -> Transfer:
         message = ReserveRequest(request_id=request.request_id, num_tokens=num_tokens,
                                  prefill_id=self.service.instance_id, contract=self.host.contract)  # fmt: skip
         try:
-            reply = await self.service.request(subjects.decode_reserve(request.decode_id), message, ReserveReply,
+            reply = await self.service.request(subjects.decode_reserve(decode_id), message, ReserveReply,
                                                timeout=RESERVE_TIMEOUT)  # fmt: skip
         except (NoRespondersError, NatsTimeout) as e:
-            raise HandoffError("decode_unavailable", f"decode worker {request.decode_id} did not answer ({e})") from e
+            raise HandoffError("decode_unavailable", f"decode worker {decode_id} did not answer ({e})") from e
         except BadMessageError as e:
             raise HandoffError("internal", str(e)) from e
         if reply.error is not None:
             raise HandoffError(reply.error.code, reply.error.message)
-        return reply
+        return Transfer(request, decode_id, reply)
 
-    async def send(self, request: PrefillRequest, seq: Sequence, lease: ReserveReply) -> None:
-        """Copy the prompt's KV into the leased blocks, then hand the request over."""
-        pool, block_nbytes = self.host.engine.pool, self.host.block_nbytes
-        num_blocks = self.host.engine.cache.blocks_needed(seq.num_prompt_tokens)
-        batch = [
-            Descriptor(self.host.segment.name, pool.block_range(src)[0], lease.segment, dst * block_nbytes, block_nbytes)
-            for src, dst in zip(seq.block_table[:num_blocks], lease.block_ids)
-        ]
-        try:
-            await self.host.transfers.transfer(batch)
+    async def start_streaming(self, transfer: Transfer) -> None:
+        """Open the writer, so layers can be submitted as they are computed."""
+        loop = asyncio.get_running_loop()
+        try:  # opening maps the peer's segment (shm) or dials it (tcp): off the event loop
+            transfer.writer = await loop.run_in_executor(
+                None, self.host.transfers.writer, transfer.lease.ticket, self.host.segment.name
+            )
         except TransferError as e:
-            await self.release(request, lease)
-            raise HandoffError(e.cause, f"KV transfer to {request.decode_id} failed: {e}") from e
+            raise HandoffError(e.cause, f"cannot reach decode worker {transfer.decode_id}: {e}") from e
+        transfer.state = State.STREAMING
+
+    def layer_spans(self, transfer: Transfer, seq: Sequence, layer: int) -> list[Span]:
+        """One layer of every prompt block: a contiguous range per block on both sides."""
+        offset = layer * self.layer_nbytes
+        return [
+            Span(self.host.block_offset(src) + offset, dst * self.block_nbytes + offset, self.layer_nbytes)
+            for src, dst in zip(self._prompt_blocks(seq), transfer.lease.block_ids)
+        ]
+
+    def block_spans(self, transfer: Transfer, seq: Sequence) -> list[Span]:
+        """Every prompt block whole (all layers in one range each)."""
+        return [
+            Span(self.host.block_offset(src), dst * self.block_nbytes, self.block_nbytes)
+            for src, dst in zip(self._prompt_blocks(seq), transfer.lease.block_ids)
+        ]
+
+    def _prompt_blocks(self, seq: Sequence) -> list[int]:
+        return seq.block_table[: self.host.engine.cache.blocks_needed(seq.num_prompt_tokens)]
+
+    async def complete(self, transfer: Transfer, seq: Sequence) -> None:
+        """Wait for the last byte, then hand the request over; release everything on failure."""
+        try:
+            if transfer.writer is None:  # not streamed layer by layer: ship whole blocks now
+                await self.start_streaming(transfer)
+                transfer.writer.submit(self.block_spans(transfer, seq))
+            await self.host.transfers.finish(transfer.writer)
+            transfer.state = State.WRITTEN
+            await self._hand_over(transfer, seq)
+            transfer.state = State.HANDED_OVER
+        except TransferError as e:
+            await self.release(transfer)
+            raise HandoffError(e.cause, f"KV transfer to {transfer.decode_id} failed: {e}") from e
+        except HandoffError:
+            await self.release(transfer)
+            raise
+
+    async def _hand_over(self, transfer: Transfer, seq: Sequence) -> None:
         handoff = HandoffRequest(
-            request_id=request.request_id,
+            request_id=transfer.request.request_id,
             token_ids=seq.token_ids,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=seq.num_cached_tokens,
-            sampling=request.sampling,
-            block_ids=lease.block_ids,
+            sampling=transfer.request.sampling,
+            block_ids=transfer.lease.block_ids,
         )
         try:
-            ack = await self.service.request(subjects.decode_admit(request.decode_id), handoff, Ack,
+            ack = await self.service.request(subjects.decode_admit(transfer.decode_id), handoff, Ack,
                                              timeout=HANDOFF_TIMEOUT)  # fmt: skip
         except (NoRespondersError, NatsTimeout, BadMessageError) as e:
-            raise HandoffError("decode_unavailable", f"decode worker {request.decode_id} did not take the request ({e})") from e
+            raise HandoffError("decode_unavailable", f"decode worker {transfer.decode_id} did not take the request ({e})") from e
         if ack.error is not None:
             raise HandoffError(ack.error.code, ack.error.message)
 
-    async def release(self, request: PrefillRequest, lease: ReserveReply | None) -> None:
-        """Give an unused lease back (the request ended at its first token, or failed)."""
-        if lease is not None:
-            await self.service.publish(subjects.decode_release(request.decode_id), ReleaseRequest(request_id=request.request_id))
+    async def release(self, transfer: Transfer) -> None:
+        """Abort the writer and give the lease back (idempotent)."""
+        if transfer.state in (State.RELEASED, State.HANDED_OVER):
+            return
+        transfer.state = State.RELEASED
+        if transfer.writer is not None:
+            await self.host.transfers.abort(transfer.writer)
+        release = ReleaseRequest(request_id=transfer.request.request_id)
+        try:
+            await self.service.publish(subjects.decode_release(transfer.decode_id), release)
+        except Exception as e:  # the lease expires on its own if this is lost
+            self.service.log.warning("could not release the lease on %s: %s", transfer.decode_id, e)

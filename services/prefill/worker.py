@@ -21,10 +21,11 @@ from libs.common.model.sampling import sample
 from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
 from libs.common.recent import RecentIds
-from libs.common.schema import Ack, Cancel, ErrorInfo, Heartbeat, PrefillRequest, ReserveReply, TokenChunk
+from libs.common.peers import PeerDirectory
+from libs.common.schema import Ack, Cancel, ErrorInfo, Heartbeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
-from libs.common.settings import ModelSettings, ServiceSettings
-from services.prefill.handoff import Handoff, HandoffError
+from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings
+from services.prefill.handoff import Handoff, HandoffError, Transfer
 from services.prefill.store_client import StoreClient
 
 
@@ -32,6 +33,7 @@ from services.prefill.store_client import StoreClient
 class PrefillSettings:
     service: ServiceSettings
     model: ModelSettings
+    transfer: TransferSettings = TransferSettings()
     max_chunk_tokens: int = 512
     max_batch_tokens: int = 2048
     use_store: bool = True
@@ -46,7 +48,7 @@ class PrefillSettings:
 class Job:
     request: PrefillRequest
     seq: Sequence
-    lease: ReserveReply | None = None  # the decode worker's lease, once granted
+    transfer: Transfer | None = None  # the hand-off to the decode worker, once leased
 
 
 class PrefillWorker(Service):
@@ -54,8 +56,8 @@ class PrefillWorker(Service):
         super().__init__(settings.service)
         self.config = settings
         self.host = EngineHost.create(
-            settings.model, self.instance_id, max_chunk_tokens=settings.max_chunk_tokens,
-            enable_prefix_cache=settings.enable_prefix_cache,
+            settings.model, self.instance_id, settings.service.host_id, settings.transfer,
+            max_chunk_tokens=settings.max_chunk_tokens, enable_prefix_cache=settings.enable_prefix_cache,
         )  # fmt: skip
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
@@ -64,11 +66,13 @@ class PrefillWorker(Service):
         self.cancelled = RecentIds()
         self.store = StoreClient(self, self.host) if settings.use_store else None
         self.handoff = Handoff(self, self.host)
+        self.decoders = PeerDirectory()  # for retrying a failed hand-off elsewhere
 
     async def start(self, stack: AsyncExitStack) -> None:
         stack.callback(self.host.close)
         await self.subscribe(subjects.prefill_submit(self.instance_id), PrefillRequest, self.on_submit)
         await self.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
+        await self.subscribe(subjects.heartbeat("decode"), Heartbeat, self.on_decode_heartbeat)
         loop = self.spawn(self._prefill_loop())
         stack.callback(loop.cancel)
 
@@ -87,6 +91,9 @@ class PrefillWorker(Service):
     async def on_cancel(self, request: Cancel, msg: Msg) -> None:
         self.cancelled.add(request.request_id)
 
+    async def on_decode_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
+        self.decoders.observe(heartbeat)
+
     # --- the loop --------------------------------------------------------------
     async def _prefill_loop(self) -> None:
         while True:
@@ -100,7 +107,7 @@ class PrefillWorker(Service):
             if not ready:
                 continue
             try:
-                tokens = await self.host.run(self._compute, [job.seq for job in ready])
+                tokens = await self.host.run(self._compute, ready)
             except Exception as e:
                 self.log.exception("prefill of %d requests failed", len(ready))
                 for job in ready:
@@ -123,20 +130,49 @@ class PrefillWorker(Service):
         if self.store is not None:
             await self.store.fetch_prefix(seq)
         try:
-            job.lease = await self.handoff.reserve(job.request, seq.num_prompt_tokens)
+            job.transfer = await self._lease(job)
         except HandoffError as e:
             await self._fail(job, ErrorInfo(code=e.code, message=str(e)))
             return None
+        try:
+            await self.handoff.start_streaming(job.transfer)
+        except HandoffError as e:
+            self.log.warning("cannot stream %s's KV layer by layer (%s); it goes whole after the prefill",
+                             job.request.request_id, e)  # fmt: skip
         return job
+
+    async def _lease(self, job: Job, exclude: frozenset[str] = frozenset()) -> Transfer:
+        """Lease blocks on the chosen decode worker, or (once) on another live one if it fails."""
+        first = job.request.decode_id if job.request.decode_id not in exclude else None
+        if first is not None:
+            try:
+                return await self.handoff.reserve(job.request, first, job.seq.num_prompt_tokens)
+            except HandoffError as e:
+                self.log.warning("lease for %s on %s failed: %s", job.request.request_id, first, e)
+                error = e
+        others = self.decoders.alive("decode", exclude={*exclude, job.request.decode_id})
+        if not others or job.request.request_id in self.cancelled:
+            raise error if first is not None else HandoffError("no_decode", "no other decode worker is alive")
+        return await self.handoff.reserve(job.request, others[0].instance_id, job.seq.num_prompt_tokens)
 
     def _attach_local_prefix(self, seq: Sequence) -> None:
         """Engine thread: take this worker's cached prefix blocks and allocate the rest."""
         self.engine.cache.match_prefix(seq)
         self.engine.cache.allocate(seq, seq.num_tokens)
 
-    def _compute(self, seqs: list[Sequence]) -> list[int]:
-        """Engine thread: prefill the batch, sample each first token."""
-        logits = self.engine.prefill(seqs)
+    def _compute(self, jobs: list[Job]) -> list[int]:
+        """Engine thread: prefill the batch, shipping each layer's KV to its decode
+        worker as soon as it is computed; sample each first token."""
+        by_seq = {id(job.seq): job for job in jobs}
+
+        def ship(layer: int, done: list[Sequence]) -> None:
+            for seq in done:
+                transfer = by_seq[id(seq)].transfer
+                if transfer.writer is not None:
+                    transfer.writer.submit(self.handoff.layer_spans(transfer, seq, layer))
+
+        seqs = [job.seq for job in jobs]
+        logits = self.engine.prefill(seqs, layer_done=ship)
         return sample(logits, [s.params for s in seqs], [0] * len(seqs))
 
     async def _finish(self, job: Job, token: int) -> None:
@@ -149,24 +185,40 @@ class PrefillWorker(Service):
                 request_id=request_id, index=0, token_ids=[token], finish_reason=reason.value if reason else None,
                 num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                 instance_id=self.instance_id))  # fmt: skip
-        try:
-            if reason is None and not cancelled:
-                await self.handoff.send(job.request, seq, job.lease)
-            else:
-                await self.handoff.release(job.request, job.lease)
-        except HandoffError as e:
-            self.log.warning("hand-off of %s failed: %s", request_id, e)
-            await self.publish(subjects.tokens(request_id), TokenChunk(
-                request_id=request_id, index=1, finish_reason="abort", instance_id=self.instance_id,
-                error=ErrorInfo(code=e.code, message=str(e))))  # fmt: skip
+        if reason is not None or cancelled or request_id in self.cancelled:
+            await self.handoff.release(job.transfer)
+        else:
+            await self._hand_over(job)
         if self.store is not None:
-            await self.store.write_back(seq)  # holds its own references until the store has the bytes
+            await self.store.write_back(seq)  # holds the blocks until the store has the bytes
         await self._drop(job)
+
+    async def _hand_over(self, job: Job) -> None:
+        """Finish the hand-off; if it fails, retry once on another decode worker."""
+        request_id = job.request.request_id
+        try:
+            await self.handoff.complete(job.transfer, job.seq)
+            return
+        except HandoffError as e:
+            failed, error = job.transfer.decode_id, e
+            self.log.warning("hand-off of %s to %s failed: %s", request_id, failed, e)
+        if request_id not in self.cancelled and self.decoders.alive("decode", exclude={failed}):
+            try:
+                job.transfer = await self._lease(job, exclude=frozenset({failed}))
+                await self.handoff.complete(job.transfer, job.seq)
+                self.log.info("hand-off of %s retried on %s", request_id, job.transfer.decode_id)
+                return
+            except HandoffError as e:
+                error = e
+                self.log.warning("retry of %s failed too: %s", request_id, e)
+        await self.publish(subjects.tokens(request_id), TokenChunk(
+            request_id=request_id, index=1, finish_reason="abort", instance_id=self.instance_id,
+            error=ErrorInfo(code=error.code, message=str(error))))  # fmt: skip
 
     async def _fail(self, job: Job, error: ErrorInfo) -> None:
         self.log.warning("request %s failed: %s", job.request.request_id, error.message)
-        if job.lease is not None:
-            await self.handoff.release(job.request, job.lease)
+        if job.transfer is not None:
+            await self.handoff.release(job.transfer)
         await self.publish(subjects.tokens(job.request.request_id), TokenChunk(
             request_id=job.request.request_id, index=0, finish_reason="abort", instance_id=self.instance_id,
             error=error))  # fmt: skip

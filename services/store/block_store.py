@@ -46,7 +46,7 @@ class DramBlockStore:
             batch.append(Descriptor(src_segment, offset, self.segment.name, slot * self.block_nbytes, self.block_nbytes))
             self._index[block_hash] = slot
             stored += 1
-        self.transfers.transfer_sync(batch)
+        self.transfers.copy(batch)
         return stored
 
     def get(self, hashes: Sequence[BlockHash], dst_segment: str, offsets: Sequence[int]) -> int:
@@ -58,7 +58,7 @@ class DramBlockStore:
                 break
             self._index.move_to_end(block_hash)
             batch.append(Descriptor(self.segment.name, slot * self.block_nbytes, dst_segment, offset, self.block_nbytes))
-        self.transfers.transfer_sync(batch)
+        self.transfers.copy(batch)
         return len(batch)
 
     def _take_slot(self) -> int:

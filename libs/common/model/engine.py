@@ -7,6 +7,7 @@ scheduling to the caller (`generator.py` in one process, the workers in the
 cluster). The engine knows nothing about text.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,8 +16,13 @@ from libs.common.errors import EmptyPromptError, PromptTooLongError
 from libs.common.model.attention import AttentionBatch, PrefillSpan
 from libs.common.model.kv_cache import KVCacheManager
 from libs.common.model.kv_pool import KVPool
-from libs.common.model.llama import LayerCallback, LlamaModel
+from libs.common.model.llama import LlamaModel
 from libs.common.model.sequence import Sequence
+
+
+# Called on the engine thread after each layer of a prefill chunk with the layer index
+# and the sequences this chunk completes: their K/V for that layer is final.
+LayerDone = Callable[[int, list[Sequence]], None]
 
 
 @dataclass(frozen=True)
@@ -49,13 +55,14 @@ class Engine:
         if num_prompt_tokens + max_new_tokens > self.max_model_len:
             raise PromptTooLongError(num_prompt_tokens, self.max_model_len, max_new_tokens)
 
-    def prefill(self, seqs: list[Sequence], layer_done: LayerCallback | None = None) -> torch.Tensor:
+    def prefill(self, seqs: list[Sequence], layer_done: LayerDone | None = None) -> torch.Tensor:
         """Compute every sequence's tokens from ``num_computed_tokens`` on; return
         the logits of each one's last token, [B, V].
 
         Blocks before ``num_computed_tokens`` must already hold valid K/V (a
-        cached prefix); the rest are allocated here. ``layer_done(layer)`` fires
-        after each layer of the final chunk, for layer-wise hand-off.
+        cached prefix); the rest are allocated here. ``layer_done(layer, seqs)``
+        fires after each layer with the sequences whose K/V that layer completes,
+        so a layer-wise hand-off can ship it while the next layers compute.
         """
         hidden = self._prefill(seqs, keep_all=False, layer_done=layer_done)
         return self.model.compute_logits(torch.cat([h[-1] for h in hidden])).float()
@@ -67,7 +74,7 @@ class Engine:
 
     @torch.inference_mode()
     def _prefill(
-        self, seqs: list[Sequence], keep_all: bool, layer_done: LayerCallback | None
+        self, seqs: list[Sequence], keep_all: bool, layer_done: LayerDone | None
     ) -> list[list[torch.Tensor]]:
         for seq in seqs:
             self.check_prompt(seq.num_tokens)
@@ -85,9 +92,11 @@ class Engine:
                 n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget)
                 chunk.append((i, n))
                 budget -= n
-            remaining = sum(seqs[i].num_tokens - seqs[i].num_computed_tokens for i in pending)
-            is_last = sum(n for _, n in chunk) == remaining
-            out = self._run_prefill_chunk([(seqs[i], n) for i, n in chunk], layer_done if is_last else None)
+            completing = [seqs[i] for i, n in chunk if seqs[i].num_computed_tokens + n == seqs[i].num_tokens]
+            on_layer = None
+            if layer_done is not None and completing:
+                on_layer = lambda layer: layer_done(layer, completing)  # noqa: E731
+            out = self._run_prefill_chunk([(seqs[i], n) for i, n in chunk], on_layer)
             start = 0
             for i, n in chunk:
                 rows = out[start : start + n]  # [n, hidden]
@@ -98,7 +107,9 @@ class Engine:
             self.cache.cache_full_blocks(seq)
         return hidden
 
-    def _run_prefill_chunk(self, chunk: list[tuple[Sequence, int]], layer_done: LayerCallback | None) -> torch.Tensor:
+    def _run_prefill_chunk(
+        self, chunk: list[tuple[Sequence, int]], layer_done: Callable[[int], None] | None
+    ) -> torch.Tensor:
         ids, positions, slots, spans = [], [], [], []
         for seq, n in chunk:
             start = seq.num_computed_tokens
@@ -148,7 +159,7 @@ class Engine:
         return torch.tensor(blocks, device=self.device), torch.tensor(offsets, device=self.device)
 
     def _forward(
-        self, ids: list[int], positions: list[int], batch: AttentionBatch, layer_done: LayerCallback | None
+        self, ids: list[int], positions: list[int], batch: AttentionBatch, layer_done: Callable[[int], None] | None
     ) -> torch.Tensor:
         input_ids = torch.tensor(ids, device=self.device)
         return self.model(input_ids, torch.tensor(positions, device=self.device), self.pool, batch, layer_done)

@@ -1,7 +1,7 @@
-"""The data plane: registered memory segments and batched byte transfers between them."""
+"""The data plane: registered memory segments and byte transfers between them."""
 
-from libs.common.transfer.descriptors import Descriptor, TransferError
+from libs.common.transfer.descriptors import Descriptor, Span, TransferError
 from libs.common.transfer.engine import TransferEngine
 from libs.common.transfer.segment import SharedSegment
 
-__all__ = ["Descriptor", "SharedSegment", "TransferEngine", "TransferError"]
+__all__ = ["Descriptor", "SharedSegment", "Span", "TransferEngine", "TransferError"]

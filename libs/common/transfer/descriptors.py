@@ -1,10 +1,25 @@
-"""What a transfer is: a batch of (segment, offset, length) -> (segment, offset) copies."""
+"""What a transfer is, and how it can fail.
+
+A transfer writes byte ranges of a source segment into byte ranges of a
+destination segment. The receiver grants each transfer a `WriteTicket` (over
+the control plane): where to write and a one-time token; the sender writes
+``Span``s through whichever transport reaches that place.
+"""
 
 from dataclasses import dataclass
 
+# Why a transfer ended badly; also the label of the failure metric.
+TIMEOUT = "timeout"
+PEER_GONE = "peer_gone"
+BAD_TOKEN = "bad_token"
+BAD_RANGE = "bad_range"
+TRUNCATED = "truncated"
+CANCELLED = "cancelled"
+CAUSES = (TIMEOUT, PEER_GONE, BAD_TOKEN, BAD_RANGE, TRUNCATED, CANCELLED)
+
 
 class TransferError(Exception):
-    """A transfer that did not complete; ``cause`` says why (timeout, peer_gone, bad_descriptor, ...)."""
+    """A transfer that did not complete; ``cause`` is one of CAUSES."""
 
     def __init__(self, cause: str, message: str) -> None:
         super().__init__(f"{cause}: {message}")
@@ -12,9 +27,30 @@ class TransferError(Exception):
 
 
 @dataclass(frozen=True)
+class Span:
+    """Copy ``length`` bytes at ``src_offset`` of the source to ``dst_offset`` of the destination."""
+
+    src_offset: int
+    dst_offset: int
+    length: int
+
+
+@dataclass(frozen=True)
 class Descriptor:
+    """A span between two named segments, both mapped in this process."""
+
     src_segment: str
     src_offset: int
     dst_segment: str
     dst_offset: int
     length: int
+
+
+def split_spans(spans: list[Span], max_bytes: int) -> list[Span]:
+    """Cut spans longer than ``max_bytes`` into slices, so they can go over several connections."""
+    out = []
+    for span in spans:
+        for start in range(0, span.length, max_bytes):
+            n = min(max_bytes, span.length - start)
+            out.append(Span(span.src_offset + start, span.dst_offset + start, n))
+    return out

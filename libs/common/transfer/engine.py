@@ -1,84 +1,189 @@
-"""The transfer engine: registered segments and asynchronous batch transfers.
+"""The transfer engine: registered segments, tickets, and transfers between them.
 
-A worker registers its own segments and opens its peers' by name; a transfer
-is a batch of descriptors, checked against segment bounds, executed off the
-event loop, and awaited with a timeout. Today's transport is a memory copy
-between shared-memory segments on one host; the interface is what a TCP or
-RDMA transport would implement too.
+A receiver registers its segments and, per transfer, issues a `WriteTicket`
+for the ranges a sender may fill (``expect``). A sender opens a writer on that
+ticket (``writer`` / ``write``): shared memory when the receiver is on this
+host, TCP otherwise (or as forced by ``transport``), the same interface
+either way — the design of Mooncake's Transfer Engine, so an RDMA transport
+could sit behind it too. Every transfer has a deadline and ends in success or
+a TransferError with a cause; the engine counts bytes, transfers, durations
+and failures per transport.
 """
 
 import asyncio
 import logging
+import secrets
+import threading
+import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 
-from libs.common.transfer.descriptors import Descriptor, TransferError
-from libs.common.transfer.segment import SharedSegment
+from libs.common.metrics import REGISTRY
+from libs.common.schema import WriteTicket
+from libs.common.transfer.descriptors import PEER_GONE, Descriptor, Span, TransferError
+from libs.common.transfer.ranges import RangeSet
+from libs.common.transfer.segment import SHM_DIR, SharedSegment
+from libs.common.transfer.tcp import OpenTicket, TcpListener, TicketBook
+from libs.common.transfer.writers import ShmWriter, TcpWriter, Writer, copy_spans
 
 log = logging.getLogger(__name__)
 
+TRANSPORTS = ("auto", "shm", "tcp")
+_BYTES = REGISTRY.counter("kvserve_transfer_bytes_total", "Bytes moved by the transfer engine", ["transport"])
+_COUNT = REGISTRY.counter("kvserve_transfers_total", "Transfers completed", ["transport"])
+_FAILURES = REGISTRY.counter("kvserve_transfer_failures_total", "Transfers failed, by cause", ["cause"])
+_SECONDS = REGISTRY.histogram(
+    "kvserve_transfer_seconds", "Transfer duration", [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                                                      1, 2.5, 5, 10], ["transport"]
+)  # fmt: skip
+_RECEIVED = REGISTRY.counter("kvserve_transfer_received_bytes_total", "Bytes received over TCP")
+
 
 class TransferEngine:
-    def __init__(self, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self,
+        host_id: str = "",
+        *,
+        listen: str | None = None,
+        transport: str = "auto",
+        connections: int = 4,
+        slice_bytes: int = 4 << 20,
+        timeout: float = 30.0,
+    ) -> None:
+        """``listen`` ("host:port", port 0 for any) starts a TCP listener so peers on
+        other hosts can write here; ``transport`` forces shm or tcp for sending."""
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.host_id = host_id
+        self.transport = transport
+        self.connections = connections
+        self.slice_bytes = slice_bytes
+        self.timeout = timeout
+        self.tickets = TicketBook()
         self._segments: dict[str, SharedSegment] = {}
         self._local: set[str] = set()
-        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="transfer")
-        self.bytes_moved = 0
-        self.transfers = 0
+        self._lock = threading.Lock()
+        self.listener: TcpListener | None = None
+        if listen is not None:
+            host, port = listen.rsplit(":", 1)
+            self.listener = TcpListener(host, int(port), self.tickets, lambda n: _RECEIVED.inc(amount=n))
 
+    # --- segments ------------------------------------------------------------
     def register(self, segment: SharedSegment) -> None:
         """Make one of this process's own segments available to transfers."""
-        self._segments[segment.name] = segment
-        self._local.add(segment.name)
+        with self._lock:
+            self._segments[segment.name] = segment
+            self._local.add(segment.name)
 
-    def open(self, name: str) -> SharedSegment:
-        """Map a peer's segment (once; later calls reuse the mapping)."""
-        segment = self._segments.get(name)
+    def segment(self, name: str) -> SharedSegment:
+        """A registered segment, or a peer's on this host (mapped once, then reused)."""
+        with self._lock:
+            segment = self._segments.get(name)
         if segment is None:
             try:
                 segment = SharedSegment.attach(name)
             except (OSError, ValueError) as e:
-                raise TransferError("peer_gone", f"cannot open segment {name}: {e}") from e
-            self._segments[name] = segment
+                raise TransferError(PEER_GONE, f"cannot open segment {name}: {e}") from e
+            with self._lock:
+                segment = self._segments.setdefault(name, segment)
         return segment
 
     def forget(self, name: str) -> None:
         """Drop a peer's mapping (e.g. when the peer left the cluster)."""
-        if name not in self._local:
-            segment = self._segments.pop(name, None)
-            if segment is not None:
-                segment.close()
+        with self._lock:
+            segment = None if name in self._local else self._segments.pop(name, None)
+        if segment is not None:
+            segment.close()
 
-    def _check(self, batch: Sequence[Descriptor]) -> None:
+    # --- receiving -------------------------------------------------------------
+    def expect(self, segment: str, ranges: Sequence[tuple[int, int]], ttl: float) -> WriteTicket:
+        """Issue a one-time ticket letting one sender write ``ranges`` of ``segment`` for ``ttl`` seconds."""
+        local = self._segments[segment]
+        token = secrets.token_hex(16)
+        self.tickets.open(OpenTicket(token, local.view, RangeSet(list(ranges)), time.monotonic() + ttl))
+        address = self.listener.address if self.listener is not None else None
+        return WriteTicket(token=token, host_id=self.host_id, segment=segment, address=address)
+
+    def close_ticket(self, token: str) -> OpenTicket | None:
+        """Stop accepting writes on a ticket (done, cancelled or expired); return its record."""
+        return self.tickets.close(token)
+
+    # --- sending ---------------------------------------------------------------
+    def choose_transport(self, ticket: WriteTicket) -> str:
+        if self.transport != "auto":
+            return self.transport
+        same_host = ticket.host_id == self.host_id and (SHM_DIR / ticket.segment).exists()
+        return "shm" if same_host else "tcp"
+
+    def writer(self, ticket: WriteTicket, source: str, timeout: float | None = None) -> Writer:
+        """Open a streaming writer from our segment ``source`` to the ticket's destination."""
+        timeout = self.timeout if timeout is None else timeout
+        src = self.segment(source)
+        if self.choose_transport(ticket) == "shm":
+            return ShmWriter(src, self.segment(ticket.segment), timeout)
+        return TcpWriter(src, ticket, timeout, self.connections, self.slice_bytes)
+
+    async def finish(self, writer: Writer) -> None:
+        """Wait until every byte ``writer`` was given is at its destination; count it."""
+        try:
+            await writer.finish()
+        except TransferError as e:
+            _FAILURES.inc(e.cause)
+            raise
+        _BYTES.inc(writer.transport, amount=writer.bytes)
+        _COUNT.inc(writer.transport)
+        _SECONDS.observe(time.monotonic() - writer.started_at, writer.transport)
+
+    async def abort(self, writer: Writer) -> None:
+        """Stop a writer whose transfer is no longer wanted, and wait for its threads."""
+        writer.abort()
+        try:
+            await writer.finish()
+        except TransferError:
+            pass
+
+    @asynccontextmanager
+    async def writing(self, ticket: WriteTicket, source: str, timeout: float | None = None):
+        """``async with engine.writing(ticket, src) as w: w.submit(spans)...`` — waits for
+        every byte on exit, and aborts the writer if the body fails."""
+        writer = self.writer(ticket, source, timeout)
+        try:
+            yield writer
+        except BaseException:
+            await self.abort(writer)
+            raise
+        await self.finish(writer)
+
+    async def write(self, ticket: WriteTicket, source: str, spans: list[Span], timeout: float | None = None) -> None:
+        """Write ``spans`` of ``source`` through the ticket and wait until they are there."""
+        async with self.writing(ticket, source, timeout) as writer:
+            writer.submit(spans)
+
+    # --- copies inside this process --------------------------------------------
+    def copy(self, batch: Sequence[Descriptor]) -> None:
+        """Copy between segments mapped here (e.g. the store's pool and a worker's), blocking."""
+        by_pair: dict[tuple[str, str], list[Span]] = {}
         for d in batch:
             for name, offset in ((d.src_segment, d.src_offset), (d.dst_segment, d.dst_offset)):
-                segment = self.open(name)
+                segment = self.segment(name)
                 if offset < 0 or d.length < 0 or offset + d.length > segment.nbytes:
-                    raise TransferError(
-                        "bad_descriptor", f"[{offset}, {offset + d.length}) is outside {name} ({segment.nbytes} bytes)"
-                    )
-
-    def transfer_sync(self, batch: Sequence[Descriptor]) -> None:
-        """Run a batch on the calling thread (for callers already off the event loop)."""
-        self._check(batch)
-        for d in batch:
-            src = self._segments[d.src_segment].tensor
-            dst = self._segments[d.dst_segment].tensor
-            dst[d.dst_offset : d.dst_offset + d.length].copy_(src[d.src_offset : d.src_offset + d.length])
-        self.bytes_moved += sum(d.length for d in batch)
-        self.transfers += 1
-
-    async def transfer(self, batch: Sequence[Descriptor], timeout: float = 30.0) -> None:
-        """Run a batch off the event loop; raise TransferError if it fails or outlasts ``timeout``."""
-        loop = asyncio.get_running_loop()
-        future = loop.run_in_executor(self._executor, self.transfer_sync, list(batch))
-        try:
-            await asyncio.wait_for(asyncio.shield(future), timeout)
-        except TimeoutError:
-            raise TransferError("timeout", f"batch of {len(batch)} descriptors took over {timeout}s") from None
+                    raise TransferError("bad_range", f"[{offset}, {offset + d.length}) is outside {name}")
+            by_pair.setdefault((d.src_segment, d.dst_segment), []).append(Span(d.src_offset, d.dst_offset, d.length))
+        start = time.perf_counter()
+        for (src, dst), spans in by_pair.items():
+            copy_spans(self.segment(src).tensor, self.segment(dst).tensor, spans)
+        if batch:
+            _BYTES.inc("shm", amount=sum(d.length for d in batch))
+            _COUNT.inc("shm")
+            _SECONDS.observe(time.perf_counter() - start, "shm")
 
     def close(self) -> None:
-        for name in list(self._segments):
-            self._segments.pop(name).close()
-        self._local.clear()
-        self._executor.shutdown(wait=False)
+        if self.listener is not None:
+            self.listener.close()
+        with self._lock:
+            segments, self._segments = list(self._segments.values()), {}
+            self._local.clear()
+        for segment in segments:
+            segment.close()
+
+

@@ -17,7 +17,28 @@ SHM_DIR = Path("/dev/shm")
 
 
 def new_segment_name(owner: str, purpose: str) -> str:
-    return f"kvserve-{owner}-{purpose}-{secrets.token_hex(6)}"
+    """``kvserve-<pid>-<owner>-<purpose>-<random>``: the pid lets a later process
+    remove segments whose owner died without cleaning up (SIGKILL)."""
+    return f"kvserve-{os.getpid()}-{owner}-{purpose}-{secrets.token_hex(6)}"
+
+
+def remove_stale_segments() -> list[str]:
+    """Unlink this user's kvserve segments whose creating process is gone; return their names."""
+    removed = []
+    for path in SHM_DIR.glob("kvserve-*"):
+        parts = path.name.split("-")
+        if len(parts) < 3 or not parts[1].isdigit():
+            continue
+        try:
+            if path.stat().st_uid != os.getuid():
+                continue
+            os.kill(int(parts[1]), 0)  # signal 0: does the process exist?
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        except (PermissionError, FileNotFoundError):
+            continue
+    return removed
 
 
 class SharedSegment:
@@ -27,6 +48,7 @@ class SharedSegment:
         self._mmap = mm
         self.owner = owner
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes) if nbytes else torch.empty(0, dtype=torch.uint8)
+        self.view = memoryview(mm)  # the same bytes, for sockets (recv_into / sendmsg)
 
     @classmethod
     def create(cls, name: str, nbytes: int) -> "SharedSegment":
@@ -62,6 +84,7 @@ class SharedSegment:
             except FileNotFoundError:
                 pass
         self.tensor = None
+        self.view.release()
         try:
             self._mmap.close()
         except BufferError:

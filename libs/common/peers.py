@@ -1,0 +1,29 @@
+"""Who else is in the cluster, from heartbeats: the live instances of a role.
+
+For a worker that must pick a peer on its own (a prefill worker retrying a
+hand-off on another decode worker); the conductor keeps its own, richer view.
+"""
+
+import time
+from collections.abc import Callable
+
+from libs.common.schema import Heartbeat
+
+
+class PeerDirectory:
+    def __init__(self, timeout: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout = timeout
+        self.clock = clock
+        self._seen: dict[str, tuple[Heartbeat, float]] = {}
+
+    def observe(self, heartbeat: Heartbeat) -> None:
+        self._seen[heartbeat.instance_id] = (heartbeat, self.clock())
+
+    def alive(self, role: str, exclude: set[str] = frozenset()) -> list[Heartbeat]:
+        """Live instances of ``role`` not in ``exclude``, least loaded first."""
+        now = self.clock()
+        live = [hb for hb, seen in self._seen.values() if now - seen <= self.timeout]
+        return sorted(
+            (hb for hb in live if hb.role == role and hb.instance_id not in exclude),
+            key=lambda hb: (hb.load, -hb.free_blocks, hb.instance_id),
+        )
