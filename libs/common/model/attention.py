@@ -7,11 +7,14 @@ cached context); decode batches are one token per sequence, padded to the
 longest block table and masked.
 """
 
+import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from libs.common.model import native
 from libs.common.model.kv_pool import KVPool
 
 
@@ -32,6 +35,7 @@ class AttentionBatch:
     prefill_spans: list[PrefillSpan] | None = None
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] long, padded
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    decode_lens: torch.Tensor | None = None  # [B] long: tokens each sequence attends to
 
     @property
     def is_decode(self) -> bool:
@@ -81,6 +85,17 @@ def _gather(pool: KVPool, layer: int, plane: int, block_table: torch.Tensor, len
 
 
 def _decode_attention(layer: int, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, scale: float) -> torch.Tensor:
+    kernel = _native_decode_kernel(q, pool)
+    if kernel is not None:  # reads K/V in place from the blocks: no gather, one pass
+        out = torch.empty_like(q)
+        layout = pool.layout
+        status = kernel(
+            q.data_ptr(), pool.kv.data_ptr(), batch.decode_block_tables.data_ptr(), batch.decode_lens.data_ptr(),
+            out.data_ptr(), q.shape[0], q.shape[1], layout.num_kv_heads, layout.head_dim, layout.block_size,
+            layout.num_layers, layer, batch.decode_block_tables.shape[1], scale, int(q.dtype == torch.bfloat16),
+        )  # fmt: skip
+        if status == 0:
+            return out
     tables = batch.decode_block_tables
     keys = pool.gather(layer, 0, tables).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
     values = pool.gather(layer, 1, tables).flatten(1, 2).transpose(1, 2)
@@ -90,3 +105,20 @@ def _decode_attention(layer: int, q: torch.Tensor, pool: KVPool, batch: Attentio
     qh = q.view(bsz, keys.shape[1], num_heads // keys.shape[1], dim)
     out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=batch.decode_mask, scale=scale)
     return out.reshape(bsz, num_heads, dim)
+
+
+def _native_decode_kernel(q: torch.Tensor, pool: KVPool):
+    if q.device.type != "cpu" or q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
+        return None
+    return _load_kernel()
+
+
+@functools.cache
+def _load_kernel():
+    lib = native.load("paged_attention")
+    if lib is None:
+        return None
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+    return fn

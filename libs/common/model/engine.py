@@ -147,6 +147,7 @@ class Engine:
             *self._slots(slots, positions),
             decode_block_tables=tables.to(self.device),
             decode_mask=mask[:, None, None, :].to(self.device),
+            decode_lens=lengths.to(self.device),
         )
         hidden = self._forward([seq.token_ids[-1] for seq in seqs], positions, batch, None)
         for seq in seqs:

@@ -1,0 +1,55 @@
+"""Native kernels: small C sources compiled once with the system C compiler and
+loaded with ctypes, for the few loops PyTorch cannot express without copies.
+
+Compiled on first use into the cache directory (keyed by the source's hash and
+the compiler flags), under a file lock so concurrent workers compile once. If
+there is no compiler, or KVSERVE_NATIVE_KERNELS=0, callers get None and use
+their PyTorch path: the kernels are an optimisation, never a requirement.
+"""
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from libs.common.model.default_model import cache_dir
+
+log = logging.getLogger(__name__)
+SOURCES = Path(__file__).parent / "kernels"
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+
+
+@functools.cache
+def load(name: str) -> ctypes.CDLL | None:
+    """The compiled library for ``kernels/<name>.c``, or None when it cannot be had."""
+    if os.environ.get("KVSERVE_NATIVE_KERNELS", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler: native %s kernel disabled, using PyTorch", name)
+        return None
+    source = (SOURCES / f"{name}.c").read_bytes()
+    digest = hashlib.blake2b(source + " ".join(FLAGS).encode(), digest_size=8).hexdigest()
+    target = cache_dir() / "kernels" / f"{name}-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.parent / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.exists():
+                tmp = target.with_suffix(f".tmp{os.getpid()}")
+                result = subprocess.run([compiler, *FLAGS, "-o", str(tmp), str(SOURCES / f"{name}.c"), "-lm"],
+                                        capture_output=True, text=True)  # fmt: skip
+                if result.returncode != 0:
+                    log.warning("cannot compile the native %s kernel (using PyTorch): %s", name, result.stderr[-500:])
+                    return None
+                os.rename(tmp, target)
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as e:
+        log.warning("cannot load the native %s kernel (using PyTorch): %s", name, e)
+        return None
