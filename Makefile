@@ -1,10 +1,11 @@
-# kvserve: `make up` runs the local cluster, `make test` runs the suite.
+# kvserve: `make up` runs the local cluster, `make test` runs the suite,
+# `make bench` sets up and runs the trace-replay comparison against llama.cpp.
 PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test bench clean
+.PHONY: up test bench bench-setup clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +22,21 @@ up: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest
+
+# The llama.cpp peer, built once from the sources vendored in the llama-cpp-python sdist
+LLAMA_SERVER := .cache/llama.cpp/bin/llama-server
+BENCH_ARGS   ?=
+
+$(LLAMA_SERVER): bench/llama_cpp.sh
+	PIP=$(BIN)/pip bench/llama_cpp.sh --force
+
+# everything bench/replay.py needs, so nothing downloads while it runs
+bench-setup: $(STAMP) $(LLAMA_SERVER)
+	$(BIN)/pip install py-spy==0.4.3
+	$(BIN)/kvserve model prepare
+
+bench: bench-setup
+	$(BIN)/python bench/replay.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

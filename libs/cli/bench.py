@@ -66,6 +66,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--time-scale", type=_non_negative, nargs="+", default=[1.0], metavar="X",
         help="arrival time = trace timestamp x X (default 1; 0.5 is twice the rate); several make a sweep",
     )  # fmt: skip
+    p.add_argument(
+        "--spread", action="store_true",
+        help="spread requests that share a timestamp evenly up to the next timestamp (the released traces "
+        "stamp ~10 requests per 3-second bucket; without this they arrive as one burst)",
+    )  # fmt: skip
     p.add_argument("--start", type=_non_negative_int, default=0, metavar="I", help="first trace request (default 0)")
     p.add_argument("--max-requests", type=_positive, default=None, metavar="N", help="replay N requests (default all)")
     p.add_argument(
@@ -101,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_input=args.max_input,
         max_output=args.max_output,
+        spread=args.spread,
         slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),
     )
     endpoint = Endpoint(args.base_url, args.model, args.api_key, args.timeout)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from libs.replay.prompts import PromptSynthesizer
 from libs.replay.records import RequestRecord, Run
-from libs.replay.trace import TraceRequest
+from libs.replay.trace import TraceRequest, arrival_offsets_ms
 
 
 @dataclass(frozen=True)
@@ -47,13 +47,15 @@ class StreamError(Exception):
     """The server ended or broke a stream it had started."""
 
 
-def plan(requests: Sequence[TraceRequest], synth: PromptSynthesizer, time_scale: float) -> list[PlannedRequest]:
+def plan(
+    requests: Sequence[TraceRequest], synth: PromptSynthesizer, time_scale: float, spread: bool = False
+) -> list[PlannedRequest]:
     """Prompts and send times for a trace window, computed before the clock starts.
     Send times are the trace's timestamps, relative to the window's first, times
-    ``time_scale`` (0.5 replays twice as fast)."""
+    ``time_scale`` (0.5 replays twice as fast); ``spread``: see ``arrival_offsets_ms``."""
     if time_scale < 0:
         raise ValueError("time_scale must not be negative")
-    t0 = min(r.timestamp_ms for r in requests)
+    offsets = arrival_offsets_ms(list(requests), spread)
     seen: set[int] = set()
     planned = []
     for request in sorted(requests, key=lambda r: (r.timestamp_ms, r.index)):
@@ -62,7 +64,7 @@ def plan(requests: Sequence[TraceRequest], synth: PromptSynthesizer, time_scale:
         seen.update(blocks)
         record = RequestRecord(
             index=request.index,
-            scheduled_s=(request.timestamp_ms - t0) / 1000.0 * time_scale,
+            scheduled_s=offsets[request.index] / 1000.0 * time_scale,
             input_tokens=synth.input_length(request),
             max_tokens=synth.output_length(request),
             cached_blocks_expected=reusable,

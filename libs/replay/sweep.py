@@ -9,6 +9,7 @@ previous run's prompts in the server's cache and the runs can share one server.
 """
 
 import asyncio
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ class SweepSettings:
     seed: int = 0
     max_input: int | None = None
     max_output: int | None = None
+    spread: bool = False  # spread same-timestamp requests over their bucket (see trace.arrival_offsets_ms)
     slo: SLO = SLO()
 
 
@@ -47,7 +49,7 @@ def run_sweep(
     for i, scale in enumerate(settings.time_scales):
         seed = settings.seed + i
         synth = PromptSynthesizer(settings.vocab, settings.block_tokens, seed, settings.max_input, settings.max_output)
-        planned = plan(requests, synth, scale)
+        planned = plan(requests, synth, scale, settings.spread)
         meta = {
             "trace": trace_name,
             "first_request": min(r.index for r in requests),
@@ -56,9 +58,12 @@ def run_sweep(
             "seed": seed,
             "max_input": settings.max_input,
             "max_output": settings.max_output,
+            "spread": settings.spread,
             "model": endpoint.model,
+            "loadavg_before": os.getloadavg()[0],
         }
         run = asyncio.run(replay(endpoint, planned, label=label, time_scale=scale, settings=meta, progress=progress))
+        run.settings["loadavg_after"] = os.getloadavg()[0]  # the 1-minute average: was the machine ours?
         summary = summarize(run, settings.slo, settings.block_tokens)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)

@@ -69,3 +69,31 @@ def _parse(line: str, index: int, where: str) -> TraceRequest:
             f"(expected one per {TRACE_BLOCK_TOKENS}-token block)"
         )
     return request
+
+
+def arrival_offsets_ms(requests: list[TraceRequest], spread: bool = False) -> dict[int, float]:
+    """Each request's arrival, in ms from the window's first, by request index.
+
+    The released traces stamp requests in coarse buckets (the conversation trace:
+    about every 3 s, ~10 requests on one timestamp). ``spread`` places the m
+    requests of a bucket evenly over the gap to the next distinct timestamp, in
+    file order (the last bucket uses the gap before it), so the average rate and
+    the order are the trace's but the bucketing's synthetic bursts are not.
+    """
+    t0 = min(r.timestamp_ms for r in requests)
+    if not spread:
+        return {r.index: float(r.timestamp_ms - t0) for r in requests}
+    buckets: dict[int, list[TraceRequest]] = {}
+    for request in sorted(requests, key=lambda r: (r.timestamp_ms, r.index)):
+        buckets.setdefault(request.timestamp_ms, []).append(request)
+    stamps = sorted(buckets)
+    offsets = {}
+    for i, stamp in enumerate(stamps):
+        if i + 1 < len(stamps):
+            gap = stamps[i + 1] - stamp
+        else:
+            gap = stamp - stamps[i - 1] if i > 0 else 0
+        members = buckets[stamp]
+        for k, request in enumerate(members):
+            offsets[request.index] = stamp - t0 + gap * k / len(members)
+    return offsets

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from libs.replay.trace import TraceError, TraceRequest, load_trace
+from libs.replay.trace import TraceError, TraceRequest, arrival_offsets_ms, load_trace
 
 
 def write(tmp_path, rows) -> str:
@@ -48,3 +48,17 @@ def test_missing_file_and_empty_window(tmp_path):
         load_trace(tmp_path / "nope.jsonl")
     with pytest.raises(TraceError, match="no requests from index 3"):
         load_trace(write(tmp_path, ROWS), start=3)
+
+
+def test_arrivals_keep_timestamps_or_spread_each_bucket_to_the_next():
+    requests = [
+        TraceRequest(0, 1000, 1, 1, (0,)),
+        TraceRequest(1, 1000, 1, 1, (0,)),
+        TraceRequest(2, 1000, 1, 1, (0,)),
+        TraceRequest(3, 4000, 1, 1, (0,)),
+        TraceRequest(4, 5000, 1, 1, (0,)),
+        TraceRequest(5, 5000, 1, 1, (0,)),
+    ]
+    assert arrival_offsets_ms(requests) == {0: 0.0, 1: 0.0, 2: 0.0, 3: 3000.0, 4: 4000.0, 5: 4000.0}
+    # 3 over the 3 s to the next stamp; 1 alone; the last bucket gets the gap before it (1 s)
+    assert arrival_offsets_ms(requests, spread=True) == {0: 0.0, 1: 1000.0, 2: 2000.0, 3: 3000.0, 4: 4000.0, 5: 4500.0}

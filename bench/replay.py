@@ -1,0 +1,264 @@
+"""Side by side on one trace window, at the same loads, on this machine: kvserve
+disaggregated (store + cache-aware conductor), kvserve with prefix caching off,
+kvserve with one colocated worker, and llama.cpp's llama-server on the same GGUF.
+
+Each configuration is started, warmed up, swept over the time scales with
+`kvserve bench`'s library (run i uses prompt seed seed+i in every configuration,
+so all see identical prompts at a given load and no run hits an earlier run's
+cache), and stopped before the next one starts. Per-request JSON, summary.md,
+comparison.md and the plots go to --out; optional py-spy profiles of every
+kvserve service during the first load go there too.
+
+    .venv/bin/python bench/replay.py --requests 200 --time-scales 8 4 2
+"""
+
+import argparse
+import contextlib
+import datetime
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from libs.cli.bench import load_vocab  # noqa: E402
+from libs.cli.cluster import LocalCluster  # noqa: E402
+from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path  # noqa: E402
+from libs.replay.client import Endpoint, plan, replay  # noqa: E402
+from libs.replay.metrics import SLO, Summary, goodput_at_attainment  # noqa: E402
+from libs.replay.prompts import PromptSynthesizer  # noqa: E402
+from libs.replay.report import runs_table  # noqa: E402
+from libs.replay.sweep import SweepSettings, run_sweep, write_outputs  # noqa: E402
+from libs.replay.trace import load_trace  # noqa: E402
+
+LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
+LLAMA_ARGS = ["-np", "4", "-kvu", "-t", "2", "--cache-reuse", "256", "--no-webui"]
+DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
+
+
+@dataclass
+class Config:
+    name: str
+    what: str
+    kind: str  # "kvserve" or "llama"
+    cluster: dict = field(default_factory=dict)  # LocalCluster arguments
+    env: dict[str, str] = field(default_factory=dict)
+    note: str = ""
+
+
+def available_policies() -> set[str]:
+    from services.conductor.policies import POLICIES
+
+    return set(POLICIES)
+
+
+def colocated_env() -> dict[str, str] | None:
+    """How this checkout runs one colocated worker (the decode worker prefilling
+    itself), or None when the conductor has no such path yet."""
+    if "conditional" in available_policies():
+        return {"KVSERVE_POLICY": "conditional"}
+    return None
+
+
+def configs(worker_threads: int | None) -> list[Config]:
+    threads = {"OMP_NUM_THREADS": str(worker_threads)} if worker_threads else {}
+    policy = "cache_aware" if "cache_aware" in available_policies() else "least_loaded"
+    note = "" if policy == "cache_aware" else "no cache_aware policy in this checkout: ran least_loaded"
+    out = [
+        Config("kvserve-disagg", "kvserve 1 prefill + 1 decode, store, prefix cache on", "kvserve",
+               dict(prefill=1, decode=1, store=True), {"KVSERVE_POLICY": policy, **threads}, note),
+        Config("kvserve-nocache", "kvserve 1 prefill + 1 decode, no store, prefix cache off", "kvserve",
+               dict(prefill=1, decode=1, store=False), {"KVSERVE_ENABLE_PREFIX_CACHE": "0", **threads}),
+    ]  # fmt: skip
+    colocated = colocated_env()
+    out.append(
+        Config("kvserve-colocated", "kvserve, one worker prefilling and decoding", "kvserve",
+               dict(prefill=1, decode=1, store=True), {**(colocated or {}), **threads},
+               "" if colocated else "no colocated path in this checkout: not run")  # fmt: skip
+    )
+    out.append(Config("llama.cpp", f"llama-server {' '.join(LLAMA_ARGS)}", "llama"))
+    return out
+
+
+# --- servers --------------------------------------------------------------------------
+@contextlib.contextmanager
+def kvserve(config: Config, log_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
+    with log_path.open("w") as log:
+        cluster = LocalCluster(gateway_port=0, log=log, env=config.env, **config.cluster)
+        cluster.start(timeout=180)
+        try:
+            yield cluster.gateway_url, cluster.pids
+        finally:
+            cluster.stop()
+
+
+@contextlib.contextmanager
+def llama_server(log_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
+    if not LLAMA_SERVER.exists():
+        raise SystemExit(f"{LLAMA_SERVER} is missing: run `make bench` (or bench/llama_cpp.sh) first")
+    port = _free_port()
+    cmd = [str(LLAMA_SERVER), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port), *LLAMA_ARGS]
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            _wait_healthy(url + "/health", proc, timeout=120)
+            yield url, {"llama-server": proc.pid}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"llama-server exited with code {proc.returncode}; see its log")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)  # polling with a deadline
+    raise SystemExit(f"llama-server was not healthy within {timeout:g}s")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- profiling ------------------------------------------------------------------------
+def start_profiles(pids: dict[str, int], seconds: int, out: Path, prefix: str) -> list[subprocess.Popen]:
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    procs = []
+    for instance, pid in pids.items():
+        path = out / f"profile-{prefix}-{instance}.txt"
+        cmd = [py_spy, "record", "-p", str(pid), "-d", str(seconds), "-r", "50", "-f", "raw", "-o", str(path), "-n"]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    return procs
+
+
+def top_frames(path: Path, n: int = 12) -> list[tuple[str, float]]:
+    """Self time by function from a py-spy raw (collapsed) profile: (frame, share of samples)."""
+    self_time: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        leaf = stack.split(";")[-1]
+        self_time[leaf] += int(count)
+        total += int(count)
+    return [(frame, c / total) for frame, c in self_time.most_common(n)] if total else []
+
+
+# --- the comparison -------------------------------------------------------------------
+def warm_up(endpoint: Endpoint, requests, settings: SweepSettings) -> None:
+    synth = PromptSynthesizer(settings.vocab, settings.block_tokens, 10_000, settings.max_input, settings.max_output)
+    import asyncio
+
+    for request in requests[:3]:  # one at a time: first-call costs, not load
+        asyncio.run(replay(endpoint, plan([request], synth, 0.0), progress=False))
+
+
+def comparison(results: dict[str, list[Summary]], target: float) -> str:
+    lines = [
+        f"| configuration | goodput at {target:.0%} SLO attainment (req/s) | at time scale | offered req/s |",
+        "|---|---:|---:|---:|",
+    ]
+    best = {name: goodput_at_attainment(summaries, target) for name, summaries in results.items()}
+    for name, b in best.items():
+        lines.append(
+            f"| {name} | {b.goodput_rps:.3f} | {b.time_scale:g} | {b.offered_rps:.2f} |"
+            if b else f"| {name} | none of the loads reached {target:.0%} | – | – |"
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
+    ap.add_argument("--start", type=int, default=0, help="first trace request (default 0)")
+    ap.add_argument("--requests", type=int, default=200, help="trace window length (default 200)")
+    ap.add_argument("--time-scales", type=float, nargs="+", default=[8.0, 4.0, 2.0])
+    ap.add_argument("--block-tokens", type=int, default=16)
+    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    ap.add_argument("--slo-tbt-ms", type=float, default=150.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-spread", dest="spread", action="store_false",
+                    help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
+    ap.add_argument("--configs", nargs="+", default=None, help="names to run (default all)")
+    ap.add_argument("--worker-threads", type=int, default=None, help="OMP_NUM_THREADS for kvserve services")
+    ap.add_argument("--profile-seconds", type=int, default=0, help="py-spy every kvserve service during the first load")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "replay")
+    args = ap.parse_args()
+
+    if not args.trace.exists():
+        raise SystemExit(f"no trace at {args.trace}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    requests = load_trace(args.trace, args.requests, args.start)
+    settings = SweepSettings(
+        vocab=load_vocab(None), time_scales=args.time_scales, block_tokens=args.block_tokens, seed=args.seed,
+        max_input=args.max_input, max_output=args.max_output, spread=args.spread, slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),
+    )  # fmt: skip
+    started = datetime.datetime.now().astimezone()
+    print(f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")
+    all_results, by_config, notes = [], {}, {}
+    for config in configs(args.worker_threads):
+        if args.configs and config.name not in args.configs:
+            continue
+        notes[config.name] = config.note
+        if config.note.endswith("not run"):
+            print(f"{config.name}: {config.note}")
+            continue
+        server = kvserve(config, args.out / f"{config.name}.log") if config.kind == "kvserve" else (
+            llama_server(args.out / f"{config.name}.log"))  # fmt: skip
+        with server as (url, pids):
+            endpoint = Endpoint(url, DEFAULT_MODEL_ID, None, timeout_s=900)
+            warm_up(endpoint, requests, settings)
+            profilers = []
+            if args.profile_seconds and config.kind == "kvserve":
+                profilers = start_profiles(pids, args.profile_seconds, args.out, config.name)
+            results = run_sweep(endpoint, requests, settings, label=config.name, out_dir=args.out,
+                                trace_name=str(args.trace))  # fmt: skip
+            for p in profilers:
+                p.wait()
+        all_results += results
+        by_config[config.name] = [s for _, s in results]
+        print(runs_table(by_config[config.name]))
+    write_outputs(all_results, args.out, title="Trace replay: kvserve against llama.cpp")
+    text = [
+        f"# Trace replay comparison, {started:%Y-%m-%d %H:%M %Z}\n",
+        f"`{' '.join(sys.argv)}` — load average at start {os.getloadavg()[0]:.2f}\n",
+        comparison(by_config, 0.9),
+        runs_table([s for _, s in all_results]),
+        *(f"- {name}: {note}" for name, note in notes.items() if note),
+    ]
+    for path in sorted(args.out.glob("profile-*.txt")):
+        text.append(f"\n{path.name}: " + ", ".join(f"{f} {share:.0%}" for f, share in top_frames(path, 8)))
+    (args.out / "comparison.md").write_text("\n".join(text) + "\n")
+    print("\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
