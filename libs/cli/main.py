@@ -8,14 +8,14 @@ from libs.common.errors import KVServeError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from libs.cli import bench, chat, model, up
+    from libs.cli import bench, chat, model, simulate, up
 
     parser = argparse.ArgumentParser(
         prog="kvserve",
         description="kvserve: a KVCache-centric, disaggregated LLM serving platform.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (chat, model, up, bench):
+    for module in (chat, model, up, bench, simulate):
         module.add_parser(sub)
     return parser
 

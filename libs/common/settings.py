@@ -72,6 +72,7 @@ class ModelSettings:
     block_size: int
     num_blocks: int
     max_model_len: int | None
+    calibrate: bool = False  # time the engine at start and report the fitted cost model (KVSERVE_CALIBRATE, on)
 
     @classmethod
     def from_env(cls, default_blocks: int = 512) -> "ModelSettings":
@@ -83,6 +84,7 @@ class ModelSettings:
             block_size=env_int("BLOCK_SIZE", 16),
             num_blocks=env_int("NUM_BLOCKS", default_blocks),
             max_model_len=max_len or None,
+            calibrate=env_bool("CALIBRATE", True),
         )
         if settings.block_size < 1 or settings.num_blocks < 1:
             raise SystemExit("KVSERVE_BLOCK_SIZE and KVSERVE_NUM_BLOCKS must be positive")

@@ -1,54 +1,172 @@
-"""The conductor service: keeps the cluster view from heartbeats and answers
-admission requests with a (prefill, decode) pair or a reason to refuse."""
+"""The conductor service: keeps the cluster view from heartbeats and the global
+KV index from KV events, answers admission requests with a (prefill, decode)
+pair or an early rejection, and settles its predictions from the gateways'
+progress reports. Every decision is `scheduler.py`'s; this is the NATS side.
+"""
 
+import asyncio
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 
 from libs.common import subjects
-from libs.common.schema import AdmitReply, AdmitRequest, ErrorInfo, Heartbeat
+from libs.common.kv_events import KVEventTracker
+from libs.common.schema import (
+    AdmitReply,
+    AdmitRequest,
+    BadMessageError,
+    ErrorInfo,
+    Heartbeat,
+    KVEventBatch,
+    KVSnapshotReply,
+    KVSnapshotRequest,
+    RequestProgress,
+)
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings
-from services.conductor.cluster import ClusterView
-from services.conductor.policies import POLICIES
+from services.conductor.admission import build_policy
+from services.conductor.cluster import ClusterView, Instance
+from services.conductor.index import KVIndex
+from services.conductor.predict import SLO, PredictConfig
+from services.conductor.scheduler import Scheduler, SchedulerConfig
+
+DEFAULT_POLICY = "cache_aware+early_rejection"
+SNAPSHOT_TIMEOUT = 5.0
+ADMITTED_MAX_AGE = 900.0  # seconds after which a request never reported finished is forgotten
 
 
 @dataclass(frozen=True)
 class ConductorSettings:
     service: ServiceSettings
     instance_timeout: float = 3.0
-    policy: str = "least_loaded"
+    policy: str = DEFAULT_POLICY
+    slo_ttft_s: float = 2.0
+    slo_tbt_s: float = 0.15
+    block_size: int = 16  # tokens per hashed block, as the gateway hashes prompts
+    balancing_threshold: float = 2.0
+    expected_output_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.instance_timeout <= 0:
             raise ValueError("instance timeout must be positive")
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {sorted(POLICIES)}")
+        if self.slo_ttft_s <= 0 or self.slo_tbt_s <= 0:
+            raise ValueError("SLOs must be positive")
+        if self.block_size < 1 or self.balancing_threshold < 1 or self.expected_output_tokens < 1:
+            raise ValueError("block size, balancing threshold and expected output tokens must be at least 1")
+        build_policy(self.policy)  # raises ValueError naming what is wrong
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            slo=SLO(self.slo_ttft_s, self.slo_tbt_s),
+            predict=PredictConfig(self.block_size, self.balancing_threshold, self.expected_output_tokens),
+        )
 
 
 class Conductor(Service):
     def __init__(self, settings: ConductorSettings) -> None:
         super().__init__(settings.service)
-        self.view = ClusterView(timeout=settings.instance_timeout)
-        self.policy = POLICIES[settings.policy]()
-        self.admitted = 0
-        self.refused = 0
+        self.config = settings
+        self.view = ClusterView(timeout=settings.instance_timeout, block_size=settings.block_size)
+        self.index = KVIndex()
+        self.tracker = KVEventTracker(apply=self.index.apply_event, reset=self.index.replace)
+        self.view.on_gone = self._forget
+        self.scheduler = Scheduler(build_policy(settings.policy), self.view, self.index, settings.scheduler_config())
+        self._snapshots: set[str] = set()  # instances whose snapshot is being fetched
 
     async def start(self, stack: AsyncExitStack) -> None:
+        c = self.config
+        self.log.info("policy %s; SLO TTFT %.0f ms, TBT %.0f ms", c.policy, c.slo_ttft_s * 1e3, c.slo_tbt_s * 1e3)
         await self.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        await self.subscribe(subjects.KV_EVENTS_ALL, KVEventBatch, self.on_kv_events)
+        await self.subscribe(subjects.CONDUCTOR_PROGRESS, RequestProgress, self.on_progress)
         await self.subscribe(subjects.CONDUCTOR_ADMIT, AdmitRequest, self.on_admit, queue=subjects.CONDUCTOR_QUEUE)
+        expiry = self.spawn(self._expire_loop())
+        stack.callback(expiry.cancel)
 
+    # --- the cluster and its KV ------------------------------------------------------
     async def on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
-        self.view.observe(heartbeat)
+        known = self.view.get(heartbeat.instance_id)
+        instance = self.view.observe(heartbeat)
+        if heartbeat.cost is not None and (known is None or known.heartbeat.cost != heartbeat.cost):
+            self.log.info("%s cost model: %s", heartbeat.instance_id, instance.cost.describe())
+        if self.tracker.on_heartbeat(heartbeat.instance_id, heartbeat.kv_epoch, heartbeat.kv_seq):
+            self._fetch_snapshot(heartbeat.instance_id)
 
+    async def on_kv_events(self, batch: KVEventBatch, msg: Msg) -> None:
+        if self.tracker.on_batch(batch):
+            self._fetch_snapshot(batch.instance_id)
+
+    def _fetch_snapshot(self, instance_id: str) -> None:
+        if instance_id not in self._snapshots:
+            self._snapshots.add(instance_id)
+            self.spawn(self._snapshot(instance_id))
+
+    async def _snapshot(self, instance_id: str) -> None:
+        try:
+            self.log.info("KV events of %s have a gap: fetching its snapshot", instance_id)
+            request = KVSnapshotRequest(instance_id=instance_id)
+            reply = await self.request(subjects.kv_snapshot(instance_id), request, KVSnapshotReply, SNAPSHOT_TIMEOUT)
+        except (NatsError, BadMessageError, asyncio.TimeoutError) as e:
+            self.log.warning("no KV snapshot from %s: %s", instance_id, e)
+            self.tracker.snapshot_failed(instance_id)
+            return
+        finally:
+            self._snapshots.discard(instance_id)
+        if self.tracker.on_snapshot(reply):
+            self._fetch_snapshot(instance_id)
+
+    def _forget(self, instance: Instance) -> None:
+        self.log.warning("%s missed its heartbeats: removed from the cluster view", instance.instance_id)
+        self.tracker.forget(instance.instance_id)
+
+    # --- requests ---------------------------------------------------------------------
     async def on_admit(self, request: AdmitRequest, msg: Msg) -> AdmitReply:
-        decision = self.policy.choose(request, self.view)
-        if not decision.admitted:
-            self.refused += 1
-            self.log.warning("refused %s: %s", request.request_id, decision.error_message)
-            return AdmitReply(error=ErrorInfo(code=decision.error_code, message=decision.error_message))
-        self.admitted += 1
-        self.view.assigned(decision.prefill_id)
-        self.view.assigned(decision.decode_id)
-        return AdmitReply(prefill_id=decision.prefill_id, decode_id=decision.decode_id)
+        d = self.scheduler.admit(request)
+        if not d.admitted:
+            if d.error_code == "rejected":
+                self.log.info("rejected %s: %s", request.request_id, d.error_message)
+            else:
+                self.log.warning("cannot admit %s: %s", request.request_id, d.error_message)
+            return AdmitReply(
+                error=ErrorInfo(code=d.error_code, message=d.error_message), retry_after_s=d.retry_after_s,
+                predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s,
+            )  # fmt: skip
+        return AdmitReply(
+            prefill_id=d.prefill_id, decode_id=d.decode_id, prefill_on_decode=d.prefill_on_decode,
+            predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s, cached_tokens=d.cached_tokens,
+        )  # fmt: skip
+
+    async def on_progress(self, progress: RequestProgress, msg: Msg) -> None:
+        if progress.kind == "first_token":
+            self.scheduler.first_token(progress.request_id, progress.ttft_s)
+        else:
+            self.scheduler.finished(progress.request_id)
+
+    async def _expire_loop(self) -> None:
+        while True:
+            await asyncio.sleep(10.0)
+            now = self.view.clock()
+            for request_id in [r for r, a in self.scheduler.admitted.items() if now - a.admitted_at > ADMITTED_MAX_AGE]:
+                self.scheduler.finished(request_id)
+
+    def heartbeat(self) -> Heartbeat:
+        beat = super().heartbeat()
+        beat.load = len(self.scheduler.admitted)
+        return beat
+
+    def metrics_text(self) -> str:
+        """The conductor's own metrics, Prometheus text format."""
+        s = self.scheduler
+        lines = [
+            "# TYPE kvserve_conductor_admitted_total counter",
+            f"kvserve_conductor_admitted_total {s.num_admitted}",
+            "# TYPE kvserve_conductor_rejected_total counter",
+            *(f'kvserve_conductor_rejected_total{{reason="{k}"}} {v}' for k, v in sorted(s.rejections.items())),
+            "# TYPE kvserve_conductor_kv_index_blocks gauge",
+            f"kvserve_conductor_kv_index_blocks {self.index.num_blocks}",
+            "# TYPE kvserve_conductor_kv_event_gaps_total counter",
+            f"kvserve_conductor_kv_event_gaps_total {self.tracker.gaps}",
+        ]
+        return "\n".join(lines) + "\n" + s.errors.render()

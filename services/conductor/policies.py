@@ -1,30 +1,59 @@
-"""Routing policies: given a request and the cluster view, pick a prefill and a
-decode instance, or say why none can serve it. Plain classes behind one
-interface, importable without NATS, so a simulator can run the same code."""
+"""Routing policies: plain classes behind one interface, so the live conductor
+and the simulator run the same code.
 
-from dataclasses import dataclass
+A router picks a (prefill, decode) pair and says what it predicts for it;
+`admission.py` then decides whether to admit at all. ``KVSERVE_POLICY`` names a
+router and, joined with ``+``, options: ``cache_aware+replication+predictive_rejection``.
+
+- random:       any prefill, any decode (a seeded generator: reproducible).
+- least_loaded: the fewest requests on each side.
+- cache_aware:  Mooncake's Algorithm 1: the prefill instance with the least
+                TTFT = queue + load of the cached blocks it lacks + prefill of
+                the rest; the decode instance with the least predicted TBT.
+- +replication: a prefix much longer (``balancing_threshold`` times) in a peer's
+                cache than in a candidate's may be copied to that candidate:
+                a busy instance's hot prefix is replicated on an idle one.
+"""
+
+import random
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from libs.common.schema import AdmitRequest
-from services.conductor.cluster import ClusterView, Instance
+from services.conductor.cluster import Instance
+from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEstimate
+
+
+@dataclass(frozen=True)
+class Route:
+    prefill: PrefillEstimate
+    decode: DecodeEstimate
 
 
 @dataclass(frozen=True)
 class Decision:
     prefill_id: str | None = None
     decode_id: str | None = None
-    error_code: str | None = None  # no_prefill, no_decode, no_instances
+    prefill_on_decode: bool = False  # conditional disaggregation
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+    cached_tokens: dict[str, int] = field(default_factory=dict)
+    work_s: float = 0.0  # predicted seconds it adds to the prefill queue
+    copy_from: str | None = None  # replication: the peer whose prefix is copied
+    copy_blocks: int = 0
+    error_code: str | None = None  # no_prefill, no_decode, no_instances, rejected
     error_message: str | None = None
+    reason: str | None = None  # rejected: ttft_slo or tbt_slo
+    retry_after_s: float | None = None
 
     @property
     def admitted(self) -> bool:
         return self.error_code is None
 
 
-class Policy(Protocol):
+class Router(Protocol):
     name: str
 
-    def choose(self, request: AdmitRequest, view: ClusterView) -> Decision: ...
+    def route(self, ctx: AdmitContext) -> Route: ...
 
 
 def missing_roles(prefills: list[Instance], decodes: list[Instance]) -> Decision | None:
@@ -38,22 +67,62 @@ def missing_roles(prefills: list[Instance], decodes: list[Instance]) -> Decision
     return None
 
 
-class LeastLoaded:
+class RandomRouter:
+    name = "random"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self.rng = rng or random.Random()
+
+    def route(self, ctx: AdmitContext) -> Route:
+        p = ctx.prefills[self.rng.randrange(len(ctx.prefills))]
+        d = ctx.decodes[self.rng.randrange(len(ctx.decodes))]
+        return Route(ctx.prefill_estimate(p), ctx.decode_all(d))
+
+
+class LeastLoadedRouter:
     """The instance of each role with the fewest requests; ties go to the most free
     KV blocks, then to the smallest id (so choices are deterministic)."""
 
     name = "least_loaded"
 
-    def choose(self, request: AdmitRequest, view: ClusterView) -> Decision:
-        prefills, decodes = view.alive("prefill"), view.alive("decode")
-        missing = missing_roles(prefills, decodes)
-        if missing is not None:
-            return missing
-        return Decision(prefill_id=_least_loaded(prefills).instance_id, decode_id=_least_loaded(decodes).instance_id)
+    def route(self, ctx: AdmitContext) -> Route:
+        p = min(ctx.prefills, key=_load_key)
+        d = min(ctx.decodes, key=_load_key)
+        return Route(ctx.prefill_estimate(p), ctx.decode_all(d))
 
 
-def _least_loaded(instances: list[Instance]) -> Instance:
-    return min(instances, key=lambda i: (i.load, -i.heartbeat.free_blocks, i.instance_id))
+def _load_key(i: Instance) -> tuple:
+    return i.load, -i.heartbeat.free_blocks, i.instance_id
 
 
-POLICIES: dict[str, type] = {LeastLoaded.name: LeastLoaded}
+class CacheAwareRouter:
+    """Least predicted TTFT (ties: fewer requests, then id); least predicted TBT."""
+
+    def __init__(self, replication: bool = False) -> None:
+        self.replication = replication
+        self.name = "cache_aware+replication" if replication else "cache_aware"
+
+    def route(self, ctx: AdmitContext) -> Route:
+        peer = ctx.best_peer() if self.replication else None
+        best, best_key = None, None
+        for p in ctx.prefills:
+            estimate = ctx.prefill_estimate(p, self.replication, peer)
+            key = (estimate.ttft_s, p.load, p.instance_id)
+            if best_key is None or key < best_key:
+                best, best_key = estimate, key
+        decode = min((ctx.decode_all(d) for d in ctx.decodes), key=lambda e: (e.tbt_s, e.instance_id))
+        return Route(best, decode)
+
+
+ROUTERS = ("random", "least_loaded", "cache_aware")
+OPTIONS = ("replication", "early_rejection", "predictive_rejection", "local_prefill")
+
+
+def build_router(name: str, replication: bool, rng: random.Random | None) -> Router:
+    if name == "random":
+        return RandomRouter(rng)
+    if name == "least_loaded":
+        return LeastLoadedRouter()
+    if name == "cache_aware":
+        return CacheAwareRouter(replication)
+    raise ValueError(f"unknown router {name!r}; choose one of {', '.join(ROUTERS)}")

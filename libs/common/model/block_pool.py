@@ -4,10 +4,12 @@ A block is in use while its ``ref_count`` > 0. A freed block that holds a full,
 hashed block of KV stays findable by its hash (a prefix-cache hit revives it)
 until it is reused for something else; free blocks are reused least recently
 freed first, so the cache is LRU. The pool of tensors itself is `kv_pool.py`.
+An optional ``listener`` hears each block that becomes findable ("stored") or
+stops being findable ("evicted"), on the thread that changed it.
 """
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from libs.common.errors import OutOfKVBlocksError
@@ -22,8 +24,12 @@ class Block:
     token_ids: tuple[int, ...] = field(default=())  # kept to confirm a hash hit
 
 
+BlockListener = Callable[[str, BlockHash], None]  # ("stored" | "evicted", hash)
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, listener: BlockListener | None = None) -> None:
+        self.listener = listener
         self.blocks = [Block(i) for i in range(num_blocks)]
         # ref_count == 0 blocks, least recently freed first; O(1) removal on a cache hit.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -94,6 +100,8 @@ class BlockPool:
         block.block_hash = block_hash
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block_id
+        if self.listener is not None:
+            self.listener("stored", block_hash)
 
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
@@ -101,5 +109,7 @@ class BlockPool:
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
+            if self.listener is not None:
+                self.listener("evicted", block.block_hash)
             block.block_hash = None
             block.token_ids = ()

@@ -1,0 +1,145 @@
+"""Admission on top of routing: admit a request, or reject it at once because
+its SLOs cannot be met now (Mooncake's early rejection), and conditional
+disaggregation (prefill on the decode worker when that is predicted faster).
+
+- early_rejection:      predicted TTFT over the TTFT SLO, or the TBT of the
+                        batch decoding now (plus this request) over the TBT SLO.
+                        (A batch whose KV would not fit the decode pool is
+                        refused the same way, reason decode_full.)
+- predictive_rejection: the same, but the TBT of the batch predicted for the
+                        moment this request's prefill ends, requests now in
+                        prefill included: plain early rejection sees decode load
+                        only once it has landed and so admits in waves.
+A request that misses an SLO even on an idle cluster is judged against what it
+costs alone (admitted only when nothing queues ahead of it), never refused forever.
+"""
+
+import random
+from dataclasses import replace
+from typing import Protocol
+
+from services.conductor.cluster import Instance
+from services.conductor.policies import OPTIONS, ROUTERS, Decision, Route, Router, build_router, missing_roles
+from services.conductor.predict import AdmitContext, DecodeEstimate
+
+_SLACK = 1e-9  # seconds: a prediction equal to the SLO meets it
+
+
+class Admission(Protocol):
+    name: str
+
+    def judge(self, ctx: AdmitContext, route: Route) -> Decision | None:
+        """A rejection, or None to admit."""
+
+
+class AdmitAll:
+    name = "none"
+
+    def judge(self, ctx: AdmitContext, route: Route) -> Decision | None:
+        return None
+
+
+class EarlyRejection:
+    name = "early_rejection"
+
+    def decode_estimate(self, ctx: AdmitContext, d: Instance, ttft_s: float) -> DecodeEstimate:
+        return ctx.decode_now(d)
+
+    def judge(self, ctx: AdmitContext, route: Route) -> Decision | None:
+        p, slo = route.prefill, ctx.slo
+        limit = max(slo.ttft_s, p.unloaded_ttft_s)
+        if p.ttft_s > limit + _SLACK:
+            message = (f"predicted TTFT {p.ttft_s:.3f} s on {p.instance_id} (queue {p.queue_s:.3f} s) exceeds "
+                       f"the {limit:.3f} s target")  # fmt: skip
+            return _reject("ttft_slo", message, p.ttft_s - limit, route)
+        d = ctx.view.get(route.decode.instance_id)
+        tbt = self.decode_estimate(ctx, d, p.ttft_s)
+        alone = ctx.decode_estimate(d, (0, 0)).tbt_s
+        limit = max(slo.tbt_s, alone)
+        if not tbt.fits:
+            message = f"{d.instance_id} is predicted to have no room for this request's KV (batch {tbt.batch_size})"
+            return _reject("decode_full", message, _decode_wait(ctx, d, tbt, limit), route)
+        if tbt.tbt_s > limit + _SLACK:
+            message = (f"predicted TBT {tbt.tbt_s * 1e3:.1f} ms on {d.instance_id} (batch {tbt.batch_size}) exceeds "
+                       f"the {limit * 1e3:.1f} ms target")  # fmt: skip
+            return _reject("tbt_slo", message, _decode_wait(ctx, d, tbt, limit), route)
+        return None
+
+
+class PredictiveRejection(EarlyRejection):
+    name = "predictive_rejection"
+
+    def decode_estimate(self, ctx: AdmitContext, d: Instance, ttft_s: float) -> DecodeEstimate:
+        return ctx.decode_at(d, ctx.now + ttft_s)
+
+
+def _reject(reason: str, message: str, wait_s: float, route: Route) -> Decision:
+    return Decision(
+        prefill_id=route.prefill.instance_id, decode_id=route.decode.instance_id,
+        predicted_ttft_s=route.prefill.ttft_s, predicted_tbt_s=route.decode.tbt_s,
+        error_code="rejected", error_message=message, reason=reason, retry_after_s=max(wait_s, 0.0),
+    )  # fmt: skip
+
+
+def _decode_wait(ctx: AdmitContext, d: Instance, tbt: DecodeEstimate, limit: float) -> float:
+    """Seconds until enough of ``d``'s requests are predicted to finish for this one to fit."""
+    ends = d.decode.expected_ends(ctx.now, ctx.step_now(d))
+    size = tbt.batch_size - 1  # the others
+    per_seq = ctx.added_context()
+    for i, end in enumerate(ends):
+        left = size - (i + 1)
+        if d.cost.decode_step_time(left + 1, (left + 1) * per_seq) <= limit:
+            return end - ctx.now
+    return ctx.decode_duration(d)
+
+
+class Policy:
+    """A router, an admission rule and, optionally, conditional disaggregation."""
+
+    def __init__(self, router: Router, admission: Admission, local_prefill: bool = False, name: str = "") -> None:
+        self.router = router
+        self.admission = admission
+        self.local_prefill = local_prefill
+        self.name = name or router.name
+
+    def choose(self, ctx: AdmitContext) -> Decision:
+        missing = missing_roles(ctx.prefills, ctx.decodes)
+        if missing is not None:
+            return missing
+        route = self.router.route(ctx)
+        on_decode = False
+        if self.local_prefill:
+            local = ctx.local_prefill_estimate(ctx.view.get(route.decode.instance_id))
+            # only a prefill short enough not to stall the decode batch past its TBT target
+            if local.compute_s <= ctx.slo.tbt_s and local.ttft_s < route.prefill.ttft_s:
+                route, on_decode = Route(local, route.decode), True
+        rejection = self.admission.judge(ctx, route)
+        if rejection is not None:
+            return replace(rejection, prefill_on_decode=on_decode)
+        p = route.prefill
+        return Decision(
+            prefill_id=p.instance_id, decode_id=route.decode.instance_id, prefill_on_decode=on_decode,
+            predicted_ttft_s=p.ttft_s, predicted_tbt_s=route.decode.tbt_s, cached_tokens=p.cached_tokens,
+            work_s=p.work_s, copy_from=p.copy_from, copy_blocks=p.copy_blocks,
+        )  # fmt: skip
+
+
+def build_policy(spec: str, rng: random.Random | None = None) -> Policy:
+    """``router[+option...]``, e.g. ``cache_aware+replication+predictive_rejection``."""
+    name, *options = [part.strip() for part in spec.split("+")]
+    if name not in ROUTERS:
+        raise ValueError(f"unknown policy {spec!r}: it must start with one of {', '.join(ROUTERS)}")
+    unknown = [o for o in options if o not in OPTIONS]
+    if unknown:
+        raise ValueError(f"unknown policy option {unknown[0]!r}; options: {', '.join(OPTIONS)}")
+    if "replication" in options and name != "cache_aware":
+        raise ValueError("replication needs the cache_aware router")
+    if "early_rejection" in options and "predictive_rejection" in options:
+        raise ValueError("choose early_rejection or predictive_rejection, not both")
+    admission: Admission = AdmitAll()
+    if "early_rejection" in options:
+        admission = EarlyRejection()
+    elif "predictive_rejection" in options:
+        admission = PredictiveRejection()
+    router = build_router(name, "replication" in options, rng)
+    return Policy(router, admission, "local_prefill" in options, "+".join([name, *options]))

@@ -1,0 +1,288 @@
+"""Simulated instances: what a prefill worker, a decode worker and a store do,
+in simulated time, with their durations taken from a cost model.
+
+A prefill instance serves its queue one request at a time: it reuses the
+prompt's prefix from its own block cache (LRU), loads what the store holds
+next, copies a peer's blocks when the conductor said so, computes the rest and
+hands the KV over. A decode instance runs one continuous batch; between two
+membership changes every step costs the same formula, so a whole stretch of
+steps is one closed-form sum and one event, not one event per token.
+"""
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from math import ceil, sqrt
+
+from libs.common.cost_model import CostModel
+from libs.common.schema import Heartbeat
+from services.conductor.policies import Decision
+from services.conductor.simulator.trace import TraceRequest
+
+
+@dataclass(eq=False)
+class SimRequest:
+    trace: TraceRequest
+    request_id: str
+    decision: Decision | None = None
+    outcome: str = "pending"  # rejected, wasted (prefilled, then refused by its decode instance), done
+    reason: str | None = None
+    prefill_start: float | None = None
+    first_token: float | None = None
+    finish: float | None = None
+    cached_tokens: dict[str, int] = field(default_factory=dict)  # measured reuse, by tier
+    prefill_seconds: float = 0.0  # busy time its prefill took (wasted when refused afterwards)
+    remaining: int = 0  # decode steps left
+    context: int = 0  # tokens of KV it holds while decoding
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.trace.arrival_s
+
+    @property
+    def tbt(self) -> float | None:
+        """Mean time between its tokens after the first (waits in the decode queue included)."""
+        if self.finish is None or self.first_token is None or self.trace.output_length < 2:
+            return None
+        return (self.finish - self.first_token) / (self.trace.output_length - 1)
+
+
+class BlockLRU:
+    """A cache of block ids with a capacity and least-recently-used eviction."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.blocks: OrderedDict[Hashable, None] = OrderedDict()
+
+    def prefix(self, blocks: Sequence[Hashable], start: int = 0) -> int:
+        """How many of ``blocks[start:]`` in a row it holds."""
+        n = start
+        while n < len(blocks) and blocks[n] in self.blocks:
+            n += 1
+        return n - start
+
+    def insert(self, blocks: Sequence[Hashable]) -> tuple[list[Hashable], list[Hashable]]:
+        """Hold ``blocks`` (most recently used last); return (new blocks, evicted blocks)."""
+        new, evicted = [], []
+        for block in blocks:
+            if block in self.blocks:
+                self.blocks.move_to_end(block)
+            else:
+                self.blocks[block] = None
+                new.append(block)
+        while len(self.blocks) > self.capacity:
+            evicted.append(self.blocks.popitem(last=False)[0])
+        return new, evicted
+
+
+class SimStore:
+    def __init__(self, instance_id: str, capacity_blocks: int, cost: CostModel) -> None:
+        self.instance_id = instance_id
+        self.cache = BlockLRU(capacity_blocks)
+        self.cost = cost
+
+    def heartbeat(self) -> Heartbeat:
+        return Heartbeat(instance_id=self.instance_id, role="store", host_id="sim", cost=self.cost.coefficients,
+                         capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks))  # fmt: skip
+
+
+class SimPrefill:
+    def __init__(self, sim, instance_id: str, cost: CostModel, cache_blocks: int) -> None:
+        self.sim = sim
+        self.instance_id = instance_id
+        self.cost = cost
+        self.cache = BlockLRU(cache_blocks)
+        self.queue: deque[SimRequest] = deque()
+        self.running: SimRequest | None = None
+        self.busy_seconds = 0.0
+
+    def submit(self, request: SimRequest) -> None:
+        self.queue.append(request)
+        if self.running is None:
+            self._start_next()
+
+    def _start_next(self) -> None:
+        if not self.queue:
+            self.running = None
+            return
+        request = self.running = self.queue.popleft()
+        sim, t = self.sim, request.trace
+        bs = self.cost.block_size
+        usable = min(len(t.hash_ids), (t.input_length - 1) // bs)
+        blocks = t.hash_ids[:usable]
+        local = self.cache.prefix(blocks)
+        cached = {"device": local * bs} if local else {}
+        reached, load_s = local, 0.0
+        from_store = sim.store.cache.prefix(blocks, reached) if sim.store is not None else 0
+        if from_store:
+            load_s += from_store * sim.store.cost.load_time_per_block("dram")
+            cached["dram"] = from_store * bs
+            reached += from_store
+        peer_id = request.decision.copy_from if request.decision is not None else None
+        if peer_id is not None and (peer := sim.prefills.get(peer_id)) is not None:
+            copied = peer.cache.prefix(blocks, reached)
+            if copied:
+                load_s += self.cost.transfer_time(copied)
+                cached["peer"] = copied * bs
+                reached += copied
+        n_cached = reached * bs
+        compute = self.cost.prefill_time(t.input_length - n_cached, n_cached)
+        handoff = self.cost.transfer_time(ceil(t.input_length / bs))
+        duration = (load_s + compute + handoff) * sim.noise()
+        request.prefill_start, request.cached_tokens, request.prefill_seconds = sim.now, cached, duration
+        self.busy_seconds += duration
+        sim.schedule(sim.now + duration, self._finish, request)
+
+    def _finish(self, request: SimRequest) -> None:
+        sim, t = self.sim, request.trace
+        full = t.hash_ids[: min(len(t.hash_ids), t.input_length // self.cost.block_size)]
+        new, evicted = self.cache.insert(full)
+        sim.index.discard(self.instance_id, "device", evicted)
+        sim.index.add(self.instance_id, "device", new)
+        if sim.store is not None:  # every new full block is written back to the store
+            new, evicted = sim.store.cache.insert(full)
+            sim.index.discard(sim.store.instance_id, "dram", evicted)
+            sim.index.add(sim.store.instance_id, "dram", new)
+        sim.prefilled(request)
+        self._start_next()
+
+    def heartbeat(self) -> Heartbeat:
+        queued = list(self.queue) + ([self.running] if self.running is not None else [])
+        return Heartbeat(instance_id=self.instance_id, role="prefill", host_id="sim", cost=self.cost.coefficients,
+                         load=len(queued), queued_tokens=sum(r.trace.input_length for r in queued),
+                         capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks))  # fmt: skip
+
+
+class SimDecode:
+    """One continuous batch. Members join and leave only at step boundaries; an
+    epoch is the stretch of steps between two such changes, whose ``k`` steps take
+    T(k) = k·(d + e·B + f·C) + f·B·k(k-1)/2 (every step adds B tokens of context)."""
+
+    def __init__(self, sim, instance_id: str, cost: CostModel, max_batch: int, kv_tokens: int) -> None:
+        self.sim = sim
+        self.instance_id = instance_id
+        self.cost = cost
+        self.max_batch = max_batch
+        self.kv_tokens = kv_tokens
+        self.members: list[SimRequest] = []
+        self.joining: list[SimRequest] = []  # handed over: joins at the next boundary
+        self.waiting: deque[SimRequest] = deque()  # no room yet
+        self.local_jobs: list[tuple[SimRequest, float]] = []  # conditional disaggregation: (request, seconds)
+        self.epoch_start = 0.0
+        self.context = 0  # C: tokens of KV the members hold at the epoch start
+        self.version = 0  # the boundary event that is current
+        self.next_steps: int | None = None  # steps to that boundary
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.members) + len(self.joining) + len(self.waiting) + len(self.local_jobs)
+
+    def _elapsed(self, k: int) -> float:
+        c, b = self.cost.coefficients, len(self.members)
+        return k * (c.decode_base + c.decode_per_seq * b + c.decode_per_context_token * self.context) + (
+            c.decode_per_context_token * b * k * (k - 1) / 2
+        )
+
+    def _steps_until(self, dt: float) -> int:
+        """The fewest steps of this epoch that take at least ``dt`` seconds."""
+        if dt <= 0:
+            return 0
+        c, b = self.cost.coefficients, len(self.members)
+        alpha = c.decode_base + c.decode_per_seq * b + c.decode_per_context_token * self.context
+        beta = c.decode_per_context_token * b
+        if beta > 0:
+            k = ceil((-(alpha - beta / 2) + sqrt((alpha - beta / 2) ** 2 + 2 * beta * dt)) / beta - 1e-9)
+        else:
+            k = ceil(dt / alpha - 1e-9)
+        while k > 0 and self._elapsed(k - 1) >= dt:
+            k -= 1
+        while self._elapsed(k) < dt:
+            k += 1
+        return k
+
+    # --- arrivals ------------------------------------------------------------------
+    def would_refuse(self, request: SimRequest, tbt_limit: float) -> bool:
+        """Mooncake's decode-side check at hand-off: refuse what would push the batch
+        past the TBT target (or that has no room at once)."""
+        size = self.num_sequences + 1
+        context = self._context_now() + sum(r.context for r in (*self.joining, *self.waiting)) + request.context
+        alone = self.cost.decode_step_time(1, request.context)
+        if self.cost.decode_step_time(size, context) > max(tbt_limit, alone):
+            return True
+        return size > self.max_batch or context > self.kv_tokens
+
+    def _context_now(self) -> int:
+        """The members' KV now: at the epoch start, plus a token each per step since."""
+        dt = self.sim.now - self.epoch_start
+        steps = self._steps_until(dt)
+        if steps and self._elapsed(steps) > dt:
+            steps -= 1  # that step is still running
+        return self.context + steps * len(self.members)
+
+    def hand_over(self, request: SimRequest) -> None:
+        self.joining.append(request)
+        self._wake()
+
+    def prefill_locally(self, request: SimRequest) -> None:
+        t = request.trace
+        seconds = self.cost.prefill_time(t.input_length) * self.sim.noise()
+        request.prefill_start, request.prefill_seconds = self.sim.now, seconds
+        self.local_jobs.append((request, seconds))
+        self._wake()
+
+    def _wake(self) -> None:
+        now = self.sim.now
+        if not self.members and self.next_steps is None:
+            self._advance(0)
+            return
+        k = self._steps_until(now - self.epoch_start)
+        if self.next_steps is None or k < self.next_steps:
+            self._schedule(k)
+
+    # --- boundaries ----------------------------------------------------------------
+    def _schedule(self, steps: int) -> None:
+        self.version += 1
+        self.next_steps = steps
+        self.sim.schedule(self.epoch_start + self._elapsed(steps), self._boundary, self.version, steps)
+
+    def _boundary(self, version: int, steps: int) -> None:
+        if version == self.version:
+            self._advance(steps)
+
+    def _advance(self, steps: int) -> None:
+        sim, now = self.sim, self.sim.now
+        if steps:
+            still = []
+            for member in self.members:
+                member.remaining -= steps
+                member.context += steps
+                if member.remaining <= 0:
+                    sim.finished(member)
+                else:
+                    still.append(member)
+            self.members = still
+        start = now
+        for request, seconds in self.local_jobs:  # the batch stalls while it prefills
+            start += seconds
+            if sim.prefilled_locally(request, start):
+                self.joining.append(request)
+        self.local_jobs = []
+        self.waiting.extend(self.joining)
+        self.joining = []
+        context = sum(m.context for m in self.members)
+        while self.waiting and len(self.members) < self.max_batch and context + self.waiting[0].context <= self.kv_tokens:
+            joiner = self.waiting.popleft()
+            self.members.append(joiner)
+            context += joiner.context
+        self.epoch_start, self.context = start, context
+        if self.members:
+            self._schedule(min(m.remaining for m in self.members))
+        else:
+            self.version += 1
+            self.next_steps = None
+
+    def heartbeat(self) -> Heartbeat:
+        bs = self.cost.block_size
+        return Heartbeat(instance_id=self.instance_id, role="decode", host_id="sim", cost=self.cost.coefficients,
+                         load=self.num_sequences, batch_size=len(self.members), context_tokens=self._context_now(),
+                         capacity=self.kv_tokens // bs, free_blocks=max(0, self.kv_tokens - self.context) // bs)  # fmt: skip
