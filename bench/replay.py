@@ -18,6 +18,7 @@ import datetime
 import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -192,7 +193,12 @@ def comparison(results: dict[str, list[Summary]], target: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the servers as Ctrl-C does
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--start", type=int, default=0, help="first trace request (default 0)")

@@ -11,6 +11,7 @@ previous run's prompts in the server's cache and the runs can share one server.
 import asyncio
 import os
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +62,7 @@ def run_sweep(
             "spread": settings.spread,
             "model": endpoint.model,
             "loadavg_before": os.getloadavg()[0],
+            "started_at": time.time(),
         }
         run = asyncio.run(replay(endpoint, planned, label=label, time_scale=scale, settings=meta, progress=progress))
         run.settings["loadavg_after"] = os.getloadavg()[0]  # the 1-minute average: was the machine ours?
