@@ -22,6 +22,8 @@ from libs.common.schema import (
     KVEventBatch,
     KVSnapshotReply,
     KVSnapshotRequest,
+    MetricsReply,
+    MetricsRequest,
     RequestProgress,
 )
 from libs.common.service import Service
@@ -32,7 +34,7 @@ from services.conductor.index import KVIndex
 from services.conductor.predict import SLO, PredictConfig
 from services.conductor.scheduler import Scheduler, SchedulerConfig
 
-DEFAULT_POLICY = "cache_aware+early_rejection"
+DEFAULT_POLICY = "cache_aware"
 SNAPSHOT_TIMEOUT = 5.0
 ADMITTED_MAX_AGE = 900.0  # seconds after which a request never reported finished is forgotten
 
@@ -156,8 +158,13 @@ class Conductor(Service):
         beat.load = len(self.scheduler.admitted)
         return beat
 
+    async def _on_metrics(self, request: MetricsRequest, msg: Msg) -> MetricsReply:
+        reply = await super()._on_metrics(request, msg)
+        return MetricsReply(text=reply.text + self.metrics_text())
+
     def metrics_text(self) -> str:
-        """The conductor's own metrics, Prometheus text format."""
+        """The conductor's own metrics, Prometheus text format: admissions, rejections by
+        reason, the index size, KV event gaps and the TTFT prediction error histogram."""
         s = self.scheduler
         lines = [
             "# TYPE kvserve_conductor_admitted_total counter",

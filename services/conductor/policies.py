@@ -106,12 +106,11 @@ class CacheAwareRouter:
         peer = ctx.best_peer() if self.replication else None
         best, best_key = None, None
         for p in ctx.prefills:
-            estimate = ctx.prefill_estimate(p, self.replication, peer)
-            key = (estimate.ttft_s, p.load, p.instance_id)
+            key = (ctx.prefill_ttft(p, self.replication, peer), p.load, p.instance_id)
             if best_key is None or key < best_key:
-                best, best_key = estimate, key
-        decode = min((ctx.decode_all(d) for d in ctx.decodes), key=lambda e: (e.tbt_s, e.instance_id))
-        return Route(best, decode)
+                best, best_key = p, key
+        decode = min(ctx.decodes, key=lambda d: (ctx.decode_tbt(d), d.instance_id))
+        return Route(ctx.prefill_estimate(best, self.replication, peer), ctx.decode_all(decode))
 
 
 ROUTERS = ("random", "least_loaded", "cache_aware")

@@ -9,7 +9,7 @@ time with this request added to the batch it is predicted to run. Pure
 functions of the cluster view, the index match and the clock.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from math import ceil
 
 from libs.common.schema import AdmitRequest
@@ -64,67 +64,73 @@ class DecodeEstimate:
     fits: bool = True  # its KV fits the instance's pool beside that batch's
 
 
-@dataclass
 class AdmitContext:
-    """Everything a policy looks at for one request."""
+    """Everything a policy looks at for one request, and the predictions built on it.
 
-    request: AdmitRequest
-    match: PrefixMatch
-    view: ClusterView
-    now: float
-    slo: SLO
-    config: PredictConfig
-    prefills: list[Instance] = field(default_factory=list)
-    decodes: list[Instance] = field(default_factory=list)
-    stores: list[Instance] = field(default_factory=list)
-    _store: tuple | None = None
+    Routers call `prefill_ttft` / `decode_tbt` on every candidate (plain floats,
+    cheap) and the `*_estimate` methods, which give the same numbers with their
+    parts, only for the instances they pick.
+    """
 
-    @property
-    def num_tokens(self) -> int:
-        return self.request.num_prompt_tokens
-
-    @property
-    def usable_blocks(self) -> int:
-        """Prompt blocks a cache can supply: the last token is always computed."""
-        return min(self.match.num_blocks, (self.num_tokens - 1) // self.config.block_size)
-
-    @property
-    def expected_output_tokens(self) -> int:
-        return max(1, min(self.request.max_tokens, self.config.expected_output_tokens))
+    def __init__(self, request: AdmitRequest, match: PrefixMatch, view: ClusterView, now: float, slo: SLO,
+                 config: PredictConfig, prefills: list[Instance] | None = None, decodes: list[Instance] | None = None,
+                 stores: list[Instance] | None = None) -> None:  # fmt: skip
+        self.request, self.match, self.view, self.now, self.slo, self.config = request, match, view, now, slo, config
+        self.prefills, self.decodes, self.stores = prefills or [], decodes or [], stores or []
+        self.num_tokens = request.num_prompt_tokens
+        bs = config.block_size
+        # prompt blocks a cache can supply: the last token is always computed
+        self.usable_blocks = min(match.num_blocks, (self.num_tokens - 1) // bs)
+        self.handoff_blocks = ceil(self.num_tokens / bs)
+        self.expected_output_tokens = max(1, min(request.max_tokens, config.expected_output_tokens))
+        self._store = self._best_store()
 
     # --- TTFT -------------------------------------------------------------------------
-    def prefill_estimate(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> PrefillEstimate:
-        bs, usable = self.config.block_size, self.usable_blocks
-        local = min(self.match.blocks(p.instance_id), usable)
-        cached = {"device": local * bs} if local else {}
-        reached, load_s = local, 0.0
-        store_len, store_id, tier_counts, store_cost = self._best_store()
+    def _prefill_parts(self, p: Instance, replication: bool, best_peer: tuple[int, str] | None) -> tuple:
+        """(queue, load, compute, handoff, local blocks, store blocks, copy_from, copy blocks) on ``p``."""
+        c = p.cost.coefficients
+        local = self.match.prefix.get(p.instance_id, 0)
+        if local > self.usable_blocks:
+            local = self.usable_blocks
+        reached, load = local, 0.0
+        store_len, _, counts, store_cost = self._store
         if store_len > local:
-            for tier, counts in tier_counts.items():
-                n = counts[store_len] - counts[local]
-                if n:
-                    load_s += n * (store_cost or p.cost).load_time_per_block(tier)
-                    cached[tier] = n * bs
+            cost = store_cost or p.cost
+            for tier, running in counts.items():
+                load += (running[store_len] - running[local]) * cost.load_time_per_block(tier)
             reached = store_len
         copy_from, copy_blocks = None, 0
-        if replication and best_peer is not None:
+        if best_peer is not None:
             peer_len, peer_id = best_peer
-            if peer_id != p.instance_id and peer_len > reached and peer_len >= self.config.balancing_threshold * max(local, 1):
+            if peer_len > reached and peer_id != p.instance_id and peer_len >= self.config.balancing_threshold * max(local, 1):
                 copy_from, copy_blocks = peer_id, peer_len - reached
-                load_s += p.cost.transfer_time(copy_blocks)
-                cached["peer"] = copy_blocks * bs
+                load += copy_blocks * c.transfer_per_block
                 reached = peer_len
-        n_cached = reached * bs
-        return PrefillEstimate(
-            instance_id=p.instance_id,
-            queue_s=p.prefill.backlog(self.now),
-            load_s=load_s,
-            compute_s=p.cost.prefill_time(self.num_tokens - n_cached, n_cached),
-            handoff_s=p.cost.transfer_time(ceil(self.num_tokens / bs)),
-            cached_tokens=cached,
-            copy_from=copy_from,
-            copy_blocks=copy_blocks,
+        n_cached = reached * self.config.block_size
+        n_new = self.num_tokens - n_cached
+        compute = c.prefill_base + n_new * (c.prefill_per_token + c.prefill_per_token_context * (n_cached + n_new / 2))
+        queue = p.prefill.busy_until - self.now
+        return (queue if queue > 0 else 0.0, load, compute, self.handoff_blocks * c.transfer_per_block, local,
+                max(store_len - local, 0), copy_from, copy_blocks)  # fmt: skip
+
+    def prefill_ttft(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> float:
+        parts = self._prefill_parts(p, replication, best_peer if replication else None)
+        return parts[0] + parts[1] + parts[2] + parts[3]
+
+    def prefill_estimate(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> PrefillEstimate:
+        queue, load, compute, handoff, local, from_store, copy_from, copy_blocks = self._prefill_parts(
+            p, replication, best_peer if replication else None
         )
+        bs = self.config.block_size
+        cached = {"device": local * bs} if local else {}
+        if from_store:
+            store_len, _, counts, _ = self._store
+            for tier, running in counts.items():
+                if n := running[store_len] - running[local]:
+                    cached[tier] = n * bs
+        if copy_blocks:
+            cached["peer"] = copy_blocks * bs
+        return PrefillEstimate(p.instance_id, queue, load, compute, handoff, cached, copy_from, copy_blocks)
 
     def local_prefill_estimate(self, d: Instance) -> PrefillEstimate:
         """Prefilling on decode instance ``d`` itself: no cache, no hand-off."""
@@ -132,47 +138,54 @@ class AdmitContext:
 
     def best_peer(self) -> tuple[int, str] | None:
         """(blocks, instance) of the prefill instance holding the longest prefix."""
-        usable, best = self.usable_blocks, None
+        usable, best, prefix = self.usable_blocks, None, self.match.prefix
         for p in self.prefills:  # by id: ties go to the smallest
-            n = min(self.match.blocks(p.instance_id), usable)
+            n = min(prefix.get(p.instance_id, 0), usable)
             if n > 0 and (best is None or n > best[0]):
                 best = (n, p.instance_id)
         return best
 
     def _best_store(self) -> tuple[int, str | None, dict[str, list[int]], object]:
         """The store holding the longest prefix: (blocks, id, per-tier running counts, its cost model)."""
-        if self._store is None:
-            usable = self.usable_blocks
-            best_len, best = 0, None
-            for s in self.stores:
-                n = min(self.match.blocks(s.instance_id), usable)
-                if n > best_len:
-                    best_len, best = n, s
-            counts: dict[str, list[int]] = {}
-            if best is not None:
-                for i, tier in enumerate(self.match.tiers(best.instance_id, 0, best_len)):
-                    running = counts.setdefault(tier, [0] * (best_len + 1))
-                    running[i + 1] = 1
-                for running in counts.values():
-                    for i in range(1, best_len + 1):
-                        running[i] += running[i - 1]
-            cost = best.cost if best is not None and best.heartbeat.cost is not None else None
-            self._store = (best_len, best.instance_id if best else None, counts, cost)
-        return self._store
+        best_len, best = 0, None
+        for s in self.stores:
+            n = min(self.match.blocks(s.instance_id), self.usable_blocks)
+            if n > best_len:
+                best_len, best = n, s
+        counts: dict[str, list[int]] = {}
+        if best is not None:
+            for i, tier in enumerate(self.match.tiers(best.instance_id, 0, best_len)):
+                running = counts.setdefault(tier, [0] * (best_len + 1))
+                running[i + 1] = 1
+            for running in counts.values():
+                for i in range(1, best_len + 1):
+                    running[i] += running[i - 1]
+        cost = best.cost if best is not None and best.heartbeat.cost is not None else None
+        return best_len, best.instance_id if best else None, counts, cost
 
     # --- TBT --------------------------------------------------------------------------
     def step_now(self, d: Instance) -> float:
         """``d``'s step time now (at least one sequence), from its prompts and heartbeat."""
+        hb, load = d.heartbeat, d.decode
+        count = max(load.num_decoding, hb.batch_size, 1)
+        return d.cost.decode_step_time(count, max(load.decoding_prompt_tokens, hb.context_tokens))
+
+    def _batches(self, d: Instance) -> tuple[float, tuple[int, int], tuple[int, int]]:
+        """(step time now, the batch by the records, the batch now: the records or the
+        heartbeat where it says more; each as (sequences, context tokens))."""
+        step = self.step_now(d)
+        recorded = d.decode.current(self.now, step)
         hb = d.heartbeat
-        count = max(d.decode.num_decoding, hb.batch_size, 1)
-        return d.cost.decode_step_time(count, max(d.decode.decoding_prompt_tokens, hb.context_tokens))
+        return step, recorded, (max(recorded[0], hb.batch_size), max(recorded[1], hb.context_tokens))
 
     def batch_now(self, d: Instance) -> tuple[int, int]:
-        """(sequences, context tokens) decoding on ``d`` now: the conductor's records,
-        or the heartbeat where it says more."""
-        count, context = d.decode.current(self.now, self.step_now(d))
-        hb = d.heartbeat
-        return max(count, hb.batch_size), max(context, hb.context_tokens)
+        return self._batches(d)[2]
+
+    def batch_all(self, d: Instance) -> tuple[int, int]:
+        """The batch now plus every request on its way to it (in prefill)."""
+        step, recorded, now = self._batches(d)
+        count, context = d.decode.total(self.now, step)
+        return count + now[0] - recorded[0], context + now[1] - recorded[1]
 
     def added_context(self) -> int:
         """The KV this request holds when it joins a batch."""
@@ -184,27 +197,26 @@ class AdmitContext:
         fits = not capacity or context <= capacity
         return DecodeEstimate(d.instance_id, d.cost.decode_step_time(size, context), size, fits)
 
+    def decode_tbt(self, d: Instance) -> float:
+        """`decode_all`'s TBT alone (for comparing candidates)."""
+        count, context = self.batch_all(d)
+        return d.cost.decode_step_time(count + 1, context + self.added_context())
+
     def decode_now(self, d: Instance) -> DecodeEstimate:
         """Against the batch decoding now (what plain early rejection sees)."""
         return self.decode_estimate(d, self.batch_now(d))
 
     def decode_all(self, d: Instance) -> DecodeEstimate:
         """Against the batch now plus every request on its way to it."""
-        step = self.step_now(d)
-        count, context = d.decode.total(self.now, step)
-        now_count, now_context = self.batch_now(d)
-        recorded = d.decode.current(self.now, step)
-        return self.decode_estimate(d, (count + now_count - recorded[0], context + now_context - recorded[1]))
+        return self.decode_estimate(d, self.batch_all(d))
 
     def decode_at(self, d: Instance, at: float) -> DecodeEstimate:
         """Against the batch predicted for the moment ``at`` (prediction-based rejection):
         the batch now, plus the requests predicted to land by then, minus those
         predicted to finish by then (decoding at the step time the instance has now)."""
-        step = self.step_now(d)
+        step, recorded, now = self._batches(d)
         count, context = d.decode.forecast(at, self.now, step)
-        recorded = d.decode.current(self.now, step)
-        now_count, now_context = self.batch_now(d)  # what the heartbeat shows beyond the records stays
-        return self.decode_estimate(d, (count + now_count - recorded[0], context + now_context - recorded[1]))
+        return self.decode_estimate(d, (count + now[0] - recorded[0], context + now[1] - recorded[1]))
 
     def decode_duration(self, d: Instance) -> float:
         """How long this request is predicted to decode on ``d``."""

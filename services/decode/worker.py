@@ -32,6 +32,7 @@ from libs.common.schema import (
 from libs.common.service import Service
 from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings
 from services.decode.leases import LeaseTable
+from services.decode.local_prefill import LocalPrefill
 
 
 @dataclass(frozen=True)
@@ -64,9 +65,11 @@ class DecodeWorker(Service):
         self.cancelled = RecentIds()
         self._work = asyncio.Event()
         self._blocks_freed = asyncio.Condition()
+        self.local_prefill = LocalPrefill(self, settings.model.calibrate)  # cost model; prefills the conductor sends here
 
     async def start(self, stack: AsyncExitStack) -> None:
         stack.callback(self.host.close)
+        await self.local_prefill.start(stack)
         me = self.instance_id
         await self.subscribe(subjects.decode_reserve(me), ReserveRequest, self.on_reserve)
         await self.subscribe(subjects.decode_admit(me), HandoffRequest, self.on_handoff)
@@ -254,4 +257,5 @@ class DecodeWorker(Service):
         beat.free_blocks = pool.num_free_blocks
         beat.segment = self.host.segment.name
         beat.contract = self.host.contract
+        self.local_prefill.fill(beat)
         return beat

@@ -18,7 +18,7 @@ from aiohttp import web
 from libs.common.schema import Heartbeat
 from libs.common.service import Service
 from services.gateway import handlers
-from services.gateway.dispatch import RequestRun
+from services.gateway.dispatch import RequestRun, SLOOverride
 from services.gateway.errors import ModelNotServedError
 from services.gateway.generation import Delta, TextStream, stream_deltas
 from services.gateway.openai_protocol import GenerateRequest, Usage
@@ -67,7 +67,9 @@ class Gateway(Service):
         return msgspec.structs.replace(super().heartbeat(), address=self.address or "", load=self.num_in_flight)
 
     @asynccontextmanager
-    async def generate(self, request: GenerateRequest, request_id: str) -> AsyncIterator[Generation]:
+    async def generate(
+        self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None
+    ) -> AsyncIterator[Generation]:
         """Admit ``request`` and start it on the cluster; inside the block, read its
         text. Leaving the block early (an error, a disconnect) cancels it."""
         model = self.model
@@ -77,7 +79,7 @@ class Gateway(Service):
         text = TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
         self.num_in_flight += 1
         try:
-            async with RequestRun(self, prepared, self.settings.request_timeout) as run:
+            async with RequestRun(self, prepared, self.settings.request_timeout, slo=slo) as run:
                 yield Generation(run, text)
         finally:
             self.num_in_flight -= 1

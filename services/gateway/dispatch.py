@@ -3,12 +3,16 @@ chosen prefill worker, and the request's tokens back, in order.
 
 `RequestRun` is an async context manager; whichever way the block is left it
 unsubscribes from the token subject and, unless the workers said the request
-finished, broadcasts a Cancel so no worker keeps running it. Failures are
-raised as the gateway's domain errors; nothing here knows about HTTP.
+finished, broadcasts a Cancel so no worker keeps running it. The conductor
+hears of the request's first token and of its end (RequestProgress), to settle
+its predictions. Failures are raised as the gateway's domain errors; nothing
+here knows about HTTP.
 """
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 
 import nats.errors
 
@@ -21,6 +25,7 @@ from libs.common.schema import (
     Cancel,
     ErrorInfo,
     PrefillRequest,
+    RequestProgress,
     TokenChunk,
 )
 from libs.common.service import Service
@@ -40,6 +45,14 @@ _MISSING_ROLE_CODES = ("no_prefill", "no_decode", "no_instances")
 log = logging.getLogger("kvserve.gateway.dispatch")
 
 
+@dataclass(frozen=True)
+class SLOOverride:
+    """Per-request targets (from the x-kvserve-slo-* headers); None: the conductor's default."""
+
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+
+
 class RequestRun:
     def __init__(
         self,
@@ -47,14 +60,19 @@ class RequestRun:
         prepared: PreparedRequest,
         token_timeout: float,
         control_timeout: float = CONTROL_TIMEOUT,
+        slo: SLOOverride | None = None,
     ) -> None:
         self.service = service
         self.prepared = prepared
         self.request_id = prepared.request_id
         self.token_timeout = token_timeout
         self.control_timeout = control_timeout
+        self.slo = slo or SLOOverride()
         self.prefill_id: str | None = None
         self.decode_id: str | None = None
+        self.admission: AdmitReply | None = None  # what the conductor predicted
+        self.ttft_s: float | None = None  # measured from admission to the first token
+        self._admitted_at: float | None = None
         self._reorder = ChunkReorderer()
         self._sub = None
         self._may_be_running = False  # some service may hold the request: cancel it on the way out
@@ -87,6 +105,8 @@ class RequestRun:
             num_prompt_tokens=p.num_prompt_tokens,
             max_tokens=p.sampling.max_tokens,
             block_hashes=list(p.block_hashes),
+            slo_ttft_s=self.slo.ttft_s,
+            slo_tbt_s=self.slo.tbt_s,
         )
         self._may_be_running = True  # from here on the conductor may have admitted it
         try:
@@ -104,10 +124,11 @@ class RequestRun:
             raise UpstreamError(f"the conductor failed to admit the request: {e}") from e
         if reply.error is not None:
             self._may_be_running = False
-            raise _admission_error(reply.error)
+            raise _admission_error(reply)
         if not reply.prefill_id or not reply.decode_id:
             raise UpstreamError("the conductor admitted the request without naming a prefill and a decode instance")
         self.prefill_id, self.decode_id = reply.prefill_id, reply.decode_id
+        self.admission, self._admitted_at = reply, time.monotonic()
 
     async def _submit(self) -> None:
         p = self.prepared
@@ -118,6 +139,8 @@ class RequestRun:
             decode_id=self.decode_id,
         )
         subject, where = subjects.prefill_submit(self.prefill_id), f"prefill instance {self.prefill_id}"
+        if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation
+            subject, where = subjects.decode_prefill(self.decode_id), f"decode instance {self.decode_id}"
         try:
             ack = await self.service.request(subject, request, Ack, self.control_timeout)
         except nats.errors.NoRespondersError:
@@ -151,6 +174,9 @@ class RequestRun:
         if chunk.error is not None:
             self._failure = f"error: {chunk.error.code}"
             raise _worker_error(chunk.error, f"instance {chunk.instance_id}" if chunk.instance_id else "a worker")
+        if chunk.index == 0 and self.ttft_s is None and self._admitted_at is not None:
+            self.ttft_s = time.monotonic() - self._admitted_at
+            await self._progress(RequestProgress(request_id=self.request_id, kind="first_token", ttft_s=self.ttft_s))
         return self._reorder.push(chunk)
 
     # --- the way out ------------------------------------------------------------
@@ -167,12 +193,22 @@ class RequestRun:
 
     async def close(self, reason: str) -> None:
         await self.cancel(reason)
+        if self._admitted_at is not None:
+            self._admitted_at = None
+            await self._progress(RequestProgress(request_id=self.request_id, kind="finished"))
         sub, self._sub = self._sub, None
         if sub is not None:
             try:
                 await sub.unsubscribe()
             except Exception as e:
                 log.warning("unsubscribe from %s failed: %s", subjects.tokens(self.request_id), e)
+
+
+    async def _progress(self, progress: RequestProgress) -> None:
+        try:
+            await self.service.publish(subjects.CONDUCTOR_PROGRESS, progress)
+        except Exception as e:  # the conductor's predictions drift a little; the request goes on
+            log.warning("progress of %s not sent: %s", self.request_id, e)
 
 
 def _reason(exc: BaseException | None) -> str | None:
@@ -186,9 +222,12 @@ def _reason(exc: BaseException | None) -> str | None:
     return "error"
 
 
-def _admission_error(error: ErrorInfo) -> Exception:
+def _admission_error(reply: AdmitReply) -> Exception:
+    error = reply.error
     if error.code == "rejected":
-        return RateLimitedError(error.message)
+        details = {"retry_after_s": reply.retry_after_s, "predicted_ttft_s": reply.predicted_ttft_s,
+                   "predicted_tbt_s": reply.predicted_tbt_s}  # fmt: skip
+        return RateLimitedError(error.message, reply.retry_after_s, {k: v for k, v in details.items() if v is not None})
     if error.code in _MISSING_ROLE_CODES:
         return ServiceUnavailableError(error.message, error.code)
     return ServiceUnavailableError(f"the conductor cannot admit the request: {error.message}", error.code)

@@ -40,9 +40,10 @@ class ServiceUnavailableError(KVServeError):
 class RateLimitedError(KVServeError):
     """The conductor rejected the request: the cluster cannot meet its targets now."""
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, details: dict[str, float] | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.details = details or {}  # the conductor's predictions, added to the error body
 
 
 class RequestTimeoutError(KVServeError):
@@ -79,7 +80,9 @@ def to_http(error: Exception) -> HTTPError:
         return HTTPError(401, error_body(message, "invalid_request_error", None, "invalid_api_key"), {})
     if isinstance(error, RateLimitedError):
         headers = {"Retry-After": str(max(1, math.ceil(error.retry_after)))} if error.retry_after is not None else {}
-        return HTTPError(429, error_body(message, "rate_limit_error", None, "rate_limit_exceeded"), headers)
+        body = error_body(message, "rate_limit_error", None, "rate_limit_exceeded")
+        body["error"].update(error.details)
+        return HTTPError(429, body, headers)
     if isinstance(error, ServiceUnavailableError):
         return HTTPError(503, error_body(message, "server_error", None, error.code), {})
     if isinstance(error, RequestTimeoutError):

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from libs.common.errors import KVServeError
 from services.gateway import sse
+from services.gateway.dispatch import RequestRun, SLOOverride
 from services.gateway.errors import (
     AuthenticationError,
     InvalidParameterError,
@@ -56,16 +57,13 @@ async def _generate(
 ) -> web.StreamResponse:
     gateway = request.app[GATEWAY]
     parsed = parse(await _json_body(request))
+    slo = _slo_override(request)
     response_id = f"{id_prefix}-{uuid.uuid4().hex}"
     bodies = ResponseBodies(response_id, gateway.model.model_id, parsed.is_chat, parsed.include_usage)
     stream: web.StreamResponse | None = None
     try:
-        async with gateway.generate(parsed, response_id) as generation:
-            headers = {
-                "x-request-id": response_id,
-                "x-kvserve-prefill-instance": generation.run.prefill_id or "",
-                "x-kvserve-decode-instance": generation.run.decode_id or "",
-            }
+        async with gateway.generate(parsed, response_id, slo) as generation:
+            headers = {"x-request-id": response_id, **_explanation_headers(generation.run)}
             if not parsed.stream:
                 return await _complete(generation, bodies, headers)
             stream = await sse.open_stream(request, headers)
@@ -84,7 +82,46 @@ async def _complete(generation: "Generation", bodies: ResponseBodies, headers: d
             pieces.append(delta.text)
             finish_reason = delta.finish_reason
     body = bodies.completion("".join(pieces), finish_reason, generation.usage())
+    if generation.run.ttft_s is not None:
+        headers["x-kvserve-actual-ttft-ms"] = f"{generation.run.ttft_s * 1e3:.1f}"
     return _json_response(body, headers=headers)
+
+
+SLO_HEADERS = {"x-kvserve-slo-ttft-ms": "ttft_s", "x-kvserve-slo-tbt-ms": "tbt_s"}
+
+
+def _slo_override(request: web.Request) -> SLOOverride:
+    """Per-request SLOs from the x-kvserve-slo-ttft-ms / x-kvserve-slo-tbt-ms headers."""
+    values = {}
+    for header, field in SLO_HEADERS.items():
+        raw = request.headers.get(header)
+        if raw is None:
+            continue
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = float("nan")
+        if not ms > 0 or ms == float("inf"):
+            raise InvalidParameterError(f"{header} must be a positive number of milliseconds, got {raw!r}")
+        values[field] = ms / 1e3
+    return SLOOverride(**values)
+
+
+def _explanation_headers(run: RequestRun) -> dict[str, str]:
+    """Which instances serve the request and what the conductor predicted for it."""
+    headers = {
+        "x-kvserve-prefill-instance": run.prefill_id or "",
+        "x-kvserve-decode-instance": run.decode_id or "",
+    }
+    admission = run.admission
+    if admission is not None:
+        if admission.prefill_on_decode:
+            headers["x-kvserve-prefill-on-decode"] = "1"
+        if admission.predicted_ttft_s is not None:
+            headers["x-kvserve-predicted-ttft-ms"] = f"{admission.predicted_ttft_s * 1e3:.1f}"
+        tiers = ("device", "peer", "dram", "disk")
+        headers["x-kvserve-cached-tokens"] = ",".join(f"{t}={admission.cached_tokens.get(t, 0)}" for t in tiers)
+    return headers
 
 
 async def _write_events(stream: web.StreamResponse, generation: "Generation", bodies: ResponseBodies) -> None:

@@ -26,6 +26,7 @@ from libs.common.schema import Ack, Cancel, ErrorInfo, Heartbeat, PrefillRequest
 from libs.common.service import Service
 from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings
 from services.prefill.handoff import Handoff, HandoffError, Transfer
+from services.prefill.kv_reports import KVReports
 from services.prefill.store_client import StoreClient
 
 
@@ -67,9 +68,11 @@ class PrefillWorker(Service):
         self.store = StoreClient(self, self.host) if settings.use_store else None
         self.handoff = Handoff(self, self.host)
         self.decoders = PeerDirectory()  # for retrying a failed hand-off elsewhere
+        self.reports = KVReports(self, self.host, settings.model.calibrate)  # KV events and cost model
 
     async def start(self, stack: AsyncExitStack) -> None:
         stack.callback(self.host.close)
+        await self.reports.start(stack)
         await self.subscribe(subjects.prefill_submit(self.instance_id), PrefillRequest, self.on_submit)
         await self.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         await self.subscribe(subjects.heartbeat("decode"), Heartbeat, self.on_decode_heartbeat)
@@ -237,5 +240,8 @@ class PrefillWorker(Service):
         beat.free_blocks = pool.num_free_blocks
         beat.segment = self.host.segment.name
         beat.contract = self.host.contract
+        beat.queued_tokens = sum(j.seq.num_prompt_tokens - j.seq.num_computed_tokens for j in self.in_flight.values()
+                                 if j.seq.num_computed_tokens < j.seq.num_prompt_tokens)  # fmt: skip
+        self.reports.fill(beat)
         return beat
 

@@ -1,0 +1,36 @@
+"""What a prefill worker tells the conductor beyond load: every change to its
+prefix cache as KV events (device tier), and its cost model, calibrated at
+start-up on this machine. The worker calls `start` and `fill` (its heartbeat);
+the block pool's listener is set here, so the worker's loop knows nothing of it.
+"""
+
+from libs.common.cost_model import CostModel, calibrate
+from libs.common.engine_host import EngineHost
+from libs.common.kv_events import KVEventLog, KVEventPublisher
+from libs.common.model.hashing import BlockHash
+from libs.common.schema import CostCoefficients, Heartbeat
+
+
+class KVReports:
+    def __init__(self, service, host: EngineHost, calibrate_at_start: bool) -> None:
+        self.service = service
+        self.host = host
+        self.calibrate_at_start = calibrate_at_start
+        self.events = KVEventLog(service.instance_id)
+        self.publisher = KVEventPublisher(service, self.events)
+        self.cost: CostCoefficients | None = None
+        host.engine.cache.block_pool.listener = self._on_block  # called on the engine thread
+
+    async def start(self, stack) -> None:
+        if self.calibrate_at_start:
+            self.cost = await self.host.run(calibrate, self.host.engine)
+            self.service.log.info("cost model: %s", CostModel(self.cost).describe())
+        await self.publisher.start(stack)
+
+    def _on_block(self, kind: str, block_hash: BlockHash) -> None:
+        self.events.record(kind, "device", [block_hash])
+
+    def fill(self, beat: Heartbeat) -> None:
+        beat.cost = self.cost
+        beat.kv_epoch = self.events.epoch
+        beat.kv_seq = self.events.published_seq

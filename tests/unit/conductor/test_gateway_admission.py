@@ -1,0 +1,94 @@
+"""The gateway's side of admission, in-process against a real nats-server while
+the test plays conductor and workers: SLO headers in, 429 + Retry-After out,
+explanation headers, progress reports, and prefill on a decode worker."""
+
+import asyncio
+
+import openai
+import pytest
+
+from libs.common import schema, subjects
+from libs.common.schema import Ack, AdmitReply, ErrorInfo, PrefillRequest, RequestProgress
+from tests.unit.gateway.test_gateway_nats import (  # noqa: F401  (fixtures)
+    MESSAGES,
+    WAIT,
+    cluster,
+    hello_world,
+    nats_server,
+    nc,
+    openai_client,
+    start_gateway,
+)
+
+
+async def test_slo_headers_reach_the_conductor(start_gateway, cluster):
+    client = openai_client(await start_gateway())
+    await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=16,
+                                         extra_headers={"x-kvserve-slo-ttft-ms": "500", "x-kvserve-slo-tbt-ms": "80"})  # fmt: skip
+    admit = await asyncio.wait_for(cluster.admits.get(), WAIT)
+    assert (admit.slo_ttft_s, admit.slo_tbt_s) == (0.5, 0.08)
+    await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=16)
+    admit = await asyncio.wait_for(cluster.admits.get(), WAIT)
+    assert (admit.slo_ttft_s, admit.slo_tbt_s) == (None, None)
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-5", "inf"])
+async def test_a_bad_slo_header_is_400_naming_it(start_gateway, cluster, value):
+    client = openai_client(await start_gateway())
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="tiny-llama", messages=MESSAGES,
+                                             extra_headers={"x-kvserve-slo-ttft-ms": value})  # fmt: skip
+    assert "x-kvserve-slo-ttft-ms must be a positive number of milliseconds" in e.value.body["message"]
+    assert cluster.admits.empty()
+
+
+async def test_a_rejection_is_429_with_retry_after_and_the_predicted_wait(start_gateway, cluster):
+    cluster.admit_reply = AdmitReply(error=ErrorInfo(code="rejected", message="predicted TTFT 4.2 s exceeds 2 s"),
+                                     retry_after_s=2.2, predicted_ttft_s=4.2, predicted_tbt_s=0.05)  # fmt: skip
+    client = openai_client(await start_gateway())
+    with pytest.raises(openai.RateLimitError) as e:
+        await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)
+    assert e.value.status_code == 429
+    assert e.value.response.headers["retry-after"] == "3"
+    assert e.value.body["code"] == "rate_limit_exceeded"
+    assert (e.value.body["retry_after_s"], e.value.body["predicted_ttft_s"]) == (2.2, 4.2)
+    assert cluster.submits.empty()
+
+
+async def test_responses_explain_themselves_and_the_conductor_hears_how_it_went(start_gateway, cluster, nc):
+    cluster.admit_reply = AdmitReply(prefill_id="prefill-a", decode_id="decode-b", predicted_ttft_s=0.123,
+                                     cached_tokens={"device": 32, "dram": 16})  # fmt: skip
+    progress = await nc.subscribe(subjects.CONDUCTOR_PROGRESS)
+    client = openai_client(await start_gateway())
+    raw = await client.chat.completions.with_raw_response.create(model="tiny-llama", messages=MESSAGES, max_tokens=16)
+    assert raw.parse().choices[0].message.content == "Hello world"
+    h = raw.headers
+    assert (h["x-kvserve-prefill-instance"], h["x-kvserve-decode-instance"]) == ("prefill-a", "decode-b")
+    assert h["x-kvserve-predicted-ttft-ms"] == "123.0"
+    assert h["x-kvserve-cached-tokens"] == "device=32,peer=0,dram=16,disk=0"
+    first = schema.decode((await progress.next_msg(timeout=WAIT)).data, RequestProgress)
+    last = schema.decode((await progress.next_msg(timeout=WAIT)).data, RequestProgress)
+    assert (first.kind, last.kind) == ("first_token", "finished")
+    assert first.request_id == last.request_id == h["x-request-id"]
+    assert h["x-kvserve-actual-ttft-ms"] == f"{first.ttft_s * 1e3:.1f}"
+
+
+async def test_prefill_on_the_decode_worker_goes_to_its_prefill_subject(start_gateway, cluster, nc):
+    cluster.admit_reply = AdmitReply(prefill_id="decode-b", decode_id="decode-b", prefill_on_decode=True)
+    local: asyncio.Queue[PrefillRequest] = asyncio.Queue()
+
+    async def on_local_prefill(msg) -> None:
+        req = schema.decode(msg.data, PrefillRequest)
+        local.put_nowait(req)
+        await msg.respond(schema.encode(Ack()))
+        for c in hello_world(req):
+            await nc.publish(subjects.tokens(req.request_id), schema.encode(c))
+
+    await nc.subscribe(subjects.decode_prefill("decode-b"), cb=on_local_prefill)
+    await nc.flush()
+    client = openai_client(await start_gateway())
+    raw = await client.chat.completions.with_raw_response.create(model="tiny-llama", messages=MESSAGES, max_tokens=16)
+    assert raw.parse().choices[0].message.content == "Hello world"
+    assert raw.headers["x-kvserve-prefill-on-decode"] == "1"
+    assert (await asyncio.wait_for(local.get(), WAIT)).decode_id == "decode-b"
+    assert cluster.submits.empty()  # no prefill worker was asked
