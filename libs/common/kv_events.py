@@ -143,6 +143,7 @@ class _Stream:
     seq: int = 0  # last event applied
     awaiting_snapshot: bool = False
     buffered: list[KVEvent] = field(default_factory=list)
+    heard_seq: int = 0  # the last heartbeat's sequence number, when it was ahead of `seq`
 
 
 class KVEventTracker:
@@ -171,16 +172,18 @@ class KVEventTracker:
         return self._apply_in_order(batch.instance_id, stream, batch.events)
 
     def on_heartbeat(self, instance_id: str, epoch: int, seq: int) -> bool:
-        """A publisher's heartbeat names its last published event: events we never saw
-        (the tail of a stream, or everything since a restart) mean a snapshot."""
+        """A publisher's heartbeat names its last published event. Events still missing
+        at the next heartbeat (the lost tail of a stream, or everything since a restart)
+        mean a snapshot; one heartbeat of grace, since a heartbeat may be handled before
+        the batch published just ahead of it."""
         if epoch == 0:
             return False  # publishes no KV events
         stream = self._streams.get(instance_id)
         if stream is None or stream.epoch != epoch:
             stream = self._restart(instance_id, epoch)
-            if seq == 0:
-                return False
-        if stream.awaiting_snapshot or seq <= stream.seq:
+        missing = stream.heard_seq > stream.seq
+        stream.heard_seq = seq
+        if stream.awaiting_snapshot or not missing or seq <= stream.seq:
             return False
         return self._need_snapshot(stream)
 

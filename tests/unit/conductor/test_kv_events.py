@@ -46,6 +46,17 @@ def test_a_lost_batch_is_replaced_by_a_snapshot_and_later_events_apply_on_top():
     assert tracker.stream_position("p0") == (9, 4) and tracker.gaps == 1
 
 
+def test_a_batch_handled_after_the_heartbeat_that_names_it_is_no_gap():
+    log = KVEventLog("p0", epoch=1)
+    index, tracker = tracked()
+    log.record("stored", "device", [b"a"])
+    batch = log.take_batch()
+    assert tracker.on_heartbeat("p0", 1, log.published_seq) is False
+    assert tracker.on_batch(batch) is False
+    assert tracker.on_heartbeat("p0", 1, log.published_seq) is False
+    assert (tracker.gaps, index.contents("p0")) == (0, {"device": {b"a"}})
+
+
 def test_a_lost_tail_shows_in_the_heartbeat_and_a_restart_starts_over():
     log = KVEventLog("p0", epoch=1)
     index, tracker = tracked()
@@ -53,7 +64,8 @@ def test_a_lost_tail_shows_in_the_heartbeat_and_a_restart_starts_over():
     tracker.on_batch(log.take_batch())
     log.record("stored", "device", [b"b"])
     log.take_batch()  # lost, and nothing follows it
-    assert tracker.on_heartbeat("p0", 1, log.published_seq) is True
+    assert tracker.on_heartbeat("p0", 1, log.published_seq) is False  # the batch may just be late
+    assert tracker.on_heartbeat("p0", 1, log.published_seq) is True  # still missing a heartbeat later
     tracker.on_snapshot(log.snapshot())
     assert index.contents("p0") == {"device": {b"a", b"b"}}
     restarted = KVEventLog("p0", epoch=2)  # a new process: it holds nothing
@@ -87,9 +99,10 @@ def test_the_index_equals_a_workers_real_prefix_cache_after_a_run_with_dropped_e
             if tracker.on_batch(batch):
                 snapshots += 1
                 tracker.on_snapshot(log.snapshot())
-    if tracker.on_heartbeat("prefill-0", log.epoch, log.published_seq):  # a lost tail
-        snapshots += 1
-        tracker.on_snapshot(log.snapshot())
+    for _ in range(2):  # a lost tail shows at the second heartbeat
+        if tracker.on_heartbeat("prefill-0", log.epoch, log.published_seq):
+            snapshots += 1
+            tracker.on_snapshot(log.snapshot())
     assert dropped > 0 and snapshots > 0 and delivered > 0
     assert index.contents("prefill-0") == {"device": set(pool.cached_hashes())}
     assert len(pool.cached_hashes()) > 0 and log.seq > pool.num_blocks  # it evicted along the way

@@ -103,3 +103,31 @@ def test_on_the_shared_trace_prediction_based_rejection_wastes_fewer_prefills(sh
     for policy in ("cache_aware+early_rejection", "cache_aware+predictive_rejection"):
         wasted[policy] = summarize(simulate(SimConfig(6, 2, policy), shared_trace)).wasted
     assert wasted["cache_aware+predictive_rejection"] < wasted["cache_aware+early_rejection"]
+
+
+def test_kvserve_simulate_on_a_trace_file_with_a_cost_model_file(tmp_path, capsys):
+    import json
+
+    import msgspec
+
+    from libs.cli.main import main
+    from libs.cli.simulate import _coefficients
+
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": int(r.arrival_s * 1000), "input_length": r.input_length,
+                                         "output_length": r.output_length, "hash_ids": list(r.hash_ids)}) + "\n"
+                             for r in synthetic(20)))  # fmt: skip
+    calibrated = msgspec.structs.replace(reference_coefficients(16), load_per_block={"dram": 0.001})
+    cost = tmp_path / "cost.json"
+    cost.write_bytes(msgspec.json.encode(calibrated))
+    scaled = _coefficients(str(cost))  # per-block terms scale to the trace's 512-token blocks
+    assert (scaled.block_size, scaled.load_per_block) == (512, {"dram": 0.032})
+    assert scaled.transfer_per_block == pytest.approx(calibrated.transfer_per_block * 32)
+    assert main(["simulate", "--trace", str(trace), "--prefill", "2", "--decode", "1", "--policy",
+                 "least_loaded,cache_aware+early_rejection", "--cost-model", str(cost), "--out", str(tmp_path / "o")]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "20 requests of trace.jsonl" in out
+    assert [line.split()[0] for line in out.splitlines()[3:5]] == ["least_loaded", "cache_aware+early_rejection"]
+    assert (tmp_path / "o" / "simulate.png").is_file()
+    assert [s["policy"] for s in json.loads((tmp_path / "o" / "summary.json").read_text())] == [
+        "least_loaded", "cache_aware+early_rejection"]
