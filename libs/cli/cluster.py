@@ -52,7 +52,9 @@ class _Instance:
 
 
 class LocalCluster:
-    """nats-server plus conductor, store, N prefill, M decode workers and a gateway.
+    """nats-server plus conductor, stores (``store``: how many, or True for one), N
+    prefill, M decode workers and a gateway. With ``store_dir``, each store keeps its
+    disk tier in ``store_dir/<instance id>``, so a restarted store finds its blocks.
 
     ``modules`` maps a role to the module run for it (``services.<role>`` by
     default), so the launcher itself can be tested with stand-in services.
@@ -64,7 +66,8 @@ class LocalCluster:
         *,
         prefill: int = 1,
         decode: int = 1,
-        store: bool = True,
+        store: int | bool = True,
+        store_dir: str | Path | None = None,
         gateway_port: int = 8000,
         gateway_host: str = "127.0.0.1",
         model: str | None = None,
@@ -80,6 +83,7 @@ class LocalCluster:
         if unknown := set(modules or {}) - set(ROLES):
             raise ValueError(f"no such service: {', '.join(sorted(unknown))}")
         self.counts = {"conductor": 1, "store": int(store), "prefill": prefill, "decode": decode, "gateway": 1}
+        self.store_dir = Path(store_dir) if store_dir is not None else None
         self.gateway_port = gateway_port
         self.gateway_host = gateway_host
         self.model = model
@@ -281,6 +285,8 @@ class LocalCluster:
             env["KVSERVE_API_KEY"] = self.api_key
         if role == "gateway":
             env.update(KVSERVE_GATEWAY_HOST=self.gateway_host, KVSERVE_GATEWAY_PORT=str(self.gateway_port))
+        if role == "store" and self.store_dir is not None:
+            env["KVSERVE_STORE_DIR"] = str(self.store_dir / instance_id)
         if not self.counts["store"]:
             env["KVSERVE_USE_STORE"] = "0"  # prefill workers then never ask a store that is not there
         env.update(self.extra_env)

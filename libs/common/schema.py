@@ -241,41 +241,101 @@ class TokenChunk(Message):
 
 
 # --- store ----------------------------------------------------------------------
+# Each store instance answers on its own subjects (subjects.store_op). Block bytes
+# never travel here: a get writes into the caller's WriteTicket, a put hands the
+# caller a WriteTicket for fresh slots, and the blocks become visible at commit.
+StoreTier = Literal["dram", "disk"]
+
+
 class StoreExistsRequest(Message):
     contract: KVContract
     block_hashes: list[bytes]
 
 
 class StoreExistsReply(Message):
-    present: list[bool] = msgspec.field(default_factory=list)
+    tiers: list[StoreTier | None] = msgspec.field(default_factory=list)  # per hash: fastest tier, None = absent
     error: ErrorInfo | None = None
 
 
 class StoreGetRequest(Message):
-    """Copy the longest stored prefix of ``block_hashes`` into ``segment`` at ``offsets``."""
+    """Write every stored block of ``block_hashes`` through ``ticket`` at ``offsets``
+    (one per hash) of the caller's segment; each block is ``block_nbytes`` long."""
 
     contract: KVContract
     block_hashes: list[bytes]
-    segment: str
+    block_nbytes: int
+    ticket: WriteTicket
     offsets: list[int]
 
 
 class StoreGetReply(Message):
-    num_found: int = 0
+    tiers: list[StoreTier | None] = msgspec.field(default_factory=list)  # per hash: where it came from; None = miss
     error: ErrorInfo | None = None
 
 
 class StorePutRequest(Message):
-    """Copy blocks from ``segment`` at ``offsets`` into the store under ``block_hashes``."""
+    """Phase one of a put: which of these blocks does the store lack? Blocks it holds
+    already are a no-op (pinned if ``pin``)."""
 
     contract: KVContract
     block_hashes: list[bytes]
-    segment: str
-    offsets: list[int]
+    block_nbytes: int
+    pin: bool = False  # evicted only when no unpinned block can be
 
 
 class StorePutReply(Message):
+    """Write block ``block_hashes[missing[i]]`` at ``offsets[i]`` through ``ticket``,
+    then commit ``put_id`` within ``ttl_s`` seconds; ``no_room``: blocks the store
+    could not place (every slot pinned or being read)."""
+
+    put_id: str = ""
+    missing: list[int] = msgspec.field(default_factory=list)
+    offsets: list[int] = msgspec.field(default_factory=list)
+    ticket: WriteTicket | None = None
+    ttl_s: float = 0.0
+    no_room: list[int] = msgspec.field(default_factory=list)
+    error: ErrorInfo | None = None
+
+
+class StoreCommitRequest(Message):
+    """Phase two of a put: the bytes are written; make the blocks visible."""
+
+    contract: KVContract
+    put_id: str
+
+
+class StoreCommitReply(Message):
     num_stored: int = 0
+    error: ErrorInfo | None = None
+
+
+class StoreRemoveRequest(Message):
+    contract: KVContract
+    block_hashes: list[bytes]
+
+
+class StoreRemoveReply(Message):
+    num_removed: int = 0  # blocks that were held in some tier
+    error: ErrorInfo | None = None
+
+
+class StoreStatsRequest(Message):
+    contract: KVContract
+
+
+class StoreStatsReply(Message):
+    instance_id: str = ""
+    block_nbytes: int = 0
+    dram_slots: int = 0
+    dram_blocks: int = 0
+    dram_pinned: int = 0
+    dram_leased: int = 0
+    disk_blocks: int = 0
+    disk_bytes: int = 0
+    disk_capacity_bytes: int = 0
+    counters: dict[str, int] = msgspec.field(default_factory=dict)  # hits, misses, puts, evictions, corruptions...
+    kv_epoch: int = 0
+    kv_seq: int = 0
     error: ErrorInfo | None = None
 
 

@@ -73,12 +73,18 @@ def decode_release(instance_id: str) -> str:
 
 
 # --- store --------------------------------------------------------------------
-def store_op(op: str) -> str:
-    """Batched block-store operations (request/reply, queue group "store")."""
-    return f"{PREFIX}.store.{_token(op)}"
+STORE_OPS = ("exists", "get", "put", "commit", "remove", "stats")
 
 
-STORE_QUEUE = "store"
+def store_op(instance_id: str, op: str) -> str:
+    """One store instance's batched block operations (request/reply): see STORE_OPS."""
+    return f"{PREFIX}.store.{_token(instance_id)}.{_token(op)}"
+
+
+def store_ops(instance_id: str) -> str:
+    """Every operation subject of one store instance, known or not (the store answers an unknown one)."""
+    return f"{PREFIX}.store.{_token(instance_id)}.*"
+
 
 def metrics(instance_id: str) -> str:
     """Request/reply: the instance's metrics in the Prometheus text format."""

@@ -15,6 +15,7 @@ def main() -> None:
         max_chunk_tokens=env_int("MAX_CHUNK_TOKENS", 512),
         max_batch_tokens=env_int("MAX_BATCH_TOKENS", 2048),
         use_store=env_bool("USE_STORE", True),
+        store_replicas=env_int("STORE_REPLICAS", 1),
         enable_prefix_cache=env_bool("ENABLE_PREFIX_CACHE", True),
     )
     run_service(PrefillWorker(settings))

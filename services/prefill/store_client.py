@@ -1,68 +1,205 @@
-"""The prefill worker's use of the block store: fetch the prompt's stored prefix
-blocks before computing, write new full blocks back after. The store is an
-optimisation: when it is absent or refuses, the worker computes everything."""
+"""The prefill worker's use of the sharded block store: fetch the prompt's stored
+prefix blocks before computing, write new full blocks back after.
 
+Stores are learnt from their heartbeats (a store whose KV contract differs is
+left out, and said so once); a consistent-hash ring over the live ones says
+which ``replicas`` instances own each block: writes go to all of them, reads
+take the fastest tier any of them reports. Bytes move through the transfer
+engine: a get writes into a ticket this worker issues for its own blocks, a
+put writes into the ticket the store issues for fresh slots, then commits.
+The store is an optimisation: when it is absent, slow or refuses, the worker
+computes everything.
+"""
+
+import asyncio
+import time
+
+from nats.aio.msg import Msg
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from libs.common import subjects
+from libs.common.cost_model import CostModel
 from libs.common.engine_host import EngineHost
+from libs.common.hash_ring import HashRing
 from libs.common.model.sequence import Sequence
-from libs.common.schema import BadMessageError, StoreGetReply, StoreGetRequest, StorePutReply, StorePutRequest
+from libs.common.peers import PeerDirectory
+from libs.common.schema import (
+    BadMessageError,
+    CostCoefficients,
+    Heartbeat,
+    StoreCommitReply,
+    StoreCommitRequest,
+    StoreExistsReply,
+    StoreExistsRequest,
+    StoreGetReply,
+    StoreGetRequest,
+    StorePutReply,
+    StorePutRequest,
+    WriteTicket,
+)
 from libs.common.service import Service
+from libs.common.transfer import Span, TransferError
+from services.prefill.fetch_policy import FetchPolicy
 
 STORE_TIMEOUT = 5.0
+_TIER_RANK = {"dram": 0, "disk": 1}
 
 
 class StoreClient:
-    def __init__(self, service: Service, host: EngineHost) -> None:
+    def __init__(self, service: Service, host: EngineHost, replicas: int = 1, policy: FetchPolicy | None = None) -> None:
         self.service = service
         self.host = host
         self.log = service.log
+        self.replicas = replicas
+        self.policy = policy or FetchPolicy(host.engine.cache.block_size)
+        self.stores = PeerDirectory()
+        self._ring = HashRing()
+        self._refused: set[str] = set()  # stores whose contract differs (logged once)
         self.hits = 0  # blocks fetched
-        self.puts = 0  # blocks written back
+        self.puts = 0  # blocks the stores did not have and now do
 
+    async def start(self, cost: CostCoefficients | None = None) -> None:
+        """Watch the stores' heartbeats; ``cost``: the worker's calibrated cost model, if any."""
+        if cost is not None:
+            self.policy.cost = CostModel(cost)
+        await self.service.subscribe(subjects.heartbeat("store"), Heartbeat, self.on_heartbeat)
+
+    async def on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
+        mismatch = heartbeat.contract and self.host.contract.mismatch(heartbeat.contract)
+        if mismatch or heartbeat.contract is None:
+            if heartbeat.instance_id not in self._refused:
+                self._refused.add(heartbeat.instance_id)
+                self.log.warning("not using store %s: %s", heartbeat.instance_id, mismatch or "it declares no contract")
+            return
+        self.stores.observe(heartbeat)
+
+    def ring(self) -> HashRing:
+        """The ring over the stores alive now (rebuilt only when they change)."""
+        alive = sorted(hb.instance_id for hb in self.stores.alive("store"))
+        if alive != self._ring.members:
+            self._ring = HashRing(alive)
+        return self._ring
+
+    # --- reads --------------------------------------------------------------------------
     async def fetch_prefix(self, seq: Sequence) -> int:
-        """Fill the prompt's next uncached full blocks from the store; return how many were found."""
-        cache = self.host.engine.cache
-        bs = cache.block_size
+        """Fill the prompt's next uncached full blocks from the stores, when loading is
+        predicted faster than computing them; return how many were fetched."""
+        bs = self.host.engine.cache.block_size
         first = seq.num_computed_tokens // bs
         usable = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed
-        if first >= usable:
+        ring = self.ring()
+        if first >= usable or not len(ring):
             return 0
-        hashes = cache.prompt_hashes(seq)[first:usable]
-        blocks = seq.block_table[first:usable]
-        request = StoreGetRequest(contract=self.host.contract, block_hashes=list(hashes), segment=self.host.segment.name,
-                                  offsets=[self.host.block_offset(b) for b in blocks])  # fmt: skip
-        reply = await self._call("get", request, StoreGetReply)
-        found = reply.num_found if reply is not None else 0
-        seq.num_computed_tokens += found * bs
-        seq.num_cached_tokens += found * bs
-        self.hits += found
+        hashes = self.host.engine.cache.prompt_hashes(seq)[first:usable]
+        holders = await self._locate(ring, hashes)
+        run = next((i for i, held in enumerate(holders) if held is None), len(holders))
+        count = self.policy.blocks_worth_loading([held[1] for held in holders[:run]], first * bs, seq.num_prompt_tokens)
+        if count == 0:
+            return 0
+        started = time.perf_counter()
+        found = await self._get(hashes[:count], holders[:count], seq.block_table[first : first + count])
+        got = next((i for i, tier in enumerate(found) if tier is None), len(found))
+        self.policy.observe_load(found[:got], time.perf_counter() - started)
+        seq.num_computed_tokens += got * bs
+        seq.num_cached_tokens += got * bs
+        self.hits += got
+        return got
+
+    async def _locate(self, ring: HashRing, hashes: list[bytes]) -> list[tuple[str, str] | None]:
+        """For each block: (store, tier) of its fastest copy among its owners, or None."""
+        owners = [ring.owners(h, self.replicas) for h in hashes]
+        asks: dict[str, list[int]] = {}
+        for i, names in enumerate(owners):
+            for name in names:
+                asks.setdefault(name, []).append(i)
+        requests = {name: StoreExistsRequest(contract=self.host.contract, block_hashes=[hashes[i] for i in idx])
+                    for name, idx in asks.items()}  # fmt: skip
+        replies = await asyncio.gather(*(self._call(n, "exists", r, StoreExistsReply) for n, r in requests.items()))
+        best: list[tuple[str, str] | None] = [None] * len(hashes)
+        for (name, idx), reply in zip(asks.items(), replies):
+            if reply is None:
+                continue
+            for i, tier in zip(idx, reply.tiers):
+                if tier is None:
+                    continue
+                current = best[i]
+                better = current is None or _TIER_RANK[tier] < _TIER_RANK[current[1]] or (
+                    _TIER_RANK[tier] == _TIER_RANK[current[1]] and owners[i].index(name) < owners[i].index(current[0]))
+                if better:
+                    best[i] = (name, tier)
+        return best
+
+    async def _get(self, hashes: list[bytes], holders: list[tuple[str, str]], blocks: list[int]) -> list[str | None]:
+        """Ask each holder for its blocks, written straight into ``blocks``; the tier each came from."""
+        nbytes = self.host.block_nbytes
+        by_store: dict[str, list[int]] = {}
+        for i, (name, _) in enumerate(holders):
+            by_store.setdefault(name, []).append(i)
+        found: list[str | None] = [None] * len(hashes)
+
+        async def ask(name: str, idx: list[int]) -> None:
+            offsets = [self.host.block_offset(blocks[i]) for i in idx]
+            ticket = self.host.transfers.expect(self.host.segment.name, [(o, nbytes) for o in offsets], STORE_TIMEOUT)
+            request = StoreGetRequest(contract=self.host.contract, block_hashes=[hashes[i] for i in idx],
+                                      block_nbytes=nbytes, ticket=ticket, offsets=offsets)  # fmt: skip
+            try:
+                reply = await self._call(name, "get", request, StoreGetReply)
+            finally:
+                self.host.transfers.close_ticket(ticket.token)
+            if reply is not None:
+                for i, tier in zip(idx, reply.tiers):
+                    found[i] = tier
+
+        await asyncio.gather(*(ask(name, idx) for name, idx in by_store.items()))
         return found
 
+    # --- writes -------------------------------------------------------------------------
     async def write_back(self, seq: Sequence) -> None:
-        """Offer the prompt's full blocks that did not come from a cache to the store."""
+        """Offer the prompt's full blocks to the stores that own them; each store takes
+        the ones it lacks. The caller holds the blocks until this returns."""
         bs = self.host.engine.cache.block_size
-        first = seq.num_cached_tokens // bs
         last = min(len(seq.block_hashes), seq.num_prompt_tokens // bs)
-        if first >= last:
+        ring = self.ring()
+        if last == 0 or not len(ring):
             return
-        request = StorePutRequest(contract=self.host.contract, block_hashes=list(seq.block_hashes[first:last]),
-                                  segment=self.host.segment.name,
-                                  offsets=[self.host.block_offset(b) for b in seq.block_table[first:last]])  # fmt: skip
-        reply = await self._call("put", request, StorePutReply)
-        if reply is not None:
-            self.puts += reply.num_stored
+        by_store: dict[str, list[int]] = {}
+        for i, h in enumerate(seq.block_hashes[:last]):
+            for name in ring.owners(h, self.replicas):
+                by_store.setdefault(name, []).append(i)
+        await asyncio.gather(*(self._put(name, [seq.block_hashes[i] for i in idx], [seq.block_table[i] for i in idx])
+                               for name, idx in by_store.items()))  # fmt: skip
 
-    async def _call(self, op: str, request, kind):
+    async def _put(self, name: str, hashes: list[bytes], blocks: list[int]) -> None:
+        request = StorePutRequest(contract=self.host.contract, block_hashes=hashes, block_nbytes=self.host.block_nbytes)
+        reply = await self._call(name, "put", request, StorePutReply)
+        if reply is None or not reply.missing:
+            return
+        spans = [Span(self.host.block_offset(blocks[i]), offset, self.host.block_nbytes)
+                 for i, offset in zip(reply.missing, reply.offsets)]  # fmt: skip
         try:
-            reply = await self.service.request(subjects.store_op(op), request, kind, timeout=STORE_TIMEOUT)
-        except NoRespondersError:
-            return None  # no store in this cluster
-        except (NatsTimeout, BadMessageError) as e:
-            self.log.warning("store %s failed: %s", op, e)
+            await self._write(reply.ticket, spans)
+        except TransferError as e:
+            self.log.warning("put to store %s failed: %s", name, e)
+            return  # uncommitted: the store frees the slots when the ticket expires
+        commit = StoreCommitRequest(contract=self.host.contract, put_id=reply.put_id)
+        done = await self._call(name, "commit", commit, StoreCommitReply)
+        if done is not None:
+            self.puts += done.num_stored
+
+    async def _write(self, ticket: WriteTicket, spans: list[Span]) -> None:
+        transfers = self.host.transfers
+        loop = asyncio.get_running_loop()  # opening maps the store's segment or dials it: off the event loop
+        writer = await loop.run_in_executor(None, transfers.writer, ticket, self.host.segment.name, STORE_TIMEOUT)
+        writer.submit(spans)
+        await transfers.finish(writer)
+
+    async def _call(self, name: str, op: str, request, kind):
+        try:
+            reply = await self.service.request(subjects.store_op(name, op), request, kind, timeout=STORE_TIMEOUT)
+        except (NoRespondersError, NatsTimeout, BadMessageError) as e:
+            self.log.warning("store %s %s failed: %s", name, op, e or type(e).__name__)
             return None
         if reply.error is not None:
-            self.log.warning("store refused %s: %s", op, reply.error.message)
+            self.log.warning("store %s refused %s: %s", name, op, reply.error.message)
             return None
         return reply

@@ -9,6 +9,7 @@ Finishing overlaps the next batch's compute.
 """
 
 import asyncio
+import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -38,11 +39,14 @@ class PrefillSettings:
     max_chunk_tokens: int = 512
     max_batch_tokens: int = 2048
     use_store: bool = True
+    store_replicas: int = 1  # writes go to this many store instances per block; reads try them in turn
     enable_prefix_cache: bool = True  # off: every prompt is computed in full (a baseline)
 
     def __post_init__(self) -> None:
         if self.max_chunk_tokens < 1 or self.max_batch_tokens < 1:
             raise ValueError("max_chunk_tokens and max_batch_tokens must be positive")
+        if self.store_replicas < 1:
+            raise SystemExit("KVSERVE_STORE_REPLICAS must be at least 1")
 
 
 @dataclass
@@ -65,7 +69,7 @@ class PrefillWorker(Service):
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.in_flight: dict[str, Job] = {}
         self.cancelled = RecentIds()
-        self.store = StoreClient(self, self.host) if settings.use_store else None
+        self.store = StoreClient(self, self.host, settings.store_replicas) if settings.use_store else None
         self.handoff = Handoff(self, self.host)
         self.decoders = PeerDirectory()  # for retrying a failed hand-off elsewhere
         self.reports = KVReports(self, self.host, settings.model.calibrate)  # KV events and cost model
@@ -76,6 +80,8 @@ class PrefillWorker(Service):
         await self.subscribe(subjects.prefill_submit(self.instance_id), PrefillRequest, self.on_submit)
         await self.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         await self.subscribe(subjects.heartbeat("decode"), Heartbeat, self.on_decode_heartbeat)
+        if self.store is not None:
+            await self.store.start(self.reports.cost)
         loop = self.spawn(self._prefill_loop())
         stack.callback(loop.cancel)
 
@@ -109,8 +115,11 @@ class PrefillWorker(Service):
             ready = [job for job in await asyncio.gather(*(self._prepare(j) for j in jobs)) if job is not None]
             if not ready:
                 continue
+            new_tokens, started = sum(j.seq.num_tokens - j.seq.num_computed_tokens for j in ready), time.perf_counter()
             try:
                 tokens = await self.host.run(self._compute, ready)
+                if self.store is not None:  # the speed a store fetch must beat
+                    self.store.policy.observe_prefill(new_tokens, time.perf_counter() - started)
             except Exception as e:
                 self.log.exception("prefill of %d requests failed", len(ready))
                 for job in ready:

@@ -1,18 +1,45 @@
-"""python -m services.store — settings from KVSERVE_* variables."""
+"""python -m services.store — settings from KVSERVE_* variables.
 
+The KV contract (and so the block size a slot holds) comes from the model the
+cluster serves: its config, block size and dtype; the weights are not loaded.
+"""
+
+from pathlib import Path
+
+import torch
+
+from libs.common.contract import kv_layout, make_contract
+from libs.common.model.checkpoint import open_checkpoint
+from libs.common.model.default_model import cache_dir, resolve_model_path
+from libs.common.model.loader import resolve_dtype
+from libs.common.schema import KVContract
 from libs.common.service import configure_logging, run_service
-from libs.common.settings import ModelSettings, ServiceSettings, env_int, env_str
+from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings, env_int, env_str
 from services.store.app import StoreService, StoreSettings
 
 
+def model_contract(model: ModelSettings) -> tuple[KVContract, int]:
+    """The KV contract of ``model`` and the bytes of one of its KV blocks."""
+    path, model_id = resolve_model_path(model.model, progress=False)
+    config = open_checkpoint(path, model_id).config
+    dtype = resolve_dtype(model.dtype, torch.device("cpu"), config.hidden_size, config.intermediate_size)
+    layout = kv_layout(config, model.block_size, dtype)
+    return make_contract(model_id, layout), layout.block_nbytes
+
+
 def main() -> None:
+    service = ServiceSettings.from_env("store")
+    configure_logging(service.instance_id, env_str("LOG_LEVEL", "INFO"))
+    directory = env_str("STORE_DIR", "") or str(cache_dir() / "store" / service.instance_id)
     settings = StoreSettings(
-        service=ServiceSettings.from_env("store"),
-        model=ModelSettings.from_env(),
+        service=service,
+        directory=Path(directory).expanduser(),
+        transfer=TransferSettings.from_env(),
         capacity_bytes=env_int("STORE_CAPACITY_BYTES", 1 << 30),
+        disk_bytes=env_int("STORE_DISK_BYTES", 16 << 30),
     )
-    configure_logging(settings.service.instance_id, env_str("LOG_LEVEL", "INFO"))
-    run_service(StoreService(settings))
+    contract, block_nbytes = model_contract(ModelSettings.from_env())
+    run_service(StoreService(settings, contract, block_nbytes))
 
 
 if __name__ == "__main__":

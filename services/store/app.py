@@ -1,128 +1,281 @@
-"""The store service: answers batched exists/put/get over NATS for its DRAM
-block store; block bytes move through the transfer engine, never NATS.
+"""The store service: one instance of the sharded KV block store, answering its
+batched operations (exists, get, put + commit, remove, stats) on its own NATS
+subjects, publishing exact KV events, and moving block bytes only through the
+transfer engine (shared memory on this host, TCP otherwise).
 
-Every request carries the caller's KV contract; one that differs from the
-store's is refused with the difference named. Copies run on one store thread,
-off the event loop.
+Every request carries the caller's KV contract and the block size it means;
+either one differing from the store's is refused with the difference named, so
+a mismatch can never pass for a 0% hit rate. An unknown operation or a message
+that does not decode gets an error reply, and the store keeps serving. Which
+instance owns which block is the callers' business (`libs/common/hash_ring.py`).
 """
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
+import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 from nats.aio.msg import Msg
 
-from libs.common import subjects
-from libs.common.contract import kv_layout, make_contract
-from libs.common.model.checkpoint import open_checkpoint
-from libs.common.model.default_model import resolve_model_path
+from libs.common import schema, subjects
+from libs.common.kv_events import KVEventLog, KVEventPublisher
 from libs.common.model.hashing import BlockHash
-from libs.common.model.loader import resolve_dtype
 from libs.common.schema import (
+    CostCoefficients,
     ErrorInfo,
     Heartbeat,
     KVContract,
+    StoreCommitReply,
+    StoreCommitRequest,
     StoreExistsReply,
     StoreExistsRequest,
     StoreGetReply,
     StoreGetRequest,
     StorePutReply,
     StorePutRequest,
+    StoreRemoveReply,
+    StoreRemoveRequest,
+    StoreStatsReply,
+    StoreStatsRequest,
 )
 from libs.common.service import Service
-from libs.common.settings import ModelSettings, ServiceSettings
-from libs.common.transfer import SharedSegment, TransferEngine, TransferError
-from libs.common.transfer.segment import new_segment_name
-from services.store.block_store import DramBlockStore
+from libs.common.settings import ServiceSettings, TransferSettings
+from libs.common.transfer import SharedSegment, Span, TransferEngine, TransferError
+from libs.common.transfer.segment import new_segment_name, remove_stale_segments
+from services.store.disk import BlockFiles, DiskTier, contract_digest
+from services.store.puts import PendingPut, PendingPuts
+from services.store.tiers import TieredStore
 
-import torch
+PUT_TTL_S = 30.0  # a put not committed by then gives its slots back
+LOAD_EWMA = 0.2  # weight of the newest sample in the measured per-block load times
 
 
 @dataclass(frozen=True)
 class StoreSettings:
     service: ServiceSettings
-    model: ModelSettings
-    capacity_bytes: int = 1 << 30
+    directory: Path  # the disk tier's files
+    transfer: TransferSettings = TransferSettings()
+    capacity_bytes: int = 1 << 30  # DRAM tier
+    disk_bytes: int = 16 << 30  # disk tier; 0: no disk tier
+    put_ttl_s: float = PUT_TTL_S
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
-            raise ValueError("store capacity must be positive")
+            raise SystemExit("KVSERVE_STORE_CAPACITY_BYTES must be positive")
+        if self.disk_bytes < 0:
+            raise SystemExit("KVSERVE_STORE_DISK_BYTES must be 0 (no disk tier) or positive")
+        if self.put_ttl_s <= 0:
+            raise SystemExit("the put TTL must be positive")
 
 
 class StoreService(Service):
-    def __init__(self, settings: StoreSettings) -> None:
+    def __init__(self, settings: StoreSettings, contract: KVContract, block_nbytes: int) -> None:
         super().__init__(settings.service)
-        path, model_id = resolve_model_path(settings.model.model, progress=False)
-        config = open_checkpoint(path, model_id).config
-        dtype = resolve_dtype(settings.model.dtype, torch.device("cpu"), config.hidden_size, config.intermediate_size)
-        layout = kv_layout(config, settings.model.block_size, dtype)
-        self.contract: KVContract = make_contract(model_id, layout)
-        capacity = settings.capacity_bytes - settings.capacity_bytes % layout.block_nbytes
-        self.segment = SharedSegment.create(new_segment_name(self.instance_id, "dram"), capacity)
-        self.transfers = TransferEngine()
+        self.config = settings
+        self.contract = contract
+        self.block_nbytes = block_nbytes
+        num_slots = settings.capacity_bytes // block_nbytes
+        if num_slots < 1:
+            raise SystemExit(f"KVSERVE_STORE_CAPACITY_BYTES={settings.capacity_bytes} holds no block of "
+                             f"{block_nbytes} bytes")  # fmt: skip
+        removed = remove_stale_segments()
+        if removed:
+            self.log.info("removed %d shared-memory segments left by dead processes", len(removed))
+        self.segment = SharedSegment.create(new_segment_name(self.instance_id, "dram"), num_slots * block_nbytes)
+        t = settings.transfer
+        self.transfers = TransferEngine(settings.service.host_id, listen=f"{t.listen_host}:0", transport=t.transport,
+                                        connections=t.connections, timeout=t.timeout)  # fmt: skip
         self.transfers.register(self.segment)
-        self.blocks = DramBlockStore(self.segment, layout.block_nbytes, self.transfers)
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="store")
-        self.log.info("DRAM tier: %d blocks of %d bytes in %s", self.blocks.num_slots, layout.block_nbytes, self.segment.name)
+        disk = None
+        if settings.disk_bytes:
+            files = BlockFiles(settings.directory, contract_digest(contract), block_nbytes)
+            disk = DiskTier(files, settings.disk_bytes)
+        self.events = KVEventLog(self.instance_id)
+        self.tiers = TieredStore(self.segment, block_nbytes, disk, self.events)
+        self.puts = PendingPuts(self._put_expired)
+        self.load_per_block: dict[str, float] = {}  # measured seconds to serve one block, by tier
+        self._ops = {
+            "exists": (StoreExistsRequest, self.on_exists),
+            "get": (StoreGetRequest, self.on_get),
+            "put": (StorePutRequest, self.on_put),
+            "commit": (StoreCommitRequest, self.on_commit),
+            "remove": (StoreRemoveRequest, self.on_remove),
+            "stats": (StoreStatsRequest, self.on_stats),
+        }
+        assert set(self._ops) == set(subjects.STORE_OPS)
 
     async def start(self, stack: AsyncExitStack) -> None:
         stack.callback(self._close)
-        queue = subjects.STORE_QUEUE
-        await self.subscribe(subjects.store_op("exists"), StoreExistsRequest, self.on_exists, queue=queue)
-        await self.subscribe(subjects.store_op("get"), StoreGetRequest, self.on_get, queue=queue)
-        await self.subscribe(subjects.store_op("put"), StorePutRequest, self.on_put, queue=queue)
+        await self.tiers.start()
+        disk = self.tiers.disk
+        self.log.info(
+            "DRAM tier: %d slots of %d bytes in %s; disk tier: %s", self.tiers.dram.num_slots, self.block_nbytes,
+            self.segment.name,
+            f"{len(disk)} blocks found in {disk.files.directory}, capacity {disk.capacity_bytes} bytes" if disk else "off",
+        )  # fmt: skip
+        await KVEventPublisher(self, self.events).start(stack)
+        await self.nc.subscribe(subjects.store_ops(self.instance_id), cb=self._dispatch)
 
     def _close(self) -> None:
-        self._thread.shutdown(wait=True)
+        self.puts.expire_all()
+        if self.tiers.disk is not None:
+            self.tiers.disk.close()
         self.transfers.close()
 
-    async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._thread, fn, *args)
+    async def _dispatch(self, msg: Msg) -> None:
+        op = msg.subject.rsplit(".", 1)[-1]
+        entry = self._ops.get(op)
+        if entry is None:
+            self.log.warning("refused unknown operation %r", op)
+            error = ErrorInfo(code="unknown_op", message=f"store {self.instance_id} has no operation {op!r}; "
+                                                         f"it answers {', '.join(subjects.STORE_OPS)}")  # fmt: skip
+            self.spawn(self._reply(msg, schema.Ack(error=error)))
+            return
+        self.spawn(self._handle(msg, *entry))
 
-    def _contract_error(self, contract: KVContract) -> ErrorInfo | None:
+    def _refusal(self, contract: KVContract, block_nbytes: int | None = None) -> ErrorInfo | None:
         mismatch = self.contract.mismatch(contract)
-        if mismatch is None:
-            return None
-        self.log.warning("refused a peer: %s", mismatch)
-        return ErrorInfo(code="contract_mismatch", message=f"store {self.instance_id}: {mismatch}")
+        if mismatch is not None:
+            self.log.warning("refused a peer: %s", mismatch)
+            return ErrorInfo(code="contract_mismatch", message=f"store {self.instance_id}: {mismatch}")
+        if block_nbytes is not None and block_nbytes != self.block_nbytes:
+            self.log.warning("refused blocks of %d bytes", block_nbytes)
+            return ErrorInfo(code="bad_block_size", message=(
+                f"store {self.instance_id}: blocks of {block_nbytes} bytes refused; its slots hold exactly "
+                f"{self.block_nbytes} bytes (one KV block, every layer, under contract {self.contract.layout})"))  # fmt: skip
+        return None
 
+    # --- operations ---------------------------------------------------------------------
     async def on_exists(self, request: StoreExistsRequest, msg: Msg) -> StoreExistsReply:
-        if error := self._contract_error(request.contract):
+        if error := self._refusal(request.contract):
             return StoreExistsReply(error=error)
-        present = await self._run(self.blocks.exists, [BlockHash(h) for h in request.block_hashes])
-        return StoreExistsReply(present=present)
+        return StoreExistsReply(tiers=self.tiers.locate([BlockHash(h) for h in request.block_hashes]))
 
     async def on_get(self, request: StoreGetRequest, msg: Msg) -> StoreGetReply:
-        if error := self._contract_error(request.contract) or _shape_error(request):
+        if error := self._refusal(request.contract, request.block_nbytes) or _lengths_differ(request):
             return StoreGetReply(error=error)
+        started = time.perf_counter()
+        found = await self.tiers.acquire([BlockHash(h) for h in request.block_hashes])
+        slots = [f[1] for f in found if f is not None]
         try:
-            found = await self._run(self.blocks.get, [BlockHash(h) for h in request.block_hashes], request.segment,
-                                    request.offsets)  # fmt: skip
+            spans = [Span(self.tiers.slot_offset(f[1]), offset, self.block_nbytes)
+                     for f, offset in zip(found, request.offsets) if f is not None]  # fmt: skip
+            if spans:
+                await self._write_out(request, spans)
         except TransferError as e:
-            return StoreGetReply(error=ErrorInfo(code=e.cause, message=str(e)))
-        return StoreGetReply(num_found=found)
+            return StoreGetReply(error=ErrorInfo(code=e.cause, message=f"store {self.instance_id}: {e}"))
+        finally:
+            self.tiers.release(slots)
+        tiers = [f[0] if f is not None else None for f in found]
+        self._measure_load(tiers, time.perf_counter() - started)
+        return StoreGetReply(tiers=tiers)
+
+    async def _write_out(self, request: StoreGetRequest, spans: list[Span]) -> None:
+        loop = asyncio.get_running_loop()
+
+        def open_writer():  # maps the caller's segment (shm) or dials it (tcp): off the event loop
+            if self.transfers.choose_transport(request.ticket) == "shm":
+                size = self.transfers.segment(request.ticket.segment).nbytes
+                if any(s.dst_offset < 0 or s.dst_offset + s.length > size for s in spans):
+                    raise TransferError("bad_range", f"offsets outside the caller's segment of {size} bytes")
+            return self.transfers.writer(request.ticket, self.segment.name)
+
+        writer = await loop.run_in_executor(None, open_writer)
+        writer.submit(spans)
+        await self.transfers.finish(writer)
+
+    def _measure_load(self, tiers: list[str | None], seconds: float) -> None:
+        hit = [t for t in tiers if t is not None]
+        if hit and len(set(hit)) == 1:
+            per_block = seconds / len(hit)
+            old = self.load_per_block.get(hit[0])
+            self.load_per_block[hit[0]] = per_block if old is None else old + LOAD_EWMA * (per_block - old)
 
     async def on_put(self, request: StorePutRequest, msg: Msg) -> StorePutReply:
-        if error := self._contract_error(request.contract) or _shape_error(request):
+        if error := self._refusal(request.contract, request.block_nbytes):
             return StorePutReply(error=error)
-        try:
-            stored = await self._run(self.blocks.put, [BlockHash(h) for h in request.block_hashes], request.segment,
-                                     request.offsets)  # fmt: skip
-        except TransferError as e:
-            return StorePutReply(error=ErrorInfo(code=e.cause, message=str(e)))
-        return StorePutReply(num_stored=stored)
+        hashes = [BlockHash(h) for h in request.block_hashes]
+        where = self.tiers.locate(hashes)
+        if request.pin:
+            self.tiers.pin([h for h, tier in zip(hashes, where) if tier == "dram"])
+        first: dict[BlockHash, int] = {}
+        for i, (h, tier) in enumerate(zip(hashes, where)):
+            if tier is None:
+                first.setdefault(h, i)  # a hash twice in one put is written once
+        missing = list(first.values())
+        slots = await self.tiers.reserve(len(missing))
+        placed, no_room = missing[: len(slots)], missing[len(slots) :]
+        if no_room:
+            self.log.warning("no room for %d of %d blocks: every slot is pinned, leased or reserved", len(no_room),
+                             len(missing))  # fmt: skip
+        if not placed:
+            return StorePutReply(no_room=no_room)
+        ttl = self.config.put_ttl_s
+        offsets = [self.tiers.slot_offset(s) for s in slots]
+        ticket = self.transfers.expect(self.segment.name, [(o, self.block_nbytes) for o in offsets], ttl)
+        put = self.puts.open([hashes[i] for i in placed], slots, request.pin, ticket.token, ttl)
+        return StorePutReply(put_id=put.put_id, missing=placed, offsets=offsets, ticket=ticket, ttl_s=ttl,
+                             no_room=no_room)  # fmt: skip
 
+    async def on_commit(self, request: StoreCommitRequest, msg: Msg) -> StoreCommitReply:
+        if error := self._refusal(request.contract):
+            return StoreCommitReply(error=error)
+        put = self.puts.take(request.put_id)
+        if put is None:
+            return StoreCommitReply(error=ErrorInfo(code="unknown_put", message=(
+                f"store {self.instance_id}: no put {request.put_id!r} is open (never opened, committed, or expired)")))  # fmt: skip
+        record = self.transfers.close_ticket(put.token)
+        if record is not None and record.failed:
+            self.tiers.give_back(put.slots)
+            return StoreCommitReply(error=ErrorInfo(code=record.failed, message=(
+                f"store {self.instance_id}: the put's transfer failed ({record.failed}); nothing stored")))  # fmt: skip
+        return StoreCommitReply(num_stored=self.tiers.commit(put.hashes, put.slots, put.pin))
+
+    def _put_expired(self, put: PendingPut) -> None:
+        self.log.warning("put %s was not committed in time: %d slots given back", put.put_id, len(put.slots))
+        self.transfers.close_ticket(put.token)
+        self.tiers.give_back(put.slots)
+        self.tiers.counters["puts_expired"] += 1
+
+    async def on_remove(self, request: StoreRemoveRequest, msg: Msg) -> StoreRemoveReply:
+        if error := self._refusal(request.contract):
+            return StoreRemoveReply(error=error)
+        return StoreRemoveReply(num_removed=await self.tiers.remove([BlockHash(h) for h in request.block_hashes]))
+
+    async def on_stats(self, request: StoreStatsRequest, msg: Msg) -> StoreStatsReply:
+        if error := self._refusal(request.contract):
+            return StoreStatsReply(error=error)
+        dram, disk = self.tiers.dram, self.tiers.disk
+        return StoreStatsReply(
+            instance_id=self.instance_id, block_nbytes=self.block_nbytes,
+            dram_slots=dram.num_slots, dram_blocks=len(dram), dram_pinned=dram.num_pinned, dram_leased=dram.num_leased,
+            disk_blocks=len(disk) if disk else 0, disk_bytes=disk.used_bytes if disk else 0,
+            disk_capacity_bytes=disk.capacity_bytes if disk else 0,
+            counters=dict(self.tiers.counters), kv_epoch=self.events.epoch, kv_seq=self.events.seq,
+        )  # fmt: skip
+
+    # --- membership -------------------------------------------------------------------------
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
-        beat.capacity = self.blocks.num_slots
-        beat.free_blocks = self.blocks.num_slots - self.blocks.num_blocks
+        dram = self.tiers.dram
+        beat.capacity = dram.num_slots
+        beat.free_blocks = dram.num_free_slots
         beat.segment = self.segment.name
         beat.contract = self.contract
+        beat.kv_epoch = self.events.epoch
+        beat.kv_seq = self.events.published_seq
+        if self.load_per_block:  # a store's cost model is its measured load times; the rest does not apply
+            per_block = dict(self.load_per_block)
+            beat.cost = CostCoefficients(
+                block_size=self.contract.block_size, prefill_base=0.0, prefill_per_token=0.0,
+                prefill_per_token_context=0.0, decode_base=0.0, decode_per_seq=0.0, decode_per_context_token=0.0,
+                transfer_per_block=per_block.get("dram", 0.0), load_per_block=per_block,
+            )  # fmt: skip
         return beat
 
 
-def _shape_error(request: StoreGetRequest | StorePutRequest) -> ErrorInfo | None:
+def _lengths_differ(request: StoreGetRequest) -> ErrorInfo | None:
     if len(request.block_hashes) != len(request.offsets):
         return ErrorInfo(code="invalid_request", message="block_hashes and offsets differ in length")
     return None

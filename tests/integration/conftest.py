@@ -1,6 +1,7 @@
 """Real clusters for integration tests: a real nats-server and one process per
 service, started through the same LocalCluster that `kvserve up` runs."""
 
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -15,9 +16,10 @@ CLUSTER_ENV = {
 }
 
 
-def start_cluster(prefill: int = 1, decode: int = 1, env: dict | None = None) -> LocalCluster:
+def start_cluster(prefill: int = 1, decode: int = 1, env: dict | None = None, store_dir=None) -> LocalCluster:
     cluster = LocalCluster(
-        prefill=prefill, decode=decode, gateway_port=0, dtype="float32", env={**CLUSTER_ENV, **(env or {})}, log=None
+        prefill=prefill, decode=decode, gateway_port=0, dtype="float32", env={**CLUSTER_ENV, **(env or {})}, log=None,
+        store_dir=store_dir or tempfile.mkdtemp(prefix="kvserve-stores-"),  # no test sees another's disk tier
     )
     cluster.start(timeout=120)
     return cluster

@@ -120,7 +120,7 @@ def test_undecodable_nats_messages_are_logged_and_dropped(cluster, openai_client
     from libs.common import subjects
 
     targets = [subjects.CONDUCTOR_ADMIT, subjects.prefill_submit("prefill-0"), subjects.decode_reserve("decode-0"),
-               subjects.decode_admit("decode-0"), subjects.store_op("put"), subjects.CANCEL]  # fmt: skip
+               subjects.decode_admit("decode-0"), subjects.store_op("store-0", "put"), subjects.CANCEL]  # fmt: skip
 
     async def send_garbage():
         nc = await nats.connect(cluster.nats_url)

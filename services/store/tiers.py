@@ -1,0 +1,245 @@
+"""The two tiers together: what a get, a put, a remove does to DRAM and disk, and
+the exact KV events each change produces.
+
+Inclusive tiers: evicting a block from DRAM writes it back to disk unless disk
+has it already (event ``demoted``, dram -> disk; else ``evicted`` from dram);
+a disk hit is read into a DRAM slot and stays on disk. Until KVEventLog has a
+"copy up" kind, that promotion is reported as ``stored`` in dram — the one
+event whose effect (dram gains the block, disk keeps it) is exactly what
+happened. Every event is recorded in the same synchronous step as the change it
+reports, so the log's contents equal the tiers' at every await point.
+
+Runs on the event loop: bookkeeping here, bytes on the disk tier's threads and
+in the transfer engine.
+"""
+
+import asyncio
+from collections import Counter
+from collections.abc import Sequence
+
+from libs.common.kv_events import KVEventLog
+from libs.common.model.hashing import BlockHash
+from libs.common.transfer import SharedSegment
+from services.store.disk import DiskTier
+from services.store.dram import DramTier
+
+Found = tuple[str, int]  # (tier it came from, DRAM slot now leased to the caller)
+
+
+class TieredStore:
+    def __init__(self, segment: SharedSegment, block_nbytes: int, disk: DiskTier | None, events: KVEventLog) -> None:
+        self.segment = segment
+        self.block_nbytes = block_nbytes
+        self.dram = DramTier(segment.nbytes // block_nbytes)
+        self.disk = disk
+        self.events = events
+        self.counters: Counter[str] = Counter()
+        self._evicting = 0
+        self._freed = asyncio.Event()
+        self._promoting: dict[BlockHash, asyncio.Future] = {}
+        self._cancelled: set[BlockHash] = set()  # removed while being promoted
+        if disk is not None:
+            disk.on_evicted = self._disk_evicted
+
+    async def start(self) -> None:
+        """Rebuild the disk index; what it holds is the first event of this epoch."""
+        if self.disk is not None:
+            kept, dropped = await self.disk.load()
+            self.events.record("stored", "disk", kept)
+            self.counters["disk_dropped_at_start"] += len(dropped)
+
+    def slot_view(self, slot: int) -> memoryview:
+        return self.segment.view[slot * self.block_nbytes : (slot + 1) * self.block_nbytes]
+
+    def slot_offset(self, slot: int) -> int:
+        return slot * self.block_nbytes
+
+    # --- lookups ----------------------------------------------------------------------
+    def locate(self, hashes: Sequence[BlockHash]) -> list[str | None]:
+        """The fastest tier holding each block, or None."""
+        disk = self.disk if self.disk is not None else ()
+        return ["dram" if h in self.dram else "disk" if h in disk else None for h in hashes]
+
+    async def acquire(self, hashes: Sequence[BlockHash]) -> list[Found | None]:
+        """Lease a DRAM slot holding each block (promoting disk hits); the caller
+        copies out of the slots, then `release`s them. None: a miss."""
+        found: list[Found | None] = [None] * len(hashes)
+        promote: dict[int, BlockHash] = {}
+        for i, h in enumerate(hashes):  # DRAM hits first, leased before anything can evict them
+            slot = self.dram.slot_of(h)
+            if slot is not None:
+                self.dram.lease(slot)
+                self.dram.touch(h)
+                found[i] = ("dram", slot)
+            elif self.disk is not None and h in self.disk:
+                promote[i] = h
+        slots = await asyncio.gather(*(self._promote(h) for h in promote.values()))
+        for i, slot in zip(promote, slots):
+            if slot is not None:
+                found[i] = ("disk", slot)
+        hits = Counter(f[0] for f in found if f is not None)
+        self.counters.update({f"hits_{tier}": n for tier, n in hits.items()})
+        self.counters["misses"] += len(hashes) - sum(hits.values())
+        return found
+
+    def release(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            if self.dram.release(slot):
+                self._slot_freed()
+
+    async def _promote(self, h: BlockHash) -> int | None:
+        """Read a disk block into a DRAM slot (it stays on disk); the slot, leased, or None."""
+        if h in self._promoting:  # someone is reading it already: use theirs
+            await asyncio.shield(self._promoting[h])
+            slot = self.dram.slot_of(h)
+            if slot is not None:
+                self.dram.lease(slot)
+            return slot
+        done = self._promoting[h] = asyncio.get_running_loop().create_future()
+        try:
+            return await self._read_up(h)
+        finally:
+            del self._promoting[h]
+            self._cancelled.discard(h)
+            done.set_result(None)
+
+    async def _read_up(self, h: BlockHash) -> int | None:
+        self.disk.lease(h)  # making room must not evict the block we came for
+        try:
+            reserved = await self.reserve(1)
+        finally:
+            self.disk.release(h)
+        if not reserved:
+            self.counters["promotions_without_room"] += 1
+            return None
+        slot = reserved[0]
+        if h not in self.disk:  # evicted or removed while we made room
+            self.dram.give_back(slot)
+            return None
+        if not await self.disk.read(h, self.slot_view(slot)):
+            self.dram.give_back(slot)
+            self.counters["corrupt_blocks"] += 1
+            self.events.record("removed", "disk", [h])  # DiskTier.read took it out of the index
+            return None
+        if h in self._cancelled or h in self.dram:  # removed meanwhile, or a put committed it
+            self.dram.give_back(slot)
+            slot = self.dram.slot_of(h)
+            if slot is not None:
+                self.dram.lease(slot)
+            return slot
+        self.dram.insert(h, slot)
+        self.events.record("stored", "dram", [h])  # a copy up: see the module docstring
+        self.counters["promotions"] += 1
+        self.dram.lease(slot)
+        return slot
+
+    # --- puts ---------------------------------------------------------------------------
+    async def reserve(self, count: int) -> list[int]:
+        """Up to ``count`` free DRAM slots, evicting for them in LRU order; fewer only
+        when every other slot is pinned-and-leased, leased or reserved."""
+        got: list[int] = []
+        while len(got) < count:
+            while len(got) < count and (slot := self.dram.take_free_slot()) is not None:
+                got.append(slot)
+            need = count - len(got)
+            if need == 0:
+                break
+            victims = self.dram.pick_victims(need)
+            if victims:
+                await self._evict(victims)
+            elif self._evicting:
+                freed = self._freed
+                await freed.wait()
+            else:
+                break
+        return got
+
+    def give_back(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.dram.give_back(slot)
+        if slots:
+            self._slot_freed()
+
+    def commit(self, hashes: Sequence[BlockHash], slots: Sequence[int], pin: bool = False) -> int:
+        """Make written slots visible under their hashes; a block committed meanwhile by
+        someone else keeps its slot and ours goes back. Returns how many are new."""
+        stored: list[BlockHash] = []
+        for h, slot in zip(hashes, slots):
+            if h in self.dram:
+                self.dram.give_back(slot)
+                self._slot_freed()
+            else:
+                self.dram.insert(h, slot, pinned=pin)
+                stored.append(h)
+            if pin:
+                self.dram.pin(h)
+        self.events.record("stored", "dram", stored)
+        self.counters["blocks_put"] += len(stored)
+        return len(stored)
+
+    def pin(self, hashes: Sequence[BlockHash]) -> None:
+        for h in hashes:
+            self.dram.pin(h)
+
+    async def _evict(self, victims: list[BlockHash]) -> None:
+        """Write the victims disk lacks back to it (in parallel), then drop every victim
+        from DRAM in the order picked: the events follow the eviction order."""
+        self._evicting += 1
+        slots = [self.dram.slot_of(v) for v in victims]
+        for slot in slots:
+            self.dram.lease(slot)  # the write-back reads the slot
+        stray: list[BlockHash] = []
+        try:
+            disk = self.disk
+            to_write = [disk is not None and v not in disk for v in victims]
+            results = iter(await asyncio.gather(
+                *(disk.write(v, self.slot_view(s)) for v, s, w in zip(victims, slots, to_write) if w)
+            ))  # fmt: skip
+            for victim, slot, write in zip(victims, slots, to_write):
+                written = next(results) if write else False
+                if self.dram.slot_of(victim) != slot:  # removed during the write-back: so goes the copy
+                    if written:
+                        stray.append(victim)
+                    continue
+                self.dram.unmap(victim)
+                if written:
+                    disk.add(victim)
+                    self.events.record("demoted", "disk", [victim], source_tier="dram")
+                    self.counters["demoted"] += 1
+                else:
+                    self.events.record("evicted", "dram", [victim])
+                    self.counters["evicted_dram"] += 1
+        finally:
+            self._evicting -= 1
+            self.release(slots)
+        for victim in stray:
+            await disk.discard(victim)
+
+    def _disk_evicted(self, hashes: list[BlockHash]) -> None:
+        if hashes:
+            self.events.record("evicted", "disk", hashes)
+            self.counters["evicted_disk"] += len(hashes)
+
+    def _slot_freed(self) -> None:
+        self._freed.set()
+        self._freed = asyncio.Event()
+
+    # --- removal ----------------------------------------------------------------------------
+    async def remove(self, hashes: Sequence[BlockHash]) -> int:
+        """Drop blocks from every tier (a block being read stays readable to its reader)."""
+        from_dram, from_disk = [], []
+        for h in dict.fromkeys(hashes):
+            if h in self.dram:
+                if self.dram.unmap(h):
+                    self._slot_freed()
+                from_dram.append(h)
+            if h in self._promoting:
+                self._cancelled.add(h)
+            if self.disk is not None and self.disk.forget(h):
+                from_disk.append(h)
+        self.events.record("removed", "dram", from_dram)
+        self.events.record("removed", "disk", from_disk)
+        if from_disk:
+            await self.disk.delete(from_disk)
+        self.counters["removed"] += len(set(from_dram) | set(from_disk))
+        return len(set(from_dram) | set(from_disk))

@@ -1,0 +1,62 @@
+"""SIGKILL during a put: after a restart the store shows each block whole or not
+at all. The failpoint ``store.stall_disk_write`` holds a block's disk write
+half-way (header and half the payload fsynced in the temp file) until the kill."""
+
+import asyncio
+import time
+
+import pytest
+
+from libs.common.nats_server import NatsServer
+from tests.integration.store_harness import Caller, StoreProcess, block_bytes, block_hash, store_contract
+
+
+@pytest.fixture
+def nats_url():
+    server = NatsServer().start()
+    yield server.url
+    server.stop()
+
+
+async def test_sigkill_during_a_put_leaves_the_whole_block_or_nothing(nats_url, tmp_path):
+    contract, nb = store_contract()
+    directory = tmp_path / "store-f"
+    store = StoreProcess("store-f", nats_url, directory, slots=1, disk_blocks=8, block_nbytes=nb).start()
+    try:
+        async with Caller(nats_url, contract, nb) as caller:
+            await caller.wait_ready("store-f")
+            x, y, a, b = (block_hash(i) for i in range(4))
+            for i in range(4):
+                caller.fill(i, block_bytes(i, nb))
+            await caller.put("store-f", [x], [0])
+            await caller.put("store-f", [y], [1])  # x is written back to disk, whole
+            assert await caller.exists("store-f", [x, y]) == ["disk", "dram"]
+
+            # restart with every disk write stalling half-way
+            killed_at = time.time()
+            store.kill()
+            store.start(failpoints="store.stall_disk_write")
+            await caller.wait_ready("store-f", started_after=killed_at)
+            await caller.put("store-f", [a], [2])  # the one slot was free: no write-back yet
+            put_b = asyncio.ensure_future(caller.put("store-f", [b], [3]))  # must write a back to make room
+            deadline = time.monotonic() + 30
+            while not store.logged("failpoint store.stall_disk_write"):
+                assert time.monotonic() < deadline and not put_b.done(), "the write-back never started"
+                await asyncio.sleep(0.05)  # polling the log with a deadline
+            partial = list(directory.glob("*.tmp"))
+            assert len(partial) == 1 and 0 < partial[0].stat().st_size < nb
+            killed_at = time.time()
+            store.kill()  # mid-put: b waits for a slot, a is half on disk
+            with pytest.raises(Exception):
+                await put_b
+
+            store.start(failpoints="")
+            await caller.wait_ready("store-f", started_after=killed_at)
+            assert await caller.exists("store-f", [x, y, a, b]) == ["disk", None, None, None]
+            assert not list(directory.glob("*.tmp")) and store.logged("a write that never finished")
+            assert await caller.get("store-f", [x], [10]) == ["disk"]
+            assert caller.read(10) == block_bytes(0, nb)  # the whole block, bit for bit
+            stats = await caller.stats("store-f")
+            assert stats.disk_blocks == 1 and stats.dram_blocks == 1
+    finally:
+        store.stop()
