@@ -6,7 +6,9 @@ with the process's ``KVSERVE_INSTANCE_ID``. Unset (always, in production),
 every check is one frozenset lookup.
 
 Failpoints: ``transfer.stall_receive`` — the TCP listener accepts a transfer's
-token, then stops reading (a hung peer).
+token, then stops reading (a hung peer). ``store.stall_disk_write`` — the store
+writes a block file's header and half its payload to the temp file, fsyncs it,
+then blocks forever (a crash mid-write, once the process is killed).
 """
 
 import os

@@ -38,7 +38,7 @@ from libs.common.schema import (
     WriteTicket,
 )
 from libs.common.service import Service
-from libs.common.transfer import Span, TransferError
+from libs.common.transfer import Descriptor, Span, TransferError
 from services.prefill.fetch_policy import FetchPolicy
 
 STORE_TIMEOUT = 5.0
@@ -187,8 +187,15 @@ class StoreClient:
             self.puts += done.num_stored
 
     async def _write(self, ticket: WriteTicket, spans: list[Span]) -> None:
+        """Into the store's fresh slots: a plain copy between mapped segments on this
+        host, a TCP transfer otherwise; either way off the event loop."""
         transfers = self.host.transfers
-        loop = asyncio.get_running_loop()  # opening maps the store's segment or dials it: off the event loop
+        loop = asyncio.get_running_loop()
+        if transfers.choose_transport(ticket) == "shm":
+            source = self.host.segment.name
+            batch = [Descriptor(source, s.src_offset, ticket.segment, s.dst_offset, s.length) for s in spans]
+            await loop.run_in_executor(None, transfers.copy, batch)
+            return
         writer = await loop.run_in_executor(None, transfers.writer, ticket, self.host.segment.name, STORE_TIMEOUT)
         writer.submit(spans)
         await transfers.finish(writer)

@@ -41,13 +41,14 @@ from libs.common.schema import (
 )
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings, TransferSettings
-from libs.common.transfer import SharedSegment, Span, TransferEngine, TransferError
+from libs.common.transfer import Descriptor, SharedSegment, Span, TransferEngine, TransferError
 from libs.common.transfer.segment import new_segment_name, remove_stale_segments
 from services.store.disk import BlockFiles, DiskTier, contract_digest
 from services.store.puts import PendingPut, PendingPuts
 from services.store.tiers import TieredStore
 
 PUT_TTL_S = 30.0  # a put not committed by then gives its slots back
+INLINE_COPY_BYTES = 256 << 10  # shm copies up to this size run on the event loop (a thread costs more)
 LOAD_EWMA = 0.2  # weight of the newest sample in the measured per-block load times
 
 
@@ -172,16 +173,18 @@ class StoreService(Service):
         return StoreGetReply(tiers=tiers)
 
     async def _write_out(self, request: StoreGetRequest, spans: list[Span]) -> None:
+        """Into the caller's blocks: a plain copy between mapped segments on this host
+        (small ones right here, they take microseconds), a TCP transfer otherwise."""
         loop = asyncio.get_running_loop()
-
-        def open_writer():  # maps the caller's segment (shm) or dials it (tcp): off the event loop
-            if self.transfers.choose_transport(request.ticket) == "shm":
-                size = self.transfers.segment(request.ticket.segment).nbytes
-                if any(s.dst_offset < 0 or s.dst_offset + s.length > size for s in spans):
-                    raise TransferError("bad_range", f"offsets outside the caller's segment of {size} bytes")
-            return self.transfers.writer(request.ticket, self.segment.name)
-
-        writer = await loop.run_in_executor(None, open_writer)
+        ticket = request.ticket
+        if self.transfers.choose_transport(ticket) == "shm":
+            batch = [Descriptor(self.segment.name, s.src_offset, ticket.segment, s.dst_offset, s.length) for s in spans]
+            if sum(s.length for s in spans) <= INLINE_COPY_BYTES:
+                self.transfers.copy(batch)
+            else:
+                await loop.run_in_executor(None, self.transfers.copy, batch)
+            return
+        writer = await loop.run_in_executor(None, self.transfers.writer, ticket, self.segment.name)  # dials: off the loop
         writer.submit(spans)
         await self.transfers.finish(writer)
 

@@ -26,16 +26,17 @@ class PendingPut:
 
 
 class PendingPuts:
-    def __init__(self, on_expired: Callable[[PendingPut], None]) -> None:
+    def __init__(self, on_expired: Callable[[PendingPut], None], grace_s: float = FREE_GRACE_S) -> None:
         self._pending: dict[str, PendingPut] = {}
         self._on_expired = on_expired
+        self.grace_s = grace_s
 
     def __len__(self) -> int:
         return len(self._pending)
 
     def open(self, hashes: list[BlockHash], slots: list[int], pin: bool, token: str, ttl_s: float) -> PendingPut:
         put = PendingPut(secrets.token_hex(8), hashes, slots, pin, token)
-        put.timer = asyncio.get_running_loop().call_later(ttl_s + FREE_GRACE_S, self._expire, put.put_id)
+        put.timer = asyncio.get_running_loop().call_later(ttl_s + self.grace_s, self._expire, put.put_id)
         self._pending[put.put_id] = put
         return put
 

@@ -32,7 +32,7 @@ from libs.common.schema import (
     StoreStatsRequest,
 )
 from libs.common.settings import ModelSettings
-from libs.common.transfer import SharedSegment, Span, TransferEngine
+from libs.common.transfer import Descriptor, SharedSegment, Span, TransferEngine
 from libs.common.transfer.segment import new_segment_name
 
 BLOCK_SIZE = 16
@@ -151,13 +151,20 @@ class Caller:
         if not reply.missing:
             return 0
         spans = [Span(slots[i] * self.block_nbytes, o, self.block_nbytes) for i, o in zip(reply.missing, reply.offsets)]
-        await asyncio.get_running_loop().run_in_executor(None, self._write, reply.ticket, spans)
+        if len(spans) * self.block_nbytes <= 256 << 10:
+            self._write(reply.ticket, spans)  # small: a thread hop costs more than the copy
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, self._write, reply.ticket, spans)
         done = await self.call(instance_id, "commit", StoreCommitRequest(contract=self.contract, put_id=reply.put_id),
                                StoreCommitReply)  # fmt: skip
         assert done.error is None, done.error
         return done.num_stored
 
     def _write(self, ticket, spans) -> None:
+        if self.transfers.choose_transport(ticket) == "shm":
+            self.transfers.copy([Descriptor(self.segment.name, s.src_offset, ticket.segment, s.dst_offset, s.length)
+                                 for s in spans])  # fmt: skip
+            return
         writer = self.transfers.writer(ticket, self.segment.name)
         writer.submit(spans)
         writer.finish_sync()
