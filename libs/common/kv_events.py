@@ -60,7 +60,7 @@ class KVEventLog:
             if kind in _ADDS:
                 changed = [h for h in dict.fromkeys(hashes) if h not in held]
                 held.update(changed)
-                if kind != "stored":  # a move: the blocks leave their source tier
+                if kind == "demoted":  # a move down: the blocks leave their source tier
                     self._holdings[source_tier].difference_update(changed)
             else:
                 changed = [h for h in dict.fromkeys(hashes) if h in held]

@@ -148,9 +148,10 @@ class KVEvent(msgspec.Struct, frozen=True, kw_only=True):
     """One change to what a publisher holds, numbered ``seq`` (1, 2, ... per epoch).
 
     stored: now held in ``tier``. evicted / removed: no longer held in ``tier``
-    (for capacity / on purpose or corruption). promoted / demoted: moved into
-    ``tier`` from ``source_tier`` and no longer held there (a copy that keeps
-    its source is ``stored``). Tiers, fastest first: device, dram, disk.
+    (for capacity / on purpose or corruption). promoted: copied up into ``tier``
+    from the slower ``source_tier``, which keeps it (tiers are inclusive).
+    demoted: moved down into ``tier`` from ``source_tier``, which no longer holds
+    it. Tiers, fastest first: device, dram, disk.
     """
 
     seq: int

@@ -72,9 +72,9 @@ class KVIndex:
     def apply(
         self, instance_id: str, kind: str, tier: str, blocks: Iterable[Hashable], source_tier: str | None = None
     ) -> None:
-        if kind == "stored":
+        if kind in ("stored", "promoted"):  # a promotion is a copy up: the source keeps it
             self.add(instance_id, tier, blocks)
-        elif kind in ("promoted", "demoted"):
+        elif kind == "demoted":
             blocks = list(blocks)
             self.add(instance_id, tier, blocks)
             if source_tier is not None:

@@ -3,10 +3,8 @@ the exact KV events each change produces.
 
 Inclusive tiers: evicting a block from DRAM writes it back to disk unless disk
 has it already (event ``demoted``, dram -> disk; else ``evicted`` from dram);
-a disk hit is read into a DRAM slot and stays on disk. Until KVEventLog has a
-"copy up" kind, that promotion is reported as ``stored`` in dram — the one
-event whose effect (dram gains the block, disk keeps it) is exactly what
-happened. Every event is recorded in the same synchronous step as the change it
+a disk hit is read into a DRAM slot and stays on disk (event ``promoted``,
+disk -> dram, a copy up). Every event is recorded in the same synchronous step as the change it
 reports, so the log's contents equal the tiers' at every await point.
 
 Runs on the event loop: bookkeeping here, bytes on the disk tier's threads and
@@ -128,7 +126,7 @@ class TieredStore:
                 self.dram.lease(slot)
             return slot
         self.dram.insert(h, slot)
-        self.events.record("stored", "dram", [h])  # a copy up: see the module docstring
+        self.events.record("promoted", "dram", [h], source_tier="disk")  # a copy up: disk keeps it
         self.counters["promotions"] += 1
         self.dram.lease(slot)
         return slot

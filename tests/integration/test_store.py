@@ -97,7 +97,7 @@ async def test_two_stores_split_keys_and_events_plus_snapshots_reproduce_their_c
         tiers = contents[instance_id]
         if event.kind in ("stored", "promoted", "demoted"):
             tiers.setdefault(event.tier, set()).update(event.block_hashes)
-            if event.kind != "stored":
+            if event.kind == "demoted":  # promoted is a copy up: its source keeps the block
                 tiers.get(event.source_tier, set()).difference_update(event.block_hashes)
         else:
             tiers.get(event.tier, set()).difference_update(event.block_hashes)

@@ -28,10 +28,11 @@ def test_moves_evictions_and_removals():
     index.apply("s0", "stored", "dram", [1, 2, 3])
     index.apply("s0", "demoted", "disk", [2, 3], source_tier="dram")
     assert index.contents("s0") == {"dram": {1}, "disk": {2, 3}}
-    index.apply("s0", "promoted", "dram", [2], source_tier="disk")
+    index.apply("s0", "promoted", "dram", [2], source_tier="disk")  # a copy up: disk keeps 2
+    assert index.contents("s0") == {"dram": {1, 2}, "disk": {2, 3}}
     index.apply("s0", "evicted", "dram", [1])
     index.apply("s0", "removed", "disk", [3])
-    assert index.contents("s0") == {"dram": {2}}
+    assert index.contents("s0") == {"dram": {2}, "disk": {2}}
     assert index.num_blocks == 1
     assert index.match([1, 2]).prefix == {}
 

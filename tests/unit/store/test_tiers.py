@@ -33,7 +33,7 @@ async def test_eviction_writes_back_and_promotion_copies_up_in_exact_order(make_
         ("demoted", "disk", [1]), ("stored", "dram", [3]),
         ("demoted", "disk", [2]), ("stored", "dram", [4]),
         ("evicted", "disk", [1]), ("demoted", "disk", [3]), ("stored", "dram", [5]),
-        ("evicted", "disk", [3]), ("demoted", "disk", [4]), ("stored", "dram", [2]),
+        ("evicted", "disk", [3]), ("demoted", "disk", [4]), ("promoted", "dram", [2]),
     ]  # fmt: skip
     assert store.dram.lru_order() == [h(2), h(5)] and store.disk.lru_order() == [h(4), h(2)]  # reads count as use
     assert (store.counters["hits_dram"], store.counters["hits_disk"], store.counters["misses"]) == (1, 1, 2)
