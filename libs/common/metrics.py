@@ -106,3 +106,33 @@ class Registry:
 
 
 REGISTRY = Registry()  # the process's own metrics
+
+
+def merge_by_instance(texts: dict[str, str]) -> str:
+    """Several processes' expositions as one: every sample gains an ``instance``
+    label, and each metric's HELP/TYPE lines appear once, before its samples."""
+    order: list[str] = []
+    header: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    for instance, text in texts.items():
+        current = None
+        for line in text.splitlines():
+            if line.startswith("# "):
+                parts = line.split(" ", 3)
+                current = parts[2]
+                if current not in header:
+                    order.append(current)
+                    header[current], samples[current] = [], []
+                if line not in header[current]:
+                    header[current].append(line)
+            elif line and current is not None:
+                name, _, rest = line.partition(" ")
+                if "{" in name:
+                    name = name.replace("{", '{instance="' + instance + '",', 1)
+                else:
+                    name = name + '{instance="' + instance + '"}'
+                samples[current].append(f"{name} {rest}")
+    lines = []
+    for metric in order:
+        lines += header[metric] + samples[metric]
+    return "\n".join(lines) + "\n"

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
-from libs.common.schema import Heartbeat
+from libs.common import subjects
+from libs.common.metrics import REGISTRY, merge_by_instance
+from libs.common.peers import PeerDirectory
+from libs.common.schema import Heartbeat, MetricsReply, MetricsRequest
 from libs.common.service import Service
 from services.gateway import handlers
 from services.gateway.dispatch import RequestRun, SLOOverride
@@ -26,6 +29,7 @@ from services.gateway.served_model import ServedModel
 from services.gateway.settings import GatewaySettings
 
 SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
+ROLES = ("conductor", "store", "prefill", "decode", "gateway")
 
 
 @dataclass
@@ -50,11 +54,13 @@ class Gateway(Service):
         self.model = model  # loaded in `start` when not given
         self.address: str | None = None  # base URL, e.g. http://127.0.0.1:8000, once listening
         self.num_in_flight = 0
+        self.peers = PeerDirectory()  # every live instance, for /metrics
 
     async def start(self, stack: AsyncExitStack) -> None:
         s = self.settings
         if self.model is None:
             self.model = await asyncio.to_thread(ServedModel.load, s.model, s.block_size, s.max_model_len)
+        await self.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         runner = web.AppRunner(init_app(self), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE)
         await runner.setup()
         stack.push_async_callback(runner.cleanup)
@@ -65,6 +71,24 @@ class Gateway(Service):
 
     def heartbeat(self) -> Heartbeat:
         return msgspec.structs.replace(super().heartbeat(), address=self.address or "", load=self.num_in_flight)
+
+    async def _on_heartbeat(self, heartbeat: Heartbeat, msg) -> None:
+        self.peers.observe(heartbeat)
+
+    async def cluster_metrics(self) -> str:
+        """Every live instance's metrics (asked over NATS, in parallel), labelled by instance."""
+        others = [hb.instance_id for role in ROLES for hb in self.peers.alive(role) if hb.instance_id != self.instance_id]
+
+        async def ask(instance_id: str) -> str:
+            try:
+                reply = await self.request(subjects.metrics(instance_id), MetricsRequest(), MetricsReply, timeout=2.0)
+                return reply.text
+            except Exception as e:  # one silent instance must not hide the others
+                self.log.warning("no metrics from %s: %s", instance_id, e)
+                return ""
+
+        texts = dict(zip(others, await asyncio.gather(*(ask(i) for i in others))))
+        return merge_by_instance({self.instance_id: REGISTRY.render(), **texts})
 
     @asynccontextmanager
     async def generate(
@@ -93,6 +117,7 @@ def init_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model}", handlers.get_model)
     app.router.add_get("/health", handlers.health)
+    app.router.add_get("/metrics", handlers.metrics)
     return app
 
 

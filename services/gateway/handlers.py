@@ -184,6 +184,12 @@ async def health(request: web.Request) -> web.Response:
     return _json_response(body)
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """The whole cluster's metrics in the Prometheus text format, one ``instance`` label per process."""
+    text = await request.app[GATEWAY].cluster_metrics()
+    return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
 # --- middlewares ----------------------------------------------------------------------
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:

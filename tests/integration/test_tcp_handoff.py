@@ -1,6 +1,7 @@
 """The TCP data path end to end: prefill and decode forced to hand KV over TCP."""
 
 import asyncio
+import urllib.request
 
 import nats
 from openai import OpenAI
@@ -45,5 +46,9 @@ def test_kv_goes_over_tcp_and_the_answer_is_unchanged(smollm):
         received = metrics_of(cluster, "decode-0")
         assert float(next(line for line in received.splitlines()
                           if line.startswith("kvserve_transfer_received_bytes_total")).split()[-1]) > 0  # fmt: skip
+        # the gateway's /metrics gathers every instance's, labelled by instance
+        scraped = urllib.request.urlopen(cluster.gateway_url + "/metrics", timeout=10).read().decode()
+        assert 'kvserve_transfer_bytes_total{instance="prefill-0",transport="tcp"}' in scraped
+        assert 'kvserve_transfer_received_bytes_total{instance="decode-0"}' in scraped
     finally:
         cluster.stop()
