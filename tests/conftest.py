@@ -96,3 +96,24 @@ def hf_smollm(smollm):
     from transformers import LlamaForCausalLM
 
     return LlamaForCausalLM.from_pretrained(str(smollm.checkpoint.path), dtype=torch.float32).eval()
+
+
+# --- a failing test's report carries the logs of the clusters it used -----------------
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    from tests.integration.conftest import STARTED
+
+    STARTED[:] = [c for c in STARTED if c.running]  # those stopped by earlier tests are not this one's
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    from tests.integration.conftest import STARTED
+
+    for cluster in STARTED:
+        for instance_id in cluster.instance_ids:
+            report.sections.append((f"log of {instance_id} (last 40 lines)", "\n".join(cluster.logs(instance_id)[-40:])))

@@ -130,6 +130,16 @@ class LocalCluster:
         """The last lines (up to 200) an instance wrote to stdout or stderr."""
         return list(self._instance(instance_id).tail)
 
+    @property
+    def instance_ids(self) -> list[str]:
+        """Every service instance started, in start order."""
+        return list(self._procs)
+
+    @property
+    def running(self) -> bool:
+        """Started and not yet stopped."""
+        return self._nats is not None
+
     # --- lifecycle ------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> None:
         """Start everything and return once every instance has sent a heartbeat and the

@@ -104,6 +104,12 @@ class Heartbeat(Message):
     kv_seq: int = 0  # ... and the last KV event sequence number published
 
 
+class RollCall(Message):
+    """Asks every instance to publish its heartbeat now."""
+
+    instance_id: str  # who asks (for logs)
+
+
 class MetricsRequest(Message):
     pass
 

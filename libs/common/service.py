@@ -43,14 +43,18 @@ class Service:
     # --- lifecycle ------------------------------------------------------------
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stopping.set)
         async with AsyncExitStack() as stack:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, self.stopping.set)
+                stack.callback(loop.remove_signal_handler, sig)
             self.nc = await self._connect()
             stack.push_async_callback(self._drain)
             await self.subscribe(subjects.metrics(self.instance_id), schema.MetricsRequest, self._on_metrics)
             await self.start(stack)
             stack.push_async_callback(self.stop)
+            # started: answer roll calls, then call one, so peers already running are seen now
+            await self.subscribe(subjects.ROLL_CALL, schema.RollCall, self._on_roll_call)
+            await self.publish(subjects.ROLL_CALL, schema.RollCall(instance_id=self.instance_id))
             beat = asyncio.create_task(self._heartbeat_loop())
             stack.callback(beat.cancel)
             self.log.info("%s ready", self.instance_id)
@@ -65,6 +69,9 @@ class Service:
 
     async def _on_metrics(self, request: schema.MetricsRequest, msg: Msg) -> schema.MetricsReply:
         return schema.MetricsReply(text=REGISTRY.render())
+
+    async def _on_roll_call(self, request: schema.RollCall, msg: Msg) -> None:
+        await self.publish(subjects.heartbeat(self.settings.role), self.heartbeat())
 
     def heartbeat(self) -> Heartbeat:
         s = self.settings

@@ -24,6 +24,9 @@ def heartbeat(role: str) -> str:
 
 
 HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+# A newly started service asks here (RollCall) and every instance answers at once with
+# its heartbeat, so no one has to wait up to a heartbeat interval to see its peers.
+ROLL_CALL = f"{PREFIX}.rollcall"
 
 # --- conductor ----------------------------------------------------------------
 CONDUCTOR_ADMIT = f"{PREFIX}.conductor.admit"  # request/reply, queue group "conductor"

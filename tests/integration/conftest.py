@@ -16,11 +16,16 @@ CLUSTER_ENV = {
 }
 
 
+# Clusters a test may have used: a failing test's report carries their logs (tests/conftest.py).
+STARTED: list[LocalCluster] = []
+
+
 def start_cluster(prefill: int = 1, decode: int = 1, env: dict | None = None, store_dir=None) -> LocalCluster:
     cluster = LocalCluster(
         prefill=prefill, decode=decode, gateway_port=0, dtype="float32", env={**CLUSTER_ENV, **(env or {})}, log=None,
         store_dir=store_dir or tempfile.mkdtemp(prefix="kvserve-stores-"),  # no test sees another's disk tier
     )
+    STARTED.append(cluster)
     cluster.start(timeout=120)
     return cluster
 

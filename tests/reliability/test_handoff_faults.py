@@ -25,6 +25,7 @@ def test_a_stalled_then_killed_decode_worker_is_routed_around_without_leaks(smol
     cluster = start_cluster(decode=2, env={
         "KVSERVE_TRANSPORT": "tcp", "KVSERVE_TRANSFER_TIMEOUT": "3", "KVSERVE_USE_STORE": "0",
         "KVSERVE_FAILPOINTS": "decode-0:transfer.stall_receive",
+        "KVSERVE_POLICY": "least_loaded",  # idle and equal, so decode-0 (the first by id) is tried first
     })  # fmt: skip
     try:
         client = OpenAI(base_url=cluster.gateway_url + "/v1", api_key="unused", max_retries=0)
