@@ -1,18 +1,24 @@
-"""Writers stream spans of a local segment into one ticket's destination, from
-their own threads, so a producer (a prefill computing layer after layer) hands
-them work without waiting and the wire overlaps the compute.
+"""Writers stream spans of a local segment into one ticket's destination on pooled
+threads, so a producer (a prefill computing layer after layer) hands them work
+without waiting and the wire overlaps the compute.
 
 `ShmWriter` copies into a peer's shared-memory segment on this host;
-`TcpWriter` slices spans and sends them over a few parallel connections.
+`TcpWriter` slices spans and sends them over a few parallel connections, opened
+(or taken from the idle pool, see `tcp.py`) only as the slices need them.
 Both end in `finish()`, which returns once every byte is at the destination
 or raises a TransferError naming why not.
+
+Each writer has one or more *lanes*: a queue of work done in order by one pooled
+thread at a time. No thread is started per transfer (a thread start costs more than
+copying 64 KiB), and a small copy with nothing queued before it is done at once on
+the caller's thread.
 """
 
 import asyncio
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -21,8 +27,48 @@ from libs.common.transfer.descriptors import CANCELLED, TIMEOUT, Span, TransferE
 from libs.common.transfer.segment import SharedSegment
 from libs.common.transfer.tcp import TcpConnection
 
-_DONE = object()
+_DONE = object()  # a lane's last item: TCP sends its end frame and waits for the receiver's status
 VECTORIZE_BELOW = 256 << 10  # spans smaller than this are copied with one gather/scatter per batch
+INLINE_BELOW = 256 << 10  # a shm submit this small, with nothing queued, is copied on the caller's thread
+
+# Threads are made on demand and reused when idle; the cap only bounds a pathological
+# number of transfers at once (a stalled TCP lane holds its thread until its deadline).
+_POOL = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kv-writer")
+
+
+class _Lane:
+    """Work done in submission order by one pooled thread at a time."""
+
+    def __init__(self, writer: "Writer") -> None:
+        self.writer = writer
+        self.pending: deque = deque()
+        self.running = False
+        self.connection: TcpConnection | None = None  # TCP lanes only
+
+    def put(self, item) -> None:
+        with self.writer._lock:
+            self.pending.append(item)
+            if self.running:
+                return
+            self.running = True
+            self.writer._busy += 1
+            self.writer._idle.clear()
+        _POOL.submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self.writer._lock:
+                if not self.pending:
+                    self.running = False
+                    self.writer._lane_idle()
+                    return
+                item = self.pending.popleft()
+            try:
+                self.writer._process(self, item)
+            except TransferError as e:
+                self.writer._fail(e)
+            except Exception as e:  # a bug must not leave finish() waiting
+                self.writer._fail(TransferError("internal", f"{type(e).__name__}: {e}"))
 
 
 class Writer:
@@ -34,15 +80,19 @@ class Writer:
         self.deadline = self.started_at + timeout
         self.timeout = timeout
         self.bytes = 0
-        self._bytes_lock = threading.Lock()
         self.error: TransferError | None = None
-        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._busy = 0  # lanes with work queued or running
+        self._idle = threading.Event()
+        self._idle.set()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._lanes: list[_Lane] = []
 
     def submit(self, spans: list[Span]) -> None:
         """Queue spans to send; returns at once."""
         raise NotImplementedError
 
-    def _close_queues(self) -> None:
+    def _process(self, lane: _Lane, item) -> None:
         raise NotImplementedError
 
     def abort(self) -> None:
@@ -53,23 +103,54 @@ class Writer:
         if self.error is None:
             self.error = error
 
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.bytes += n
+
+    def _lane_idle(self) -> None:  # called with the lock held
+        self._busy -= 1
+        if self._busy == 0:
+            self._idle.set()
+            for loop, future in self._waiters:
+                loop.call_soon_threadsafe(_resolve, future)
+            self._waiters.clear()
+
+    def _end(self) -> None:
+        """Called once by finish: queue what closes each lane."""
+
+    def _check_deadline(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise TransferError(TIMEOUT, f"not finished within {self.timeout:g}s")
+
     def finish_sync(self) -> None:
-        self._close_queues()
-        for thread in self._threads:
-            thread.join(max(0.0, self.deadline - time.monotonic()))
-        if any(t.is_alive() for t in self._threads):
+        self._end()
+        if not self._idle.wait(max(0.0, self.deadline - time.monotonic())):
             self._fail(TransferError(TIMEOUT, f"not finished within {self.timeout:g}s"))
             self.abort()
         if self.error is not None:
             raise self.error
 
     async def finish(self) -> None:
-        await asyncio.get_running_loop().run_in_executor(None, self.finish_sync)
+        self._end()
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        with self._lock:
+            if self._busy:
+                self._waiters.append((loop, future))
+            else:
+                future.set_result(None)
+        try:
+            await asyncio.wait_for(future, max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            self._fail(TransferError(TIMEOUT, f"not finished within {self.timeout:g}s"))
+            self.abort()
+        if self.error is not None:
+            raise self.error
 
-    def _start(self, target: Callable[..., None], *args) -> None:
-        thread = threading.Thread(target=target, args=args, name=f"{self.transport}-writer", daemon=True)
-        self._threads.append(thread)
-        thread.start()
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class ShmWriter(Writer):
@@ -78,24 +159,26 @@ class ShmWriter(Writer):
     def __init__(self, source: SharedSegment, destination: SharedSegment, timeout: float) -> None:
         super().__init__(source, timeout)
         self.destination = destination
-        self._queue: queue.Queue = queue.Queue()
-        self._start(self._run)
+        self._lane = _Lane(self)
+        self._lanes.append(self._lane)
 
     def submit(self, spans: list[Span]) -> None:
-        self._queue.put(spans)
+        with self._lock:
+            inline = not self._lane.running and sum(s.length for s in spans) < INLINE_BELOW
+        if inline:  # a few microseconds of copying: cheaper here than handing it to a thread
+            try:
+                self._process(self._lane, spans)
+            except TransferError as e:
+                self._fail(e)
+            return
+        self._lane.put(spans)
 
-    def _close_queues(self) -> None:
-        self._queue.put(_DONE)
-
-    def _run(self) -> None:
-        while (spans := self._queue.get()) is not _DONE:
-            if self.error is not None:
-                continue
-            if time.monotonic() > self.deadline:
-                self._fail(TransferError(TIMEOUT, f"not finished within {self.timeout:g}s"))
-                continue
-            copy_spans(self.source.tensor, self.destination.tensor, spans)
-            self.bytes += sum(s.length for s in spans)
+    def _process(self, lane: _Lane, spans) -> None:
+        if self.error is not None:
+            return
+        self._check_deadline()
+        copy_spans(self.source.tensor, self.destination.tensor, spans)
+        self._count(sum(s.length for s in spans))
 
 
 def copy_spans(src: torch.Tensor, dst: torch.Tensor, spans: list[Span]) -> None:
@@ -128,37 +211,51 @@ class TcpWriter(Writer):
         super().__init__(source, timeout)
         if not ticket.address:
             raise TransferError("peer_gone", "the receiver has no TCP address")
+        self.ticket = ticket
         self.slice_bytes = slice_bytes
-        self._queues = [queue.Queue() for _ in range(max(1, connections))]
+        self.max_lanes = max(1, connections)
         self._next = 0
-        for q in self._queues:
-            self._start(self._run, ticket, q)
+        self._ended = False
 
     def submit(self, spans: list[Span]) -> None:
-        # Slices go round-robin over the connections; each connection keeps its order,
-        # so a layer submitted before another completes before it.
+        # Slices go round-robin over the lanes (one connection each, opened when a lane
+        # first gets work); each lane keeps its order, so a layer submitted before
+        # another completes before it.
         for span in split_spans(spans, self.slice_bytes):
-            self._queues[self._next].put([span])
-            self._next = (self._next + 1) % len(self._queues)
+            if self._next == len(self._lanes):
+                self._lanes.append(_Lane(self))
+            self._lanes[self._next].put([span])
+            self._next = (self._next + 1) % self.max_lanes
 
-    def _close_queues(self) -> None:
-        for q in self._queues:
-            q.put(_DONE)
+    def _end(self) -> None:
+        if not self._ended:
+            self._ended = True
+            for lane in self._lanes:
+                lane.put(_DONE)
 
-    def _run(self, ticket: WriteTicket, work: queue.Queue) -> None:
-        connection = None
-        try:
-            connection = TcpConnection(ticket.address, ticket.token, self.deadline)
-            while (spans := work.get()) is not _DONE:
-                if self.error is not None:
-                    raise self.error
-                connection.send(self.source.view, spans)
-                with self._bytes_lock:
-                    self.bytes += sum(s.length for s in spans)
-            connection.finish()
-        except TransferError as e:
-            self._fail(e)
-            if connection is not None:
+    def _process(self, lane: _Lane, item) -> None:
+        if item is _DONE:
+            connection, lane.connection = lane.connection, None
+            if connection is None:
+                return
+            if self.error is not None:  # the transfer failed elsewhere: this connection is not reused
                 connection.close()
-            while work.get() is not _DONE:  # drain, so finish() is not left waiting
-                pass
+                return
+            try:
+                connection.finish()  # the end frame and the receiver's status; then pooled again
+            except TransferError:
+                connection.close()
+                raise
+            return
+        if self.error is not None:
+            return
+        try:
+            if lane.connection is None:
+                lane.connection = TcpConnection(self.ticket.address, self.ticket.token, self.deadline)
+            lane.connection.send(self.source.view, item)
+        except TransferError:
+            if lane.connection is not None:
+                lane.connection.close()
+                lane.connection = None
+            raise
+        self._count(sum(s.length for s in item))
