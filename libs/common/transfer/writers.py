@@ -10,8 +10,8 @@ or raises a TransferError naming why not.
 
 Each writer has one or more *lanes*: a queue of work done in order by one pooled
 thread at a time. No thread is started per transfer (a thread start costs more than
-copying 64 KiB), and a small copy with nothing queued before it is done at once on
-the caller's thread.
+copying 64 KiB), and a shm copy with nothing queued before it is done at once on the
+caller's thread when that is no event loop's thread or the copy is small.
 """
 
 import asyncio
@@ -29,7 +29,11 @@ from libs.common.transfer.tcp import TcpConnection
 
 _DONE = object()  # a lane's last item: TCP sends its end frame and waits for the receiver's status
 VECTORIZE_BELOW = 256 << 10  # spans smaller than this are copied with one gather/scatter per batch
-INLINE_BELOW = 256 << 10  # a shm submit this small, with nothing queued, is copied on the caller's thread
+# A shm submit with nothing queued before it is copied on the caller's thread when that
+# thread runs no event loop (a prefill's compute thread: a pooled thread would cost the
+# same CPU plus a hand-off), or when it is this small (about 100 us of copying, less
+# than handing it to a thread and being woken when it is done).
+INLINE_BELOW = 1 << 20
 
 # Threads are made on demand and reused when idle; the cap only bounds a pathological
 # number of transfers at once (a stalled TCP lane holds its thread until its deadline).
@@ -148,6 +152,14 @@ class Writer:
             raise self.error
 
 
+def _on_event_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _resolve(future: asyncio.Future) -> None:
     if not future.done():
         future.set_result(None)
@@ -164,8 +176,8 @@ class ShmWriter(Writer):
 
     def submit(self, spans: list[Span]) -> None:
         with self._lock:
-            inline = not self._lane.running and sum(s.length for s in spans) < INLINE_BELOW
-        if inline:  # a few microseconds of copying: cheaper here than handing it to a thread
+            queued = self._lane.running
+        if not queued and (not _on_event_loop() or sum(s.length for s in spans) < INLINE_BELOW):
             try:
                 self._process(self._lane, spans)
             except TransferError as e:
