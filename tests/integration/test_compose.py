@@ -123,8 +123,17 @@ def test_workers_share_a_host_id_a_dtype_and_dev_shm(compose):
 def test_nothing_prevents_scaling(compose):
     for name, service in compose["services"].items():
         assert "container_name" not in service, f"{name} has a container_name: --scale would fail"
-    for name in SERVICES:
+    for name in ("conductor", "prefill", "decode", "gateway"):
         assert "KVSERVE_INSTANCE_ID" not in environment(compose["services"][name])  # random per process
+
+
+def test_the_store_keeps_its_identity_and_its_disk_tier_across_restarts(compose):
+    store = compose["services"]["store"]
+    env = environment(store)
+    assert env["KVSERVE_INSTANCE_ID"] == "store-0"  # the same place on the hash ring after a restart
+    mounts = {target: source for source, target in (v.split(":")[:2] for v in store["volumes"])}
+    assert env["KVSERVE_STORE_DIR"] in mounts  # the disk tier is on the volume...
+    assert mounts[env["KVSERVE_STORE_DIR"]] in compose["volumes"]  # ...a named one, not the container's layer
 
 
 def test_the_dockerfile_installs_cpu_torch_before_the_project():
