@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections import Counter
@@ -36,14 +37,17 @@ from libs.cli.bench import load_vocab  # noqa: E402
 from libs.cli.cluster import LocalCluster  # noqa: E402
 from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path  # noqa: E402
 from libs.replay.client import Endpoint, plan, replay  # noqa: E402
-from libs.replay.metrics import SLO, Summary, goodput_at_attainment  # noqa: E402
+from libs.replay.metrics import SLO, Summary, goodput_at_attainment, summarize  # noqa: E402
 from libs.replay.prompts import PromptSynthesizer  # noqa: E402
+from libs.replay.records import Run  # noqa: E402
 from libs.replay.report import runs_table  # noqa: E402
 from libs.replay.sweep import SweepSettings, run_sweep, write_outputs  # noqa: E402
 from libs.replay.trace import load_trace  # noqa: E402
 
 LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
-LLAMA_ARGS = ["-np", "4", "-kvu", "-t", "2", "--cache-reuse", "256", "--no-webui"]
+# --no-repack: this build's AMX matmul (used for repacked weights on CPUs with AMX) crashes
+# with SIGSEGV in ggml_backend_amx_mul_mat at the first request; plain weights work.
+LLAMA_ARGS = ["-np", "4", "-kvu", "-t", "2", "--cache-reuse", "256", "--no-webui", "--no-repack"]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
 
@@ -57,23 +61,32 @@ class Config:
     note: str = ""
 
 
-def available_policies() -> set[str]:
-    from services.conductor.policies import POLICIES
+def policy_exists(spec: str) -> bool:
+    """Whether this checkout's conductor accepts ``KVSERVE_POLICY=spec``."""
+    try:
+        from services.conductor.admission import build_policy
+    except ImportError:  # the first conductor: a plain table of policies
+        from services.conductor.policies import POLICIES
 
-    return set(POLICIES)
+        return spec in POLICIES
+    try:
+        build_policy(spec)
+    except ValueError:
+        return False
+    return True
 
 
 def colocated_env() -> dict[str, str] | None:
-    """How this checkout runs one colocated worker (the decode worker prefilling
-    itself), or None when the conductor has no such path yet."""
-    if "conditional" in available_policies():
-        return {"KVSERVE_POLICY": "conditional"}
+    """How this checkout lets the decode worker prefill itself (conditional
+    disaggregation), or None when the conductor has no such path yet."""
+    if policy_exists("cache_aware+local_prefill"):
+        return {"KVSERVE_POLICY": "cache_aware+local_prefill"}
     return None
 
 
 def configs(worker_threads: int | None) -> list[Config]:
     threads = {"OMP_NUM_THREADS": str(worker_threads)} if worker_threads else {}
-    policy = "cache_aware" if "cache_aware" in available_policies() else "least_loaded"
+    policy = "cache_aware" if policy_exists("cache_aware") else "least_loaded"
     note = "" if policy == "cache_aware" else "no cache_aware policy in this checkout: ran least_loaded"
     out = [
         Config("kvserve-disagg", "kvserve 1 prefill + 1 decode, store, prefix cache on", "kvserve",
@@ -83,7 +96,7 @@ def configs(worker_threads: int | None) -> list[Config]:
     ]  # fmt: skip
     colocated = colocated_env()
     out.append(
-        Config("kvserve-colocated", "kvserve, one worker prefilling and decoding", "kvserve",
+        Config("kvserve-colocated", "kvserve, the decode worker prefilling what it can itself", "kvserve",
                dict(prefill=1, decode=1, store=True), {**(colocated or {}), **threads},
                "" if colocated else "no colocated path in this checkout: not run")  # fmt: skip
     )
@@ -93,9 +106,11 @@ def configs(worker_threads: int | None) -> list[Config]:
 
 # --- servers --------------------------------------------------------------------------
 @contextlib.contextmanager
-def kvserve(config: Config, log_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
-    with log_path.open("w") as log:
-        cluster = LocalCluster(gateway_port=0, log=log, env=config.env, **config.cluster)
+def kvserve(config: Config, log_path: Path, dtype: str) -> Iterator[tuple[str, dict[str, int]]]:
+    # A fresh disk tier per configuration: the store keeps its blocks across restarts,
+    # so a shared one would hand a later configuration every prompt an earlier one stored.
+    with log_path.open("w") as log, tempfile.TemporaryDirectory(prefix="kvserve-bench-stores-") as stores:
+        cluster = LocalCluster(gateway_port=0, log=log, env=config.env, dtype=dtype, store_dir=stores, **config.cluster)
         cluster.start(timeout=180)
         try:
             yield cluster.gateway_url, cluster.pids
@@ -151,9 +166,34 @@ def start_profiles(pids: dict[str, int], seconds: int, out: Path, prefix: str) -
     procs = []
     for instance, pid in pids.items():
         path = out / f"profile-{prefix}-{instance}.txt"
-        cmd = [py_spy, "record", "-p", str(pid), "-d", str(seconds), "-r", "50", "-f", "raw", "-o", str(path), "-n"]
+        cmd = [py_spy, "record", "-p", str(pid), "-d", str(seconds), "-r", "20", "-f", "raw", "-o", str(path)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     return procs
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (all its threads)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy (not idle or waiting on I/O), all cores."""
+    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_line(name: str, before: dict[str, float], after: dict[str, float], wall: float) -> str:
+    """Where the CPU went during a configuration's sweep: its processes, and everyone else."""
+    used = {k: after[k] - before.get(k, 0.0) for k in after if k != "machine"}
+    ours = sum(used.values())
+    machine = after["machine"] - before["machine"]
+    parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(used.items(), key=lambda kv: -kv[1]))
+    return (f"- {name}: {wall:.0f} s wall, machine busy {machine:.0f} CPU-s of {wall * os.cpu_count():.0f}; "
+            f"this configuration {ours:.0f} ({parts}); everything else {machine - ours:.0f}")  # fmt: skip
 
 
 def top_frames(path: Path, n: int = 12) -> list[tuple[str, float]]:
@@ -193,6 +233,22 @@ def comparison(results: dict[str, list[Summary]], target: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def report_only(out: Path, slo: SLO) -> int:
+    """The reports of the runs already in ``out`` (one JSON file per run), in configuration order."""
+    order = [c.name for c in configs(None)]
+    runs = [Run.load(path) for path in sorted(out.glob("*-x*.json"))]
+    runs.sort(key=lambda r: (order.index(r.label) if r.label in order else len(order), -r.time_scale))
+    results = [(run, summarize(run, slo, int(run.settings.get("block_tokens", 16)))) for run in runs]
+    write_outputs(results, out, title="Trace replay: kvserve against llama.cpp")
+    by_config: dict[str, list[Summary]] = {}
+    for _, summary in results:
+        by_config.setdefault(summary.label, []).append(summary)
+    text = [comparison(by_config, 0.9), runs_table([s for _, s in results])]
+    (out / "comparison-report.md").write_text("\n".join(text))
+    print("\n".join(text))
+    return 0
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the servers as Ctrl-C does
 
@@ -213,10 +269,19 @@ def main() -> int:
     ap.add_argument("--no-spread", dest="spread", action="store_false",
                     help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
     ap.add_argument("--configs", nargs="+", default=None, help="names to run (default all)")
+    ap.add_argument("--dtype", default="bfloat16",
+                    help="kvserve's dtype (default bfloat16, the faster here: 'auto' times a matmul at start-up "
+                    "and can pick float32 on a busy machine)")
     ap.add_argument("--worker-threads", type=int, default=None, help="OMP_NUM_THREADS for kvserve services")
     ap.add_argument("--profile-seconds", type=int, default=0, help="py-spy every kvserve service during the first load")
+    ap.add_argument("--request-timeout", type=float, default=900.0,
+                    help="seconds a request may take in all; past it, it is an error (never good anyway)")
+    ap.add_argument("--report-only", action="store_true",
+                    help="run nothing: rebuild summary.md, comparison.md and the plots from the JSON in --out")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "replay")
     args = ap.parse_args()
+    if args.report_only:
+        return report_only(args.out, SLO(args.slo_ttft_ms, args.slo_tbt_ms))
 
     if not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}")
@@ -228,7 +293,7 @@ def main() -> int:
     )  # fmt: skip
     started = datetime.datetime.now().astimezone()
     print(f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")
-    all_results, by_config, notes = [], {}, {}
+    all_results, by_config, notes, cpu_notes = [], {}, {}, []
     for config in configs(args.worker_threads):
         if args.configs and config.name not in args.configs:
             continue
@@ -236,11 +301,13 @@ def main() -> int:
         if config.note.endswith("not run"):
             print(f"{config.name}: {config.note}")
             continue
-        server = kvserve(config, args.out / f"{config.name}.log") if config.kind == "kvserve" else (
+        server = kvserve(config, args.out / f"{config.name}.log", args.dtype) if config.kind == "kvserve" else (
             llama_server(args.out / f"{config.name}.log"))  # fmt: skip
         with server as (url, pids):
-            endpoint = Endpoint(url, DEFAULT_MODEL_ID, None, timeout_s=900)
+            endpoint = Endpoint(url, DEFAULT_MODEL_ID, None, timeout_s=args.request_timeout)
             warm_up(endpoint, requests, settings)
+            cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
+            wall_start = time.monotonic()
             profilers = []
             if args.profile_seconds and config.kind == "kvserve":
                 profilers = start_profiles(pids, args.profile_seconds, args.out, config.name)
@@ -248,6 +315,8 @@ def main() -> int:
                                 trace_name=str(args.trace))  # fmt: skip
             for p in profilers:
                 p.wait()
+            cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
+            cpu_notes.append(cpu_line(config.name, cpu_before, cpu_after, time.monotonic() - wall_start))
         all_results += results
         by_config[config.name] = [s for _, s in results]
         print(runs_table(by_config[config.name]))
@@ -258,6 +327,8 @@ def main() -> int:
         comparison(by_config, 0.9),
         runs_table([s for _, s in all_results]),
         *(f"- {name}: {note}" for name, note in notes.items() if note),
+        "\nCPU seconds during each sweep (from /proc; the pids LocalCluster or llama-server report):\n",
+        *cpu_notes,
     ]
     for path in sorted(args.out.glob("profile-*.txt")):
         text.append(f"\n{path.name}: " + ", ".join(f"{f} {share:.0%}" for f, share in top_frames(path, 8)))
