@@ -63,12 +63,8 @@ class Config:
 
 def policy_exists(spec: str) -> bool:
     """Whether this checkout's conductor accepts ``KVSERVE_POLICY=spec``."""
-    try:
-        from services.conductor.admission import build_policy
-    except ImportError:  # the first conductor: a plain table of policies
-        from services.conductor.policies import POLICIES
+    from services.conductor.admission import build_policy
 
-        return spec in POLICIES
     try:
         build_policy(spec)
     except ValueError:

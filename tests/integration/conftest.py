@@ -1,6 +1,7 @@
 """Real clusters for integration tests: a real nats-server and one process per
 service, started through the same LocalCluster that `kvserve up` runs."""
 
+import asyncio
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,3 +52,11 @@ def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)  # polling with a deadline, not synchronising on a guess
+
+
+async def wait_until_async(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    """``wait_until`` for coroutines: poll without blocking the event loop; fail with ``what``."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        await asyncio.sleep(interval)  # polling with a deadline, not synchronising on a guess

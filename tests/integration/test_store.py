@@ -19,6 +19,7 @@ from libs.common.schema import (
     StorePutReply,
     StorePutRequest,
 )
+from tests.integration.conftest import wait_until_async
 from tests.integration.store_harness import Caller, StoreProcess, block_bytes, block_hash, store_contract
 
 
@@ -159,10 +160,8 @@ async def test_two_stores_split_keys_and_events_plus_snapshots_reproduce_their_c
         stats = {name: await caller.stats(name) for name in names}
         assert stats["store-1"].counters.get("demoted", 0) + stats["store-0"].counters.get("demoted", 0) > 0
 
-        deadline = time.monotonic() + 30
-        while any(tracker.stream_position(n) != (stats[n].kv_epoch, stats[n].kv_seq) for n in names):
-            assert time.monotonic() < deadline, "the consumer did not catch up"
-            await asyncio.sleep(0.05)  # polling with a deadline: events and heartbeats arrive on their own
+        caught_up = lambda: all(tracker.stream_position(n) == (stats[n].kv_epoch, stats[n].kv_seq) for n in names)  # noqa: E731
+        await wait_until_async(caught_up, 30, "the consumer did not catch up")  # events arrive on their own
         for name in names:
             held = {t: hs for t, hs in contents[name].items() if hs}
             assert held == {t: hs for t, hs in truth[name].items() if hs}

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from libs.common.nats_server import NatsServer
+from tests.integration.conftest import wait_until_async
 from tests.integration.store_harness import Caller, StoreProcess, block_bytes, block_hash, store_contract
 
 
@@ -39,10 +40,9 @@ async def test_sigkill_during_a_put_leaves_the_whole_block_or_nothing(nats_url, 
             await caller.wait_ready("store-f", started_after=killed_at)
             await caller.put("store-f", [a], [2])  # the one slot was free: no write-back yet
             put_b = asyncio.ensure_future(caller.put("store-f", [b], [3]))  # must write a back to make room
-            deadline = time.monotonic() + 30
-            while not store.logged("failpoint store.stall_disk_write"):
-                assert time.monotonic() < deadline and not put_b.done(), "the write-back never started"
-                await asyncio.sleep(0.05)  # polling the log with a deadline
+            await wait_until_async(lambda: store.logged("failpoint store.stall_disk_write") or put_b.done(), 30,
+                                   "the write-back never started")  # fmt: skip
+            assert not put_b.done(), "the write-back never started"
             partial = list(directory.glob("*.tmp"))
             assert len(partial) == 1 and 0 < partial[0].stat().st_size < nb
             killed_at = time.time()

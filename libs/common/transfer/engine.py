@@ -10,7 +10,6 @@ a TransferError with a cause; the engine counts bytes, transfers, durations
 and failures per transport.
 """
 
-import asyncio
 import logging
 import secrets
 import threading

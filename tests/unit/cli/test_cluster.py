@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -190,14 +189,13 @@ def test_start_times_out_naming_the_silent_services(model_dir):
 
 
 def _when_up(cluster: LocalCluster, action) -> threading.Thread:
-    """Run ``action`` once the cluster has its gateway URL (polled, with a deadline)."""
+    """Run ``action`` once the cluster has its gateway URL (checked at each heartbeat, with a deadline)."""
 
     def watch() -> None:
-        deadline = time.monotonic() + 60
-        while not cluster.gateway_url:
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
+        try:  # woken at each heartbeat the cluster receives
+            cluster.wait_for(lambda _: bool(cluster.gateway_url), timeout=60)
+        except TimeoutError:
+            return
         action()
 
     thread = threading.Thread(target=watch, daemon=True)
