@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -30,6 +31,9 @@ def find_nats_server() -> str:
 
 
 class NatsServer:
+    # Run in the child before exec (LocalCluster: make nats-server die with its launcher).
+    preexec_fn: Callable[[], None] | None = None
+
     def __init__(self, host: str = "127.0.0.1", token: str | None = None, log_file: Path | None = None) -> None:
         self.host = host
         self.token = token or secrets.token_urlsafe(24)
@@ -51,10 +55,11 @@ class NatsServer:
         self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-")
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self._proc = subprocess.Popen(
-            [find_nats_server(), "-a", self.host, "-p", "-1", "--ports_file_dir", self._dir.name,
+            [find_nats_server(), "-a", self.host, "-p", str(self.port or -1), "--ports_file_dir", self._dir.name,
              "--auth", self.token],
             stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher, which stops us last
+            preexec_fn=self.preexec_fn,
         )  # fmt: skip
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -72,6 +77,24 @@ class NatsServer:
             time.sleep(0.02)  # polling the ports file, which nats-server writes once it listens
         self.stop()
         raise NatsServerError(f"nats-server did not report its port within {timeout}s")
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def exit_code(self) -> int | None:
+        """None while it runs (or before it is started); its exit code, negative for a signal, once it has exited."""
+        return None if self._proc is None else self._proc.poll()
+
+    def restart(self, timeout: float = 15.0) -> "NatsServer":
+        """Start again once the process has exited: the same port, host and credentials,
+        so clients that reconnect by themselves (nats-py does) find it where it was."""
+        if self.port is None:
+            raise NatsServerError("nats-server was never started")
+        if self.exit_code() is None:
+            raise NatsServerError("nats-server is still running")
+        self.stop()  # only its ports directory is left to clean up
+        return self.start(timeout)
 
     def stop(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
