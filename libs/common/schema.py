@@ -126,6 +126,7 @@ class AdmitRequest(Message):
     block_hashes: list[bytes] = msgspec.field(default_factory=list)
     slo_ttft_s: float | None = None  # None: the conductor's default
     slo_tbt_s: float | None = None
+    exclude: list[str] = msgspec.field(default_factory=list)  # instances not to route to (seen dead by the gateway)
 
 
 class AdmitReply(Message):

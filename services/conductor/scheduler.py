@@ -84,10 +84,14 @@ class Scheduler:
         if request.slo_ttft_s is not None or request.slo_tbt_s is not None:
             slo = SLO(request.slo_ttft_s or slo.ttft_s, request.slo_tbt_s or slo.tbt_s)
         view = self.view
+        prefills, decodes = view.alive("prefill"), view.alive("decode")
+        if request.exclude:  # instances the gateway has seen die, before this view times them out
+            excluded = set(request.exclude)
+            prefills = [i for i in prefills if i.instance_id not in excluded]
+            decodes = [i for i in decodes if i.instance_id not in excluded]
         return AdmitContext(
             request=request, match=self.index.match(request.block_hashes), view=view, now=view.clock(), slo=slo,
-            config=self.config.predict, prefills=view.alive("prefill"), decodes=view.alive("decode"),
-            stores=view.alive("store"),
+            config=self.config.predict, prefills=prefills, decodes=decodes, stores=view.alive("store"),
         )  # fmt: skip
 
     def admit(self, request: AdmitRequest) -> Decision:
