@@ -1,34 +1,96 @@
 """The OpenAI wire format: request bodies in, response and chunk bodies out.
 
-Parsing turns a decoded JSON body into a `GenerateRequest` or raises
+Parsing turns the bytes of a request body into a `GenerateRequest` or raises
 InvalidParameterError naming the offending field; it knows nothing of the model
 or the cluster. The builders make the exact JSON OpenAI sends.
 """
 
 import time
 from dataclasses import dataclass
+from collections.abc import Collection
 from typing import Any
+
+import msgspec
+import numpy as np
 
 from services.gateway.errors import InvalidParameterError
 
 Messages = list[dict[str, str]]
 
-# Fields kvserve does not implement: a value other than these is refused rather
-# than silently ignored, so a client never gets an answer it did not ask for.
-_UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
-    "repetition_penalty": (None, 1, 1.0),
-    "logit_bias": (None, {}),
-    "logprobs": (None, False, 0),
-    "top_logprobs": (None, 0),
-    "tools": (None, []),
-    "functions": (None, []),
-    "response_format": (None, {"type": "text"}),
-    "echo": (None, False),
-    "best_of": (None, 1),
-    "suffix": (None, ""),
+MAX_JSON_DEPTH = 32  # nesting levels of arrays and objects a request body may have
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch's generators and msgpack carry
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field may take: [minimum, maximum], or (minimum, maximum]."""
+
+    minimum: int | float
+    maximum: int | float
+    exclusive_minimum: bool = False
+
+    def __contains__(self, value: int | float) -> bool:
+        above = value > self.minimum if self.exclusive_minimum else value >= self.minimum
+        return above and value <= self.maximum  # exact for any int: no float conversion
+
+    def __str__(self) -> str:
+        return f"{'(' if self.exclusive_minimum else '['}{self.minimum}, {self.maximum}]"
+
+
+# Every number a request may carry; for arrays, every item.
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, INT32_MAX),
+    "max_completion_tokens": Range(1, INT32_MAX),
+    "n": Range(1, 1),
+    "temperature": Range(0.0, 100.0),
+    "top_p": Range(0.0, 1.0, exclusive_minimum=True),
+    "top_k": Range(-1, INT32_MAX),  # vLLM: -1 and 0 mean "no top-k cut"
+    "seed": Range(INT64_MIN, INT64_MAX),
+    "stop_token_ids": Range(0, INT32_MAX),
+    "prompt": Range(0, INT32_MAX),  # token ids
 }
+
+# The fields each endpoint reads. Any other field is refused, as OpenAI refuses an
+# unrecognized argument, so a client never gets an answer that ignored what it asked.
+SHARED_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+    "stream", "stream_options",
+})  # fmt: skip
+CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = SHARED_FIELDS | {"prompt"}
+# Accepted (type-checked) and ignored: they ask nothing of the answer itself.
+IGNORED_FIELDS: dict[str, type] = {
+    "user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict, "service_tier": str,
+    "parallel_tool_calls": bool,
+}  # fmt: skip
+# Features kvserve does not implement: accepted only as null or the value that turns them off.
+UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "store": (False,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the second is accepted and ignored
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -55,19 +117,49 @@ class GenerateRequest:
         return self.messages is not None
 
 
+def decode_body(data: bytes) -> Any:
+    """The JSON value of a request body, refused before decoding when it nests too deep."""
+    might_nest_too_deep = data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH
+    if might_nest_too_deep and json_depth(data) > MAX_JSON_DEPTH:
+        raise InvalidParameterError(f"The JSON body of your request nests deeper than {MAX_JSON_DEPTH} levels.")
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError as e:
+        raise InvalidParameterError(f"We could not parse the JSON body of your request: {e}") from None
+
+
+_NESTING = np.zeros(256, np.int8)
+_NESTING[[ord("["), ord("{")]] = 1
+_NESTING[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(data: bytes) -> int:
+    """How deep the arrays and objects of the JSON text ``data`` nest, brackets inside
+    strings not counted; vectorized, so a megabyte of brackets costs milliseconds."""
+    b = np.frombuffer(data, np.uint8)
+    idx = np.arange(b.size, dtype=np.int64)
+    last_plain = np.maximum.accumulate(np.where(b != ord("\\"), idx, -1))  # the last byte that is no backslash
+    backslashes_before = np.zeros(b.size, np.int64)
+    backslashes_before[1:] = idx[:-1] - last_plain[:-1]
+    delimiters = (b == ord('"')) & (backslashes_before % 2 == 0)  # a quote no backslash escapes
+    in_string = np.cumsum(delimiters) % 2 == 1
+    steps = np.where(in_string, 0, _NESTING[b].astype(np.int64))
+    return int(np.cumsum(steps).max(initial=0))
+
+
 def parse_chat_request(body: Any) -> GenerateRequest:
-    body = _object(body)
+    body = _object(body, CHAT_FIELDS)
     messages = _messages(_required(body, "messages"))
-    max_tokens = _int(body, "max_completion_tokens", minimum=1)
+    max_tokens = _int(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", minimum=1)
+        max_tokens = _int(body, "max_tokens")
     return GenerateRequest(messages=messages, max_tokens=max_tokens, **_common(body))
 
 
 def parse_completion_request(body: Any) -> GenerateRequest:
-    body = _object(body)
+    body = _object(body, COMPLETION_FIELDS)
     prompt = _prompt(_required(body, "prompt"))
-    return GenerateRequest(prompt=prompt, max_tokens=_int(body, "max_tokens", minimum=1), **_common(body))
+    return GenerateRequest(prompt=prompt, max_tokens=_int(body, "max_tokens"), **_common(body))
 
 
 def _common(body: dict[str, Any]) -> dict[str, Any]:
@@ -75,12 +167,11 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     model = _required(body, "model")
     if not isinstance(model, str):
         raise _type_error("model", "a string", model)
-    for name, allowed in _UNSUPPORTED_UNLESS.items():
-        if body.get(name) not in allowed:
-            raise InvalidParameterError(f"'{name}' is not supported by this server", name)
-    n = _int(body, "n")
+    n = body.get("n")
+    if n is not None and not _is_int(n):
+        raise _type_error("n", "an integer", n)
     if n is not None and n != 1:
-        raise InvalidParameterError(f"Invalid 'n': only n=1 is supported, got {n}", "n")
+        raise InvalidParameterError(f"Invalid 'n': only n=1 is supported, got {_show(n)}", "n")
     stream = bool(_bool(body, "stream"))
     include_usage = False
     stream_options = body.get("stream_options")
@@ -89,7 +180,10 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
             raise InvalidParameterError("'stream_options' is only allowed when 'stream' is enabled", "stream_options")
         if not isinstance(stream_options, dict):
             raise _type_error("stream_options", "an object", stream_options)
-        include_usage = bool(_bool(stream_options, "include_usage", "stream_options.include_usage"))
+        for name in STREAM_OPTIONS:
+            _bool(stream_options, name, f"stream_options.{name}")
+        _refuse_unknown(stream_options, STREAM_OPTIONS, "stream_options.")
+        include_usage = bool(stream_options.get("include_usage"))
     top_k = _int(body, "top_k")
     temperature, top_p = _float(body, "temperature"), _float(body, "top_p")
     return dict(
@@ -152,7 +246,8 @@ def _prompt(value: Any) -> str | list[int]:
         value = value[0]
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if isinstance(value, list) and all(_is_int(v) for v in value):
+        _check_items("prompt", value)
         return list(value)
     if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
         raise InvalidParameterError("batched prompts are not supported: send one prompt per request", "prompt")
@@ -170,10 +265,27 @@ def _stop(value: Any) -> tuple[str, ...]:
 
 
 # --- field readers: a missing field and an explicit null both read as None --------
-def _object(body: Any) -> dict[str, Any]:
+def _object(body: Any, fields: frozenset[str]) -> dict[str, Any]:
+    """The body as an object, once no field in it asks for what kvserve would ignore."""
     if not isinstance(body, dict):
         raise InvalidParameterError("the request body must be a JSON object")
+    for name, allowed in UNSUPPORTED_UNLESS.items():
+        value = body.get(name)
+        if value is not None and not any(_same(value, a) for a in allowed):
+            raise InvalidParameterError(f"'{name}' is not supported by this server", name)
+    for name, kind in IGNORED_FIELDS.items():
+        value = body.get(name)
+        if value is not None and not isinstance(value, kind):
+            raise _type_error(name, _JSON_TYPES[kind], value)
+    _refuse_unknown(body, fields | UNSUPPORTED_UNLESS.keys() | IGNORED_FIELDS.keys())
     return body
+
+
+def _refuse_unknown(body: dict[str, Any], known: Collection[str], prefix: str = "") -> None:
+    for name in body:
+        if name not in known:
+            shown = _show(name)
+            raise InvalidParameterError(f"Unrecognized request argument supplied: {prefix}{shown}", prefix + shown)
 
 
 def _required(body: dict[str, Any], name: str) -> Any:
@@ -182,15 +294,13 @@ def _required(body: dict[str, Any], name: str) -> Any:
     return body[name]
 
 
-def _int(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+def _int(body: dict[str, Any], name: str) -> int | None:
     value = body.get(name)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not _is_int(value):
         raise _type_error(name, "an integer", value)
-    if minimum is not None and value < minimum:
-        message = f"Invalid '{name}': integer below minimum value. Expected a value >= {minimum}, but got {value}."
-        raise InvalidParameterError(message, name)
+    _check_range(name, value, "an integer")
     return value
 
 
@@ -200,7 +310,8 @@ def _float(body: dict[str, Any], name: str) -> float | None:
         return None
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise _type_error(name, "a number", value)
-    return float(value)
+    _check_range(name, value, "a number")
+    return float(value)  # in range, so an int of any size converts
 
 
 def _bool(body: dict[str, Any], name: str, param: str | None = None) -> bool | None:
@@ -214,9 +325,42 @@ def _int_list(body: dict[str, Any], name: str) -> list[int]:
     value = body.get(name)
     if value is None:
         return []
-    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+    if not isinstance(value, list) or not all(_is_int(v) for v in value):
         raise _type_error(name, "an array of integers", value)
+    _check_items(name, value)
     return value
+
+
+def _check_range(param: str, value: int | float, kind: str) -> None:
+    valid = RANGES[param]
+    if value not in valid:
+        raise InvalidParameterError(f"Invalid '{param}': expected {kind} in {valid}, but got {_show(value)}.", param)
+
+
+def _check_items(name: str, values: list[int]) -> None:
+    valid = RANGES[name]
+    for i, value in enumerate(values):
+        if value not in valid:
+            message = f"Invalid '{name}[{i}]': expected an integer in {valid}, but got {_show(value)}."
+            raise InvalidParameterError(message, f"{name}[{i}]")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _same(value: Any, allowed: Any) -> bool:
+    """JSON equality: 1 and 1.0 are the same number, but true is not 1."""
+    return value == allowed and isinstance(value, bool) == isinstance(allowed, bool)
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    """``value`` for an error message, cut short (a 4,000-digit integer must not echo back)."""
+    try:
+        text = value if isinstance(value, str) else repr(value)
+    except ValueError:  # an integer past Python's 4,300-digit limit on str()
+        return "a number too large to show"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 _JSON_TYPES = {
