@@ -70,7 +70,7 @@ def run_kvserve(size: int) -> None:
     from libs.common.transfer import SharedSegment, TransferEngine
     from libs.common.transfer.segment import new_segment_name
 
-    engine = TransferEngine("peer-host", listen="127.0.0.1:0")
+    engine = TransferEngine("peer-host", listen="127.0.0.1:0", transport="tcp")  # tcp: listening from the start
     segment = SharedSegment.create(new_segment_name("bench", "rx"), size)
     engine.register(segment)
     issued: list[str] = []

@@ -17,7 +17,7 @@ import pytest
 from libs.common.schema import WriteTicket
 from libs.common.transfer import SharedSegment, Span, TransferEngine, TransferError
 from libs.common.transfer.segment import new_segment_name
-from libs.common.transfer.tcp import FRAME, MAGIC, SHORT
+from libs.common.transfer.tcp import FRAME, SHORT, greeting
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 128 << 20
@@ -94,7 +94,7 @@ def test_a_truncated_stream_is_detected_and_reported():
         ticket = receiver.expect(segment.name, [(0, 1 << 20)], ttl=30)
         host, port = ticket.address.rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(MAGIC + ticket.token.encode())
+            sock.sendall(greeting(ticket.token, nonce=0))
             assert sock.recv(1) == b"\x00"  # accepted
             sock.sendall(FRAME.pack(0, 1000) + b"x" * 100)  # a frame promising 1000 bytes, then only 100
             sock.shutdown(socket.SHUT_WR)

@@ -8,6 +8,10 @@ either way — the design of Mooncake's Transfer Engine, so an RDMA transport
 could sit behind it too. Every transfer has a deadline and ends in success or
 a TransferError with a cause; the engine counts bytes, transfers, durations
 and failures per transport.
+
+The TCP listener opens only when a ticket is issued for a sender that may be on
+another host (or when ``transport`` is "tcp"): a process whose peers are all on
+its host listens on no port.
 """
 
 import logging
@@ -19,10 +23,11 @@ from contextlib import asynccontextmanager
 
 from libs.common.metrics import REGISTRY
 from libs.common.schema import WriteTicket
-from libs.common.transfer.descriptors import PEER_GONE, Descriptor, Span, TransferError
+from libs.common.transfer.descriptors import BAD_TOKEN, PEER_GONE, Descriptor, Span, TransferError
+from libs.common.transfer.listener import TcpListener
 from libs.common.transfer.ranges import RangeSet
 from libs.common.transfer.segment import SHM_DIR, SharedSegment
-from libs.common.transfer.tcp import OpenTicket, TcpListener, TicketBook
+from libs.common.transfer.tickets import OpenTicket, TicketBook, claim, ticket_id
 from libs.common.transfer.writers import ShmWriter, TcpWriter, Writer, copy_spans
 
 log = logging.getLogger(__name__)
@@ -48,9 +53,13 @@ class TransferEngine:
         connections: int = 4,
         slice_bytes: int = 4 << 20,
         timeout: float = 30.0,
+        max_connections: int = 64,
+        idle_timeout: float = 60.0,
     ) -> None:
-        """``listen`` ("host:port", port 0 for any) starts a TCP listener so peers on
-        other hosts can write here; ``transport`` forces shm or tcp for sending."""
+        """``listen`` ("host:port", port 0 for any): where a TCP listener binds, so peers on
+        other hosts can write here, once one may (see `expect`); ``transport`` forces shm
+        or tcp for sending, and "tcp" opens the listener at once. The listener serves at
+        most ``max_connections`` connections and closes those idle ``idle_timeout`` seconds."""
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.host_id = host_id
@@ -58,14 +67,31 @@ class TransferEngine:
         self.connections = connections
         self.slice_bytes = slice_bytes
         self.timeout = timeout
+        self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
         self.tickets = TicketBook()
         self._segments: dict[str, SharedSegment] = {}
         self._local: set[str] = set()
         self._lock = threading.Lock()
+        self._listen = listen
         self.listener: TcpListener | None = None
-        if listen is not None:
-            host, port = listen.rsplit(":", 1)
-            self.listener = TcpListener(host, int(port), self.tickets, lambda n: _RECEIVED.inc(amount=n))
+        if listen is not None and transport == "tcp":
+            self._open_listener()
+
+    @property
+    def writer_host_id(self) -> str:
+        """What to tell a receiver about to issue us a ticket: our host id, or "" when we
+        send only over TCP (so the receiver listens)."""
+        return "" if self.transport == "tcp" else self.host_id
+
+    def _open_listener(self) -> TcpListener | None:
+        with self._lock:
+            if self.listener is None and self._listen is not None:
+                host, port = self._listen.rsplit(":", 1)
+                self.listener = TcpListener(host, int(port), self.tickets, lambda n: _RECEIVED.inc(amount=n),
+                                            max_connections=self.max_connections, idle_timeout=self.idle_timeout)  # fmt: skip
+                log.info("transfer listener on %s", self.listener.address)
+            return self.listener
 
     # --- segments ------------------------------------------------------------
     def register(self, segment: SharedSegment) -> None:
@@ -95,12 +121,21 @@ class TransferEngine:
             segment.close()
 
     # --- receiving -------------------------------------------------------------
-    def expect(self, segment: str, ranges: Sequence[tuple[int, int]], ttl: float) -> WriteTicket:
-        """Issue a one-time ticket letting one sender write ``ranges`` of ``segment`` for ``ttl`` seconds."""
+    def expect(
+        self, segment: str, ranges: Sequence[tuple[int, int]], ttl: float, sender_host: str | None = None
+    ) -> WriteTicket:
+        """Issue a one-time ticket letting one sender write ``ranges`` of ``segment`` (each
+        byte once) for ``ttl`` seconds. ``sender_host``: the sender's host id, if known
+        (its `writer_host_id`); a sender on this host writes through shared memory, so
+        its ticket has no TCP address and the listener is not opened for it."""
         local = self._segments[segment]
         token = secrets.token_hex(16)
-        self.tickets.open(OpenTicket(token, local.view, RangeSet(list(ranges)), time.monotonic() + ttl))
-        address = self.listener.address if self.listener is not None else None
+        on_this_host = bool(sender_host) and sender_host == self.host_id and self.transport != "tcp"
+        listener = None if on_this_host else self._open_listener()
+        address = listener.address if listener is not None else None
+        ticket = OpenTicket(token, segment, local.view, RangeSet(list(ranges)), time.monotonic() + ttl,
+                            tcp=address is not None)  # fmt: skip
+        self.tickets.open(ticket)
         return WriteTicket(token=token, host_id=self.host_id, segment=segment, address=address)
 
     def close_ticket(self, token: str) -> OpenTicket | None:
@@ -119,8 +154,23 @@ class TransferEngine:
         timeout = self.timeout if timeout is None else timeout
         src = self.segment(source)
         if self.choose_transport(ticket) == "shm":
-            return ShmWriter(src, self.segment(ticket.segment), timeout)
+            destination = self.segment(ticket.segment)
+            self.claim(ticket)
+            return ShmWriter(src, destination, timeout)
         return TcpWriter(src, ticket, timeout, self.connections, self.slice_bytes)
+
+    def claim(self, ticket: WriteTicket) -> None:
+        """Take ``ticket`` for a shared-memory write (``writer`` does; call it before a
+        plain ``copy`` into a ticket's ranges), so no TCP greeting can use it too."""
+        if ticket.address is None:
+            return  # issued for shared memory only: the receiver refuses it over TCP anyway
+        try:
+            taken = claim(ticket.segment, ticket_id(ticket.token))
+        except OSError as e:
+            raise TransferError(PEER_GONE, f"cannot claim a ticket of {ticket.segment}: {e}") from e
+        if not taken:
+            _FAILURES.inc(BAD_TOKEN)
+            raise TransferError(BAD_TOKEN, f"a ticket of {ticket.segment} was already used by another writer")
 
     async def finish(self, writer: Writer) -> None:
         """Wait until every byte ``writer`` was given is at its destination; count it."""
@@ -179,10 +229,12 @@ class TransferEngine:
     def close(self) -> None:
         if self.listener is not None:
             self.listener.close()
+        self.tickets.close_all()
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}
-            self._local.clear()
+            local, self._local = self._local, set()
+        for name in local:  # claims a late shared-memory writer made after its ticket closed
+            for path in SHM_DIR.glob(f"{name}.claim-*"):
+                path.unlink(missing_ok=True)
         for segment in segments:
             segment.close()
-
-

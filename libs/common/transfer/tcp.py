@@ -1,206 +1,71 @@
-"""The TCP transport: a listener that writes incoming frames straight into
-registered segments (``recv_into``, no intermediate copies), and a connection
-that sends spans of a source segment as frames (``sendmsg``, no copies either).
+"""The TCP transport's wire format, and its sending side: a connection that sends
+spans of a source segment as frames (``sendmsg``, no copies). The receiving side
+is `listener.py`.
 
 Wire format, per connection::
 
-    sender:   b"KVT1" + token (32 ASCII bytes)
-    receiver: 1 status byte (OK, or REFUSED for a token it did not issue or has closed)
+    sender:   greeting: b"KVT2", ticket id (16 bytes), nonce (u64), proof (16 bytes)
+    receiver: 1 status byte (OK, or REFUSED for a ticket it did not issue, has closed,
+              or that this greeting may not use)
     sender:   frames: u64 dst_offset, u64 length (little-endian), then `length` bytes; ...
               then the end frame (END_OFFSET, 0)
     receiver: 1 status byte: OK once every byte is in the segment, else why not
 
-After an OK the connection may carry another transfer: the sender greets again with
-that transfer's own one-time token. Senders keep such idle connections in a small
-per-peer pool (`IdleConnections`), so a small transfer costs one round trip for the
-greeting and one for the final status, not a TCP handshake and a thread. A
-connection grants nothing by itself: every transfer on it presents a token issued
-for that transfer, and the receiver closes it at the first refusal or failure, or
-after IDLE_SECONDS without a greeting.
+The token itself never crosses the wire: the greeting names the ticket by a hash of
+its token and proves the sender holds the token with an HMAC of a fresh nonce
+(`tickets.py`), so each greeting is good once. A transfer sliced over several
+connections greets on each with a new nonce. After an OK the connection may carry
+another transfer, greeted for that transfer's own ticket. Senders keep such idle
+connections in a small per-peer pool (`IdleConnections`), so a small transfer costs
+one round trip for the greeting and one for the final status, not a TCP handshake
+and a thread; one the receiver has closed meanwhile is replaced without a word.
 
-Nothing is written for a connection whose token is refused, and nothing outside
-the ranges its ticket allows. Blocking sockets on threads: the GIL is released in
-every send/recv, and the event loop never waits on the wire.
+Blocking sockets on pooled threads: the GIL is released in every send/recv, and the
+event loop never waits on the wire.
 """
 
+import itertools
 import logging
+import select
+import secrets
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 
-from libs.common import failpoints
 from libs.common.transfer.descriptors import BAD_RANGE, BAD_TOKEN, PEER_GONE, TIMEOUT, TRUNCATED, Span, TransferError
-from libs.common.transfer.ranges import RangeSet
+from libs.common.transfer.tickets import PROOF_LEN, TICKET_ID_LEN, greeting_proof, ticket_id
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"KVT1"
-TOKEN_LEN = 32
+MAGIC = b"KVT2"
+GREETING = struct.Struct(f"<{TICKET_ID_LEN}sQ{PROOF_LEN}s")  # after MAGIC: ticket id, nonce, proof
 FRAME = struct.Struct("<QQ")
 END_OFFSET = (1 << 64) - 1
-OK, REFUSED, BAD_FRAME, SHORT, FAILED = range(5)
-GREETING_SECONDS = 30.0  # a new connection must greet within this
-IDLE_SECONDS = 60.0  # the receiver closes a connection idle this long after a transfer
-REUSE_SECONDS = 30.0  # the sender reuses an idle connection only this long (well before the receiver closes it)
+OK, REFUSED, BAD_FRAME, SHORT, FAILED, BUSY = range(6)
+REUSE_SECONDS = 30.0  # the sender reuses an idle connection only this long
 IDLE_PER_PEER = 8
-_STATUS_CAUSE = {REFUSED: BAD_TOKEN, BAD_FRAME: BAD_RANGE, SHORT: TRUNCATED, FAILED: PEER_GONE}
+_STATUS_CAUSE = {REFUSED: BAD_TOKEN, BAD_FRAME: BAD_RANGE, SHORT: TRUNCATED, FAILED: PEER_GONE, BUSY: PEER_GONE}
+_STATUS_TEXT = {BUSY: "has too many connections"}
 
 
-@dataclass
-class OpenTicket:
-    """The receiver's side of a ticket: where its token may write."""
-
-    token: str
-    view: memoryview  # the destination segment, as bytes
-    allowed: RangeSet
-    expires_at: float
-    bytes_received: int = 0
-    arrivals: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) per frame, in order
-    failed: str | None = None  # a cause, once a connection broke mid-transfer
+def greeting(token: str, nonce: int) -> bytes:
+    """What a sender says first for one transfer on a connection; good for one use."""
+    return MAGIC + GREETING.pack(ticket_id(token), nonce, greeting_proof(token, nonce))
 
 
-class TicketBook:
-    """Tokens this process has issued and not yet closed. Thread-safe."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._open: dict[str, OpenTicket] = {}
-        self._lock = threading.Lock()
-        self.clock = clock
-
-    def open(self, ticket: OpenTicket) -> None:
-        with self._lock:
-            self._open[ticket.token] = ticket
-
-    def get(self, token: str) -> OpenTicket | None:
-        with self._lock:
-            ticket = self._open.get(token)
-            if ticket is not None and ticket.expires_at < self.clock():
-                del self._open[token]
-                return None
-            return ticket
-
-    def close(self, token: str) -> OpenTicket | None:
-        with self._lock:
-            return self._open.pop(token, None)
-
-    def __len__(self) -> int:
-        return len(self._open)
+def new_nonces() -> Iterator[int]:
+    """Greeting nonces for one transfer's connections: a random start, then counting up."""
+    return itertools.count(secrets.randbits(62))
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise EOFError(f"stream ended after {got} of {len(view)} bytes")
-        got += n
-
-
-class TcpListener:
-    def __init__(self, host: str, port: int, tickets: TicketBook, on_frame_bytes: Callable[[int], None]) -> None:
-        self.tickets = tickets
-        self._on_bytes = on_frame_bytes
-        self._sock = socket.create_server((host, port), backlog=64)
-        self.address = "%s:%d" % self._sock.getsockname()[:2]
-        self._closed = False
-        self._count_lock = threading.Lock()
-        self.accepted = 0  # connections accepted so far
-        self.open_connections = 0  # ... and not yet closed
-        self._thread = threading.Thread(target=self._accept_loop, name="tcp-accept", daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._closed = True
-        try:
-            self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._sock.close()
-
-    def _accept_loop(self) -> None:
-        while not self._closed:
-            try:
-                conn, peer = self._sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn, peer), name="tcp-recv", daemon=True).start()
-
-    def _serve(self, conn: socket.socket, peer) -> None:
-        with self._count_lock:
-            self.accepted += 1
-            self.open_connections += 1
-        try:
-            with conn:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                served = 0
-                while not self._closed and self._serve_one(conn, peer, first=served == 0):
-                    served += 1
-        finally:
-            with self._count_lock:
-                self.open_connections -= 1
-
-    def _serve_one(self, conn: socket.socket, peer, first: bool) -> bool:
-        """One transfer on the connection; whether the connection may carry another."""
-        conn.settimeout(GREETING_SECONDS if first else IDLE_SECONDS)
-        try:
-            hello = bytearray(len(MAGIC) + TOKEN_LEN)
-            _recv_exact(conn, memoryview(hello))
-        except (OSError, EOFError) as e:
-            if first:
-                log.warning("TCP transfer from %s: no greeting (%s)", peer, e)
-            return False  # a reused connection closed or left idle: nothing to report
-        token = hello[len(MAGIC) :].decode("ascii", "replace")
-        ticket = self.tickets.get(token) if hello.startswith(MAGIC) else None
-        if ticket is None:
-            log.warning("refused a TCP transfer from %s:%s: unknown, closed or expired token", *peer[:2])
-            _send_status(conn, REFUSED)
-            return False
-        conn.settimeout(max(0.1, ticket.expires_at - self.tickets.clock()))
-        _send_status(conn, OK)
-        if failpoints.active("transfer.stall_receive"):
-            log.warning("failpoint transfer.stall_receive: not reading from %s", peer[0])
-            threading.Event().wait(ticket.expires_at - self.tickets.clock())
-            return False
-        status = self._receive_frames(conn, ticket, peer)
-        _send_status(conn, status)
-        return status == OK
-
-    def _receive_frames(self, conn: socket.socket, ticket: OpenTicket, peer) -> int:
-        header = bytearray(FRAME.size)
-        try:
-            while True:
-                _recv_exact(conn, memoryview(header))
-                offset, length = FRAME.unpack(header)
-                if offset == END_OFFSET:
-                    return OK
-                if not ticket.allowed.contains(offset, length):
-                    log.warning("refused a frame from %s: [%d, +%d) is outside its ticket", peer[0], offset, length)
-                    return BAD_FRAME
-                _recv_exact(conn, ticket.view[offset : offset + length])
-                ticket.bytes_received += length
-                ticket.arrivals.append((offset, length))
-                self._on_bytes(length)
-        except EOFError as e:
-            ticket.failed = TRUNCATED
-            log.warning("TCP transfer from %s truncated: %s", peer[0], e)
-            return SHORT
-        except TimeoutError:
-            ticket.failed = TIMEOUT
-            return FAILED
-        except OSError as e:
-            ticket.failed = PEER_GONE
-            log.warning("TCP transfer from %s broke: %s", peer[0], e)
-            return FAILED
-
-
-def _send_status(conn: socket.socket, status: int) -> None:
-    try:
-        conn.sendall(bytes([status]))
-    except OSError:
-        pass
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether an idle connection was closed (or written to) by the receiver: either
+    way it cannot carry a transfer. A poll, no wait."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))
 
 
 class IdleConnections:
@@ -218,9 +83,9 @@ class IdleConnections:
             idle = self._idle.get(address, [])
             while idle:
                 sock, since = idle.pop()
-                if self.clock() - since < REUSE_SECONDS:
+                if self.clock() - since < REUSE_SECONDS and not _closed_by_peer(sock):
                     break
-                stale.append(sock)
+                stale.append(sock)  # too old, or the receiver closed it (idle timeout, restart)
             else:
                 sock = None
         for s in stale:
@@ -248,24 +113,31 @@ IDLE = IdleConnections()
 
 class TcpConnection:
     """One sending connection of a transfer: a pooled idle one to the same receiver when
-    there is one, else a new one. Not thread-safe: one thread drives it."""
+    there is one, else a new one. ``nonces``: where each greeting takes its nonce (one
+    shared by a transfer's connections; by default a fresh random run). Not thread-safe:
+    one thread drives it."""
 
-    def __init__(self, address: str, token: str, deadline: float, pool: IdleConnections = IDLE) -> None:
+    def __init__(
+        self, address: str, token: str, deadline: float, pool: IdleConnections = IDLE,
+        nonces: Iterator[int] | None = None,
+    ) -> None:  # fmt: skip
         self.address = address
         self.deadline = deadline
         self.pool = pool
+        nonces = new_nonces() if nonces is None else nonces
         self.sock = pool.take(address)
         if self.sock is not None:
             try:
-                self._greet(token)
+                self._greet(token, next(nonces))
                 return
             except TransferError as e:
                 self.close()
                 if e.cause != PEER_GONE:
                     raise
-                # the receiver closed it while it sat idle: open a new one
+                # the receiver closed it just now: a new connection, with a nonce the
+                # receiver has not seen (it may have taken the last greeting before closing)
         self.sock = self._connect(address)
-        self._greet(token)
+        self._greet(token, next(nonces))
 
     def _connect(self, address: str) -> socket.socket:
         host, port = address.rsplit(":", 1)
@@ -278,8 +150,9 @@ class TcpConnection:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _greet(self, token: str) -> None:
-        self._guard(lambda: self.sock.sendall(MAGIC + token.encode("ascii")))
+    def _greet(self, token: str, nonce: int) -> None:
+        hello = greeting(token, nonce)
+        self._guard(lambda: self.sock.sendall(hello))
         self._expect_ok("greeting")
 
     def _remaining(self) -> float:
@@ -332,7 +205,8 @@ class TcpConnection:
         if not status:
             raise TransferError(PEER_GONE, f"the receiver closed the connection at the {what}")
         if status[0] != OK:
-            raise TransferError(_STATUS_CAUSE.get(status[0], PEER_GONE), f"the receiver refused the {what}")
+            why = _STATUS_TEXT.get(status[0], f"refused the {what}")
+            raise TransferError(_STATUS_CAUSE.get(status[0], PEER_GONE), f"the receiver {why}")
 
     def _status_after_error(self) -> str | None:
         try:

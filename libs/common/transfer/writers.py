@@ -25,7 +25,7 @@ import torch
 from libs.common.schema import WriteTicket
 from libs.common.transfer.descriptors import CANCELLED, TIMEOUT, Span, TransferError, split_spans
 from libs.common.transfer.segment import SharedSegment
-from libs.common.transfer.tcp import TcpConnection
+from libs.common.transfer.tcp import TcpConnection, new_nonces
 
 _DONE = object()  # a lane's last item: TCP sends its end frame and waits for the receiver's status
 VECTORIZE_BELOW = 256 << 10  # spans smaller than this are copied with one gather/scatter per batch
@@ -222,8 +222,12 @@ class TcpWriter(Writer):
     ) -> None:
         super().__init__(source, timeout)
         if not ticket.address:
-            raise TransferError("peer_gone", "the receiver has no TCP address")
+            raise TransferError("peer_gone", (
+                f"the receiver on host {ticket.host_id!r} gave no TCP address: it has no listener, or issued the "
+                f"ticket for a shared-memory writer on its host (processes that share a KVSERVE_HOST_ID must share "
+                f"/dev/shm)"))  # fmt: skip
         self.ticket = ticket
+        self.nonces = new_nonces()  # one greeting nonce per connection of this transfer
         self.slice_bytes = slice_bytes
         self.max_lanes = max(1, connections)
         self._next = 0
@@ -263,7 +267,8 @@ class TcpWriter(Writer):
             return
         try:
             if lane.connection is None:
-                lane.connection = TcpConnection(self.ticket.address, self.ticket.token, self.deadline)
+                lane.connection = TcpConnection(self.ticket.address, self.ticket.token, self.deadline,
+                                                nonces=self.nonces)  # fmt: skip
             lane.connection.send(self.source.view, item)
         except TransferError:
             if lane.connection is not None:

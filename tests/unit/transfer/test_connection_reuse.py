@@ -7,21 +7,26 @@ import pytest
 import torch
 
 from libs.common.transfer import Span, TransferError, tcp
-from libs.common.transfer.tcp import END_OFFSET, FRAME, MAGIC, OK, REFUSED
+from libs.common.transfer.tcp import END_OFFSET, FRAME, GREETING, MAGIC, OK, REFUSED, greeting
+from libs.common.transfer.tickets import greeting_proof, ticket_id
 from tests.integration.conftest import wait_until
 
 KiB = 1 << 10
 
 
-@pytest.fixture
-def link(segments):
-    tcp.IDLE.clear()  # no connection left over from another test
-    receiver = segments.engine("host-a", listen="127.0.0.1:0")
+def make_link(segments, **receiver_settings):
+    receiver = segments.engine("host-a", listen="127.0.0.1:0", **receiver_settings)
     dst = segments.segment(receiver, 1 << 20)
     sender = segments.engine("host-b", transport="tcp", connections=4)
     src = segments.segment(sender, 1 << 20)
     src.tensor.copy_(torch.randint(0, 256, (src.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3)))
-    yield receiver, dst, sender, src
+    return receiver, dst, sender, src
+
+
+@pytest.fixture
+def link(segments):
+    tcp.IDLE.clear()  # no connection left over from another test
+    yield make_link(segments)
     tcp.IDLE.clear()
 
 
@@ -40,9 +45,9 @@ async def test_transfers_to_one_receiver_share_one_connection(link):
     assert receiver.listener.accepted == 1
 
 
-async def test_a_connection_the_receiver_closed_while_idle_is_replaced(link, monkeypatch):
-    receiver, dst, sender, src = link
-    monkeypatch.setattr(tcp, "IDLE_SECONDS", 0.2)  # the receiver gives up on idle connections at once
+async def test_a_connection_the_receiver_closed_while_idle_is_replaced(segments):
+    tcp.IDLE.clear()
+    receiver, dst, sender, src = make_link(segments, idle_timeout=0.2)  # gives up on idle connections at once
     await send(receiver, dst, sender, src, offset=0)
     wait_until(lambda: receiver.listener.open_connections == 0, timeout=10)
     await send(receiver, dst, sender, src, offset=64 * KiB)  # the pooled one is dead: a new one
@@ -53,17 +58,22 @@ def test_a_reused_connection_still_needs_a_valid_token_for_each_transfer(segment
     receiver = segments.engine("rx", listen="127.0.0.1:0")
     dst = segments.segment(receiver, 4096)
     first = receiver.expect(dst.name, [(0, 16)], ttl=30)
+    second = receiver.expect(dst.name, [(16, 16)], ttl=30)
     host, port = first.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(MAGIC + first.token.encode())
+        sock.sendall(greeting(first.token, nonce=1))
         assert sock.recv(1) == bytes([OK])
         sock.sendall(FRAME.pack(0, 16) + b"a" * 16 + FRAME.pack(END_OFFSET, 0))
         assert sock.recv(1) == bytes([OK])
-        # the same token again (it is still open), then a forged one: both need a ticket
-        sock.sendall(MAGIC + b"0" * 32)
+        sock.sendall(greeting(second.token, nonce=1))  # the next transfer, with its own ticket
+        assert sock.recv(1) == bytes([OK])
+        sock.sendall(FRAME.pack(16, 16) + b"b" * 16 + FRAME.pack(END_OFFSET, 0))
+        assert sock.recv(1) == bytes([OK])
+        # a ticket's id with a proof made from another token: refused, and the connection closed
+        sock.sendall(MAGIC + GREETING.pack(ticket_id(first.token), 2, greeting_proof(second.token, 2)))
         assert sock.recv(1) == bytes([REFUSED])
-        assert sock.recv(1) == b""  # and the receiver closed the connection
-    assert bytes(dst.tensor[:16].tolist()) == b"a" * 16
+        assert sock.recv(1) == b""
+    assert bytes(dst.tensor[:32].tolist()) == b"a" * 16 + b"b" * 16
 
 
 async def test_a_refused_token_on_a_pooled_connection_is_an_error_not_a_retry(link):
