@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from libs.common.model.sampling_params import SamplingParams
+from libs.common.model.sequence import FinishReason
 from libs.common.model.stopping import StopChecker
 from libs.common.model.tokenizer import Tokenizer
 from libs.common.schema import TokenChunk
@@ -24,13 +25,28 @@ class Delta:
 
 
 class TextStream:
+    """The text of one request's generated tokens, released as it becomes safe to show.
+
+    Every finish (the workers', a stop here, a failure) releases all the text the
+    counted tokens make: what was held back for a stop string and the bytes of an
+    unfinished UTF-8 character, shown as a whole decode of the tokens shows them;
+    a stop string cuts the text before it.
+    """
+
     def __init__(
         self, tokenizer: Tokenizer, sampling: SamplingParams, max_model_len: int, num_prompt_tokens: int
     ) -> None:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
+        self._tokenizer = tokenizer
+        self._stops = list(sampling.stop)
+        self._stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(tokenizer.eos_token_ids))
         self._checker = StopChecker(tokenizer, sampling, max_model_len, num_prompt_tokens)
+        self._text_ids: list[int] = []  # the generated tokens that make text (stop tokens do not)
+        self._cut_by_stop_string = False
+        self._final_text: str | None = None  # once finished
+        self._num_shown = 0  # characters released so far
         self._started = False
 
     @property
@@ -39,7 +55,7 @@ class TextStream:
 
     @property
     def text(self) -> str:
-        return self._checker.text
+        return self._checker.text if self._final_text is None else self._final_text
 
     def feed(self, chunk: TokenChunk) -> Delta:
         """Account for the next in-order chunk; return the text it adds."""
@@ -49,17 +65,55 @@ class TextStream:
             self.num_cached_tokens = chunk.num_cached_tokens
         pieces = []
         for token_id in chunk.token_ids:
+            is_stop_token = token_id in self._stop_ids
+            if not is_stop_token:
+                self._text_ids.append(token_id)
             pieces.append(self._checker.add(token_id))
             if self._checker.finish_reason is not None:
+                self._cut_by_stop_string = self._checker.finish_reason == FinishReason.STOP and not is_stop_token
                 break
-        text = "".join(pieces)
         if self._checker.finish_reason is not None:
-            self.finish_reason = self._checker.finish_reason.value
-            return Delta(text, self.finish_reason, stopped_early=chunk.finish_reason is None)
-        if chunk.finish_reason is not None:  # the worker ended it: release what was held back
-            self.finish_reason = chunk.finish_reason
-            return Delta(text + self._checker.flush(), self.finish_reason)
+            return self._finish(self._checker.finish_reason.value, stopped_early=chunk.finish_reason is None)
+        if chunk.finish_reason is not None:  # the worker ended it
+            return self._finish(chunk.finish_reason)
+        text = "".join(pieces)
+        self._num_shown += len(text)
         return Delta(text)
+
+    def fail(self) -> Delta:
+        """The request failed: release the text not shown yet, with the finish reason "error"."""
+        assert self.finish_reason is None, "failed after the text finished"
+        return self._finish("error")
+
+    def _finish(self, reason: str, stopped_early: bool = False) -> Delta:
+        final = self._checker.text
+        if not self._cut_by_stop_string:
+            final += self._undecoded_tail()
+            cut = _first_stop(final, self._stops, len(self._checker.text))
+            if cut is not None:  # the unfinished character's replacement completed a stop string
+                final = final[:cut]
+                reason = "stop" if reason != "error" else reason
+        self._final_text, self.finish_reason = final, reason
+        delta = final[self._num_shown :]
+        self._num_shown = len(final)
+        return Delta(delta, reason, stopped_early)
+
+    def _undecoded_tail(self) -> str:
+        """The text of the tokens the incremental decoder still holds (the start of
+        a UTF-8 character no later token completed), as decoding every token shows it."""
+        whole = self._tokenizer.decode(self._text_ids)
+        shown = self._checker.text
+        return whole[len(shown) :] if whole.startswith(shown) else ""
+
+
+def _first_stop(text: str, stops: list[str], ends_after: int) -> int | None:
+    """Where in ``text`` the first stop string (in the order given, as StopChecker
+    looks) that ends after ``ends_after`` characters starts; None if none does."""
+    for stop in stops:
+        at = text.find(stop, max(0, ends_after - len(stop) + 1))
+        if at != -1:
+            return at
+    return None
 
 
 class TokenSource(Protocol):

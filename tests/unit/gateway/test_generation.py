@@ -53,6 +53,25 @@ def test_the_max_tokens_limit_is_enforced_here_too(served_model):
     assert t.feed(chunk(0, "abcdef")) == Delta("abc", "length", stopped_early=True)
 
 
+def test_max_tokens_one_shows_the_token_even_when_it_is_half_a_character(served_model):
+    t = stream(served_model, max_tokens=1)
+    assert t.feed(chunk(0, "", extra=["é".encode()[0]])) == Delta("\ufffd", "length", stopped_early=True)
+    assert t.num_completion_tokens == 1 and t.text == "\ufffd"  # what decoding the token shows
+
+
+def test_a_finish_completes_a_character_split_across_tokens_when_it_can(served_model):
+    t = stream(served_model)
+    assert t.feed(chunk(0, "a", extra=["€".encode()[0]])) == Delta("a")  # half of "€" is held back
+    assert t.feed(chunk(2, "", extra=list("€".encode()[1:]), finish="length")) == Delta("€", "length")
+
+
+def test_a_failure_releases_the_text_held_back_for_a_stop_string(served_model):
+    t = stream(served_model, stop=["xyz"])
+    assert t.feed(chunk(0, "abcx")) == Delta("ab")
+    assert t.fail() == Delta("cx", "error")
+    assert (t.text, t.finish_reason, t.num_completion_tokens) == ("abcx", "error", 4)
+
+
 class FakeSource:
     def __init__(self, batches: list[list[TokenChunk]]) -> None:
         self.batches = batches
