@@ -208,6 +208,7 @@ class ReserveRequest(Message):
     num_tokens: int  # tokens whose KV will be written into the lease
     prefill_id: str
     contract: KVContract
+    host_id: str = ""  # the prefill's host for shared memory; "": it may write over TCP (the decode listens)
 
 
 class ReserveReply(Message):
@@ -289,6 +290,7 @@ class StorePutRequest(Message):
     block_hashes: list[bytes]
     block_nbytes: int
     pin: bool = False  # evicted only when no unpinned block can be
+    host_id: str = ""  # the writer's host for shared memory; "": it may write over TCP (the store listens)
 
 
 class StorePutReply(Message):
@@ -341,6 +343,7 @@ class StoreStatsReply(Message):
     disk_blocks: int = 0
     disk_bytes: int = 0
     disk_capacity_bytes: int = 0
+    disk_pending: int = 0  # blocks in DRAM the write-behind has not put on disk yet
     counters: dict[str, int] = msgspec.field(default_factory=dict)  # hits, misses, puts, evictions, corruptions...
     kv_epoch: int = 0
     kv_seq: int = 0

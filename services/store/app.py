@@ -8,6 +8,10 @@ either one differing from the store's is refused with the difference named, so
 a mismatch can never pass for a 0% hit rate. An unknown operation or a message
 that does not decode gets an error reply, and the store keeps serving. Which
 instance owns which block is the callers' business (`libs/common/hash_ring.py`).
+
+The disk tier's directory belongs to one KV contract (`manifest.py`): a store
+of another contract is refused before it opens a file. Committed blocks are
+written behind to disk; a graceful stop writes whatever is still pending.
 """
 
 import asyncio
@@ -43,13 +47,16 @@ from libs.common.service import Service
 from libs.common.settings import ServiceSettings, TransferSettings
 from libs.common.transfer import Descriptor, SharedSegment, Span, TransferEngine, TransferError
 from libs.common.transfer.segment import new_segment_name, remove_stale_segments
-from services.store.disk import BlockFiles, DiskTier, contract_digest
+from services.store.block_files import BlockFiles, contract_digest
+from services.store.disk import DiskTier
+from services.store.manifest import claim_directory
 from services.store.puts import PendingPut, PendingPuts
 from services.store.tiers import TieredStore
 
 PUT_TTL_S = 30.0  # a put not committed by then gives its slots back
 INLINE_COPY_BYTES = 256 << 10  # shm copies up to this size run on the event loop (a thread costs more)
 LOAD_EWMA = 0.2  # weight of the newest sample in the measured per-block load times
+WRITE_BEHIND_S = 1.0  # a committed block reaches disk within about this long
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class StoreSettings:
     capacity_bytes: int = 1 << 30  # DRAM tier
     disk_bytes: int = 16 << 30  # disk tier; 0: no disk tier
     put_ttl_s: float = PUT_TTL_S
+    write_behind_s: float = WRITE_BEHIND_S
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -68,6 +76,8 @@ class StoreSettings:
             raise SystemExit("KVSERVE_STORE_DISK_BYTES must be 0 (no disk tier) or positive")
         if self.put_ttl_s <= 0:
             raise SystemExit("the put TTL must be positive")
+        if not 0 <= self.write_behind_s < float("inf"):
+            raise SystemExit(f"KVSERVE_STORE_WRITE_BEHIND_S must be 0 or more seconds, got {self.write_behind_s}")
 
 
 class StoreService(Service):
@@ -80,22 +90,28 @@ class StoreService(Service):
         if num_slots < 1:
             raise SystemExit(f"KVSERVE_STORE_CAPACITY_BYTES={settings.capacity_bytes} holds no block of "
                              f"{block_nbytes} bytes")  # fmt: skip
+        digest = contract_digest(contract)
+        if settings.disk_bytes and claim_directory(settings.directory, contract, digest, block_nbytes):
+            self.log.info("claimed %s for KV contract %s", settings.directory, digest.hex()[:12])
         removed = remove_stale_segments()
         if removed:
             self.log.info("removed %d shared-memory segments left by dead processes", len(removed))
         self.segment = SharedSegment.create(new_segment_name(self.instance_id, "dram"), num_slots * block_nbytes)
         t = settings.transfer
         self.transfers = TransferEngine(settings.service.host_id, listen=f"{t.listen_host}:0", transport=t.transport,
-                                        connections=t.connections, timeout=t.timeout)  # fmt: skip
+                                        connections=t.connections, timeout=t.timeout,
+                                        max_connections=t.max_connections, idle_timeout=t.idle_timeout)  # fmt: skip
         self.transfers.register(self.segment)
         disk = None
         if settings.disk_bytes:
-            files = BlockFiles(settings.directory, contract_digest(contract), block_nbytes)
+            files = BlockFiles(settings.directory, digest, block_nbytes)
             disk = DiskTier(files, settings.disk_bytes)
         self.events = KVEventLog(self.instance_id)
         self.tiers = TieredStore(self.segment, block_nbytes, disk, self.events)
         self.puts = PendingPuts(self._put_expired)
         self.load_per_block: dict[str, float] = {}  # measured seconds to serve one block, by tier
+        self._ops_subscription = None
+        self._write_behind: asyncio.Task | None = None
         self._ops = {
             "exists": (StoreExistsRequest, self.on_exists),
             "get": (StoreGetRequest, self.on_get),
@@ -116,7 +132,20 @@ class StoreService(Service):
             f"{len(disk)} blocks found in {disk.files.directory}, capacity {disk.capacity_bytes} bytes" if disk else "off",
         )  # fmt: skip
         await KVEventPublisher(self, self.events).start(stack)
-        await self.nc.subscribe(subjects.store_ops(self.instance_id), cb=self._dispatch)
+        if disk is not None:
+            self._write_behind = self.spawn(self.tiers.write_behind(self.config.write_behind_s))
+        self._ops_subscription = await self.nc.subscribe(subjects.store_ops(self.instance_id), cb=self._dispatch)
+
+    async def stop(self) -> None:
+        """Take no more operations, then put every block DRAM holds and disk lacks on disk."""
+        if self._ops_subscription is not None:
+            await self._ops_subscription.unsubscribe()
+        if self._write_behind is not None:
+            self._write_behind.cancel()
+            pending, before = self.tiers.num_unwritten, self.tiers.counters["written_behind"]
+            await self.tiers.flush()  # after a flush under way, if any
+            written = self.tiers.counters["written_behind"] - before
+            self.log.info("wrote %d of %d pending blocks to disk before stopping", written, pending)
 
     def _close(self) -> None:
         self.puts.expire_all()
@@ -178,6 +207,7 @@ class StoreService(Service):
         loop = asyncio.get_running_loop()
         ticket = request.ticket
         if self.transfers.choose_transport(ticket) == "shm":
+            self.transfers.claim(ticket)  # no TCP writer may use it too
             batch = [Descriptor(self.segment.name, s.src_offset, ticket.segment, s.dst_offset, s.length) for s in spans]
             if sum(s.length for s in spans) <= INLINE_COPY_BYTES:
                 self.transfers.copy(batch)
@@ -216,7 +246,8 @@ class StoreService(Service):
             return StorePutReply(no_room=no_room)
         ttl = self.config.put_ttl_s
         offsets = [self.tiers.slot_offset(s) for s in slots]
-        ticket = self.transfers.expect(self.segment.name, [(o, self.block_nbytes) for o in offsets], ttl)
+        ticket = self.transfers.expect(self.segment.name, [(o, self.block_nbytes) for o in offsets], ttl,
+                                       sender_host=request.host_id)  # fmt: skip
         put = self.puts.open([hashes[i] for i in placed], slots, request.pin, ticket.token, ttl)
         return StorePutReply(put_id=put.put_id, missing=placed, offsets=offsets, ticket=ticket, ttl_s=ttl,
                              no_room=no_room)  # fmt: skip
@@ -254,7 +285,7 @@ class StoreService(Service):
             instance_id=self.instance_id, block_nbytes=self.block_nbytes,
             dram_slots=dram.num_slots, dram_blocks=len(dram), dram_pinned=dram.num_pinned, dram_leased=dram.num_leased,
             disk_blocks=len(disk) if disk else 0, disk_bytes=disk.used_bytes if disk else 0,
-            disk_capacity_bytes=disk.capacity_bytes if disk else 0,
+            disk_capacity_bytes=disk.capacity_bytes if disk else 0, disk_pending=self.tiers.num_unwritten,
             counters=dict(self.tiers.counters), kv_epoch=self.events.epoch, kv_seq=self.events.seq,
         )  # fmt: skip
 

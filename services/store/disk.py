@@ -1,186 +1,24 @@
-"""The disk tier: one file per block under the store's directory, its own byte
-capacity and LRU, and an index rebuilt from the directory at start.
+"""The disk tier: one file per block under the store's directory (`block_files.py`
+has the format), its own byte capacity and LRU, and an index rebuilt from the
+directory at start.
 
-A block file is ``<hash hex>.kvb``: a 64-byte header (magic, format version, a
-digest of the KV contract, a digest of the block hash, the payload length, and
-the xxh3-64 checksum of the payload) followed by the payload, one KV block.
-xxh3 hashes at memory speed (tens of GB/s), so verifying it on every read costs
-far less than the read itself. Writes are atomic: a temp file in the same
-directory, fsync, rename, fsync of the directory; a crash leaves the old state
-or the new one, never half a block under a block's name.
-
-At start, temp files and block files of the wrong size or header are deleted
-and logged. A checksum that fails on read deletes the file and is reported as
-a miss (the caller reports it as removed). Every file operation runs on the
-tier's thread pool, never on the event loop; the index itself is touched only
-on the event loop. The tier keeps no KV events: `tiers.py` records them.
+A checksum that fails on read deletes the file and is reported as a miss (the
+caller reports it as removed). Every file operation runs on the tier's thread
+pool, never on the event loop; the index itself is touched only on the event
+loop. The tier keeps no KV events: `tiers.py` records them.
 """
 
 import asyncio
-import hashlib
 import itertools
 import logging
-import os
-import re
-import secrets
-import struct
-import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
-import msgspec
-import xxhash
-
-from libs.common import failpoints
 from libs.common.model.hashing import BlockHash
-from libs.common.schema import KVContract
+from services.store.block_files import BlockFiles
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"KVSB"
-FORMAT_VERSION = 1
-HEADER = struct.Struct("<4sHH16s16sQQ8x")  # magic, version, flags, contract digest, key digest, length, xxh3
-SUFFIX = ".kvb"
-TEMP_SUFFIX = ".tmp"
-_NAME = re.compile(r"^([0-9a-f]{2,128})\.kvb$")
-
-
-def contract_digest(contract: KVContract) -> bytes:
-    return hashlib.blake2b(msgspec.msgpack.encode(contract), digest_size=16).digest()
-
-
-def key_digest(block_hash: bytes) -> bytes:
-    return hashlib.blake2b(block_hash, digest_size=16).digest()
-
-
-@dataclass(frozen=True)
-class BlockFiles:
-    """The file format and the blocking file operations (run on the pool's threads)."""
-
-    directory: Path
-    contract: bytes  # contract_digest of the store's KV contract
-    block_nbytes: int
-
-    @property
-    def file_nbytes(self) -> int:
-        return HEADER.size + self.block_nbytes
-
-    def path(self, block_hash: bytes) -> Path:
-        return self.directory / f"{block_hash.hex()}{SUFFIX}"
-
-    def write(self, block_hash: bytes, payload: memoryview) -> None:
-        """Atomically (re)place the block's file; raises OSError on failure."""
-        header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.contract, key_digest(block_hash), len(payload),
-                             xxhash.xxh3_64_intdigest(payload))  # fmt: skip
-        temp = self.directory / f".{block_hash.hex()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            if failpoints.active("store.stall_disk_write"):
-                os.write(fd, header)
-                os.write(fd, payload[: len(payload) // 2])
-                os.fsync(fd)
-                log.warning("failpoint store.stall_disk_write: holding %s half-written", temp.name)
-                threading.Event().wait()  # until the process is killed
-            _write_all(fd, [header, payload])
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            temp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        os.rename(temp, self.path(block_hash))
-        self.sync_directory()
-
-    def read(self, block_hash: bytes, into: memoryview) -> str | None:
-        """Read the block's payload into ``into``; None when it is intact, else why not
-        (the file is then deleted)."""
-        path = self.path(block_hash)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                header = f.read(HEADER.size)
-                problem = self._check_header(header, block_hash)
-                if problem is None:
-                    got = f.readinto(into)
-                    if got != len(into):
-                        problem = f"payload is {got} bytes, not {len(into)}"
-                    elif xxhash.xxh3_64_intdigest(into) != HEADER.unpack(header)[6]:
-                        problem = "checksum mismatch"
-        except FileNotFoundError:
-            return "file missing"
-        except OSError as e:
-            problem = f"unreadable ({e})"
-        if problem is not None:
-            log.error("block file %s is corrupt (%s): deleted", path.name, problem)
-            path.unlink(missing_ok=True)
-        return problem
-
-    def delete(self, block_hash: bytes) -> None:
-        self.path(block_hash).unlink(missing_ok=True)
-
-    def sync_directory(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def scan(self) -> list[tuple[BlockHash, float]]:
-        """The intact-looking block files, oldest first (by modification time); deletes
-        and logs temp files and block files of the wrong size or header."""
-        found: list[tuple[float, BlockHash]] = []
-        for entry in os.scandir(self.directory):
-            if entry.name.endswith(TEMP_SUFFIX):
-                log.warning("deleted %s: a write that never finished", entry.name)
-                os.unlink(entry.path)
-                continue
-            match = _NAME.match(entry.name)
-            if match is None:
-                continue  # not ours
-            block_hash = BlockHash(bytes.fromhex(match.group(1)))
-            stat = entry.stat()
-            problem = None
-            if stat.st_size != self.file_nbytes:
-                problem = f"{stat.st_size} bytes, expected {self.file_nbytes}"
-            else:
-                with open(entry.path, "rb") as f:
-                    problem = self._check_header(f.read(HEADER.size), block_hash)
-            if problem is not None:
-                log.warning("deleted %s: %s", entry.name, problem)
-                os.unlink(entry.path)
-                continue
-            found.append((stat.st_mtime, block_hash))
-        found.sort()
-        return [(h, mtime) for mtime, h in found]
-
-    def _check_header(self, header: bytes, block_hash: bytes) -> str | None:
-        if len(header) != HEADER.size:
-            return "truncated header"
-        magic, version, _, contract, key, length, _ = HEADER.unpack(header)
-        if magic != MAGIC:
-            return "not a kvserve block file"
-        if version != FORMAT_VERSION:
-            return f"format version {version}, expected {FORMAT_VERSION}"
-        if contract != self.contract:
-            return "written under another KV contract"
-        if key != key_digest(block_hash):
-            return "holds another block than its name says"
-        if length != self.block_nbytes:
-            return f"payload of {length} bytes, expected {self.block_nbytes}"
-        return None
-
-
-def _write_all(fd: int, buffers: list) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        written = os.writev(fd, views)
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]
 
 
 class DiskTier:
@@ -285,6 +123,37 @@ class DiskTier:
             self._written_not_added(block_hash)
             return False
 
+    async def write_many(self, blocks: list[tuple[BlockHash, memoryview]]) -> list[bool]:
+        """`write` for a batch, as one job on one thread with one fsync of the directory
+        (the write-behind's flush). For each block: True as `write` (the caller `add`s
+        or `discard`s it), False when it was not written (on disk or being written or
+        deleted already, no room, an I/O error)."""
+        planned: list[int] = []  # indexes into blocks
+        evicted: list[BlockHash] = []
+        for i, (block_hash, _) in enumerate(blocks):
+            if block_hash in self._index or block_hash in self._writing or block_hash in self._deleting:
+                continue
+            room = self._make_room()
+            if room is None:
+                break  # every file left is being read: the rest waits for the next flush or an eviction
+            evicted += room
+            self._writing.add(block_hash)
+            self._reserved_bytes += self.files.file_nbytes
+            planned.append(i)
+        try:
+            await self.delete(evicted)
+            errors = await self._run(self.files.write_batch, [blocks[i] for i in planned]) if planned else []
+        except OSError as e:  # the directory's fsync (or a delete) failed: count none of them as safe
+            errors = [str(e)] * len(planned)
+        written = [False] * len(blocks)
+        for i, error in zip(planned, errors):
+            if error is None:
+                written[i] = True
+            else:
+                log.error("could not write block %s to disk: %s", blocks[i][0].hex(), error)
+                self._written_not_added(blocks[i][0])
+        return written
+
     def add(self, block_hash: BlockHash) -> None:
         """Make a block `write` put on disk visible (most recently used)."""
         self._written_not_added(block_hash)
@@ -323,10 +192,11 @@ class DiskTier:
 
     async def delete(self, block_hashes: list[BlockHash]) -> None:
         """Delete files already forgotten; no write of the same blocks starts meanwhile."""
+        if not block_hashes:
+            return
         self._deleting.update(block_hashes)
         try:
-            for block_hash in block_hashes:
-                await self._run(self.files.delete, block_hash)
+            await self._run(self.files.delete_many, block_hashes)
         finally:
             self._deleting.difference_update(block_hashes)
 

@@ -1,17 +1,22 @@
 """The two tiers together: what a get, a put, a remove does to DRAM and disk, and
 the exact KV events each change produces.
 
-Inclusive tiers: evicting a block from DRAM writes it back to disk unless disk
-has it already (event ``demoted``, dram -> disk; else ``evicted`` from dram);
-a disk hit is read into a DRAM slot and stays on disk (event ``promoted``,
-disk -> dram, a copy up). Every event is recorded in the same synchronous step as the change it
-reports, so the log's contents equal the tiers' at every await point.
+Inclusive tiers, DRAM a cache over disk: a committed block is written behind
+to disk (`write_behind`: in batches, a bounded delay after its commit; event
+``stored`` on disk when the file is in place), so evicting it from DRAM costs
+no write (event ``evicted`` from dram). A block evicted before its write-behind
+ran is written back on the way out (event ``demoted``, dram -> disk). A disk
+hit is read into a DRAM slot and stays on disk (event ``promoted``, disk ->
+dram, a copy up). Every event is recorded in the same synchronous step as the
+change it reports, so the log's contents equal the tiers' at every await point.
 
 Runs on the event loop: bookkeeping here, bytes on the disk tier's threads and
 in the transfer engine.
 """
 
 import asyncio
+import itertools
+import logging
 from collections import Counter
 from collections.abc import Sequence
 
@@ -22,6 +27,9 @@ from services.store.disk import DiskTier
 from services.store.dram import DramTier
 
 Found = tuple[str, int]  # (tier it came from, DRAM slot now leased to the caller)
+FLUSH_BATCH_BYTES = 64 << 20  # a flush writes (and leases) at most this much per thread job
+
+log = logging.getLogger(__name__)
 
 
 class TieredStore:
@@ -36,6 +44,12 @@ class TieredStore:
         self._freed = asyncio.Event()
         self._promoting: dict[BlockHash, asyncio.Future] = {}
         self._cancelled: set[BlockHash] = set()  # removed while being promoted
+        self._unwritten: dict[BlockHash, None] = {}  # in DRAM, not yet on disk: the write-behind's queue, oldest first
+        self._unwritten_added = asyncio.Event()
+        self._flush_lock = asyncio.Lock()
+        self._flushing = 0  # flush batches under way
+        self._in_flight = 0  # blocks they are writing
+        self.flush_batch = max(1, FLUSH_BATCH_BYTES // block_nbytes)
         if disk is not None:
             disk.on_evicted = self._disk_evicted
 
@@ -45,6 +59,11 @@ class TieredStore:
             kept, dropped = await self.disk.load()
             self.events.record("stored", "disk", kept)
             self.counters["disk_dropped_at_start"] += len(dropped)
+
+    @property
+    def num_unwritten(self) -> int:
+        """Blocks in DRAM that the write-behind has not put on disk yet (being written included)."""
+        return len(self._unwritten) + self._in_flight
 
     def slot_view(self, slot: int) -> memoryview:
         return self.segment.view[slot * self.block_nbytes : (slot + 1) * self.block_nbytes]
@@ -145,7 +164,7 @@ class TieredStore:
             victims = self.dram.pick_victims(need)
             if victims:
                 await self._evict(victims)
-            elif self._evicting:
+            elif self._evicting or self._flushing:  # their leases end soon
                 freed = self._freed
                 await freed.wait()
             else:
@@ -169,9 +188,13 @@ class TieredStore:
             else:
                 self.dram.insert(h, slot, pinned=pin)
                 stored.append(h)
+                if self.disk is not None and h not in self.disk:
+                    self._unwritten[h] = None
             if pin:
                 self.dram.pin(h)
         self.events.record("stored", "dram", stored)
+        if self._unwritten:
+            self._unwritten_added.set()
         self.counters["blocks_put"] += len(stored)
         return len(stored)
 
@@ -200,6 +223,7 @@ class TieredStore:
                         stray.append(victim)
                     continue
                 self.dram.unmap(victim)
+                self._unwritten.pop(victim, None)
                 if written:
                     disk.add(victim)
                     self.events.record("demoted", "disk", [victim], source_tier="dram")
@@ -212,6 +236,68 @@ class TieredStore:
             self.release(slots)
         for victim in stray:
             await disk.discard(victim)
+
+    # --- write-behind ---------------------------------------------------------------------
+    async def write_behind(self, delay_s: float) -> None:
+        """Run forever: flush ``delay_s`` after a commit left blocks disk lacks, so each
+        reaches disk within about ``delay_s`` (plus a flush already under way). A
+        cancellation never interrupts a flush half-way; `flush` once more to finish."""
+        while True:
+            await self._unwritten_added.wait()
+            self._unwritten_added.clear()
+            await asyncio.sleep(delay_s)  # let the blocks of the next delay_s join this flush
+            try:
+                await asyncio.shield(self.flush())
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("write-behind flush failed; trying again at the next commit")
+
+    async def flush(self) -> int:
+        """Write every block DRAM holds and disk lacks to disk, now, in batches (one
+        thread job and one directory fsync each); returns how many landed. A block
+        whose write fails stays in DRAM only (logged) and is written back if evicted."""
+        if self.disk is None:
+            return 0
+        landed = 0
+        async with self._flush_lock:
+            while self._unwritten:
+                batch = list(itertools.islice(self._unwritten, self.flush_batch))
+                for h in batch:
+                    del self._unwritten[h]
+                landed += await self._write_batch(batch)
+        return landed
+
+    async def _write_batch(self, batch: list[BlockHash]) -> int:
+        disk = self.disk
+        blocks = [(h, slot) for h in batch if (slot := self.dram.slot_of(h)) is not None and h not in disk]
+        slots = [slot for _, slot in blocks]
+        for slot in slots:
+            self.dram.lease(slot)  # the write reads the slot: not evicted, not reused meanwhile
+        self._flushing += 1
+        self._in_flight += len(blocks)
+        landed: list[BlockHash] = []
+        stray: list[BlockHash] = []
+        try:
+            written = await disk.write_many([(h, self.slot_view(slot)) for h, slot in blocks])
+            for (h, slot), ok in zip(blocks, written):
+                if not ok:
+                    continue
+                if self.dram.slot_of(h) != slot:  # removed during the write: so goes the copy
+                    stray.append(h)
+                    continue
+                disk.add(h)
+                landed.append(h)
+            self.events.record("stored", "disk", landed)
+            self.counters["written_behind"] += len(landed)
+        finally:
+            self._flushing -= 1
+            self._in_flight -= len(blocks)
+            self.release(slots)
+            self._slot_freed()  # a reserve() waiting for these leases to end may evict now
+        for h in stray:
+            await disk.discard(h)
+        return len(landed)
 
     def _disk_evicted(self, hashes: list[BlockHash]) -> None:
         if hashes:
@@ -231,6 +317,7 @@ class TieredStore:
                 if self.dram.unmap(h):
                     self._slot_freed()
                 from_dram.append(h)
+                self._unwritten.pop(h, None)
             if h in self._promoting:
                 self._cancelled.add(h)
             if self.disk is not None and self.disk.forget(h):

@@ -18,6 +18,7 @@ from libs.common import schema, subjects
 from libs.common.schema import (
     Heartbeat,
     KVContract,
+    KVEventBatch,
     StoreCommitReply,
     StoreCommitRequest,
     StoreExistsReply,
@@ -51,12 +52,15 @@ class StoreProcess:
     """``python -m services.store`` with its output kept (and searchable)."""
 
     def __init__(self, instance_id: str, nats_url: str, directory: Path, slots: int, disk_blocks: int,
-                 block_nbytes: int, failpoints: str = "") -> None:  # fmt: skip
+                 block_nbytes: int, failpoints: str = "", write_behind_s: float = 1.0) -> None:  # fmt: skip
+        """``write_behind_s``: how long a committed block may wait for disk (the store's
+        default); a test about eviction alone sets it far beyond its own length."""
         self.instance_id = instance_id
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", KVSERVE_NATS_URL=nats_url, KVSERVE_INSTANCE_ID=instance_id,
                         KVSERVE_DTYPE="float32", KVSERVE_BLOCK_SIZE=str(BLOCK_SIZE), KVSERVE_STORE_DIR=str(directory),
                         KVSERVE_STORE_CAPACITY_BYTES=str(slots * block_nbytes),
                         KVSERVE_STORE_DISK_BYTES=str(disk_blocks * (block_nbytes + 64)),
+                        KVSERVE_STORE_WRITE_BEHIND_S=str(write_behind_s),
                         KVSERVE_HEARTBEAT_INTERVAL="0.2", KVSERVE_FAILPOINTS=failpoints)  # fmt: skip
         self.lines: deque[str] = deque(maxlen=2000)
         self.proc: subprocess.Popen | None = None
@@ -67,7 +71,8 @@ class StoreProcess:
         self.lines.clear()
         self.proc = subprocess.Popen([sys.executable, "-m", "services.store"], env=self.env, stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # fmt: skip
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._reader = threading.Thread(target=self._pump, daemon=True)
+        self._reader.start()
         return self
 
     def _pump(self) -> None:
@@ -80,6 +85,16 @@ class StoreProcess:
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM (a graceful stop), then its exit status."""
+        self.proc.terminate()
+        return self.wait_exit(timeout)
+
+    def wait_exit(self, timeout: float = 60.0) -> int:
+        self.proc.wait(timeout)
+        self._reader.join(timeout)  # every line it wrote is in `lines`
+        return self.proc.returncode
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -194,6 +209,31 @@ class Caller:
 
     async def stats(self, instance_id: str) -> StoreStatsReply:
         return await self.call(instance_id, "stats", StoreStatsRequest(contract=self.contract), StoreStatsReply)
+
+    async def wait_stats(self, instance_id: str, condition, timeout: float, what: str) -> StoreStatsReply:
+        """Ask for a store's stats until ``condition(stats)`` holds; fail with ``what``
+        after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not condition(stats := await self.stats(instance_id)):
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)  # polling with a deadline, not synchronising on a guess
+        return stats
+
+    async def watch_disk(self, instance_id: str) -> set[bytes]:
+        """The blocks a store's KV events say its disk tier holds, kept up to date from now
+        on (events it published before are not in it)."""
+        on_disk: set[bytes] = set()
+
+        async def on_events(msg) -> None:
+            for event in schema.decode(msg.data, KVEventBatch).events:
+                if event.tier == "disk" and event.kind in ("stored", "demoted"):
+                    on_disk.update(event.block_hashes)
+                elif event.tier == "disk":
+                    on_disk.difference_update(event.block_hashes)
+
+        await self.nc.subscribe(subjects.kv_events(instance_id), cb=on_events)
+        await self.nc.flush()  # subscribed at the server before the caller goes on
+        return on_disk
 
 
 def block_bytes(i: int, nbytes: int) -> bytes:

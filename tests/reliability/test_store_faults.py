@@ -1,6 +1,9 @@
-"""SIGKILL during a put: after a restart the store shows each block whole or not
-at all. The failpoint ``store.stall_disk_write`` holds a block's disk write
-half-way (header and half the payload fsynced in the temp file) until the kill."""
+"""A store killed or stopped keeps what it promised. SIGKILL during a put: after a
+restart the store shows each block whole or not at all (the failpoint
+``store.stall_disk_write`` holds a block's disk write half-way, header and half
+the payload fsynced in the temp file, until the kill). SIGKILL after the
+write-behind ran: every block comes back. SIGTERM: every block comes back, those
+the write-behind had not reached included."""
 
 import asyncio
 import time
@@ -22,7 +25,8 @@ def nats_url():
 async def test_sigkill_during_a_put_leaves_the_whole_block_or_nothing(nats_url, tmp_path):
     contract, nb = store_contract()
     directory = tmp_path / "store-f"
-    store = StoreProcess("store-f", nats_url, directory, slots=1, disk_blocks=8, block_nbytes=nb).start()
+    store = StoreProcess("store-f", nats_url, directory, slots=1, disk_blocks=8, block_nbytes=nb,
+                         write_behind_s=3600).start()  # only eviction writes to disk here  # fmt: skip
     try:
         async with Caller(nats_url, contract, nb) as caller:
             await caller.wait_ready("store-f")
@@ -58,5 +62,60 @@ async def test_sigkill_during_a_put_leaves_the_whole_block_or_nothing(nats_url, 
             assert caller.read(10) == block_bytes(0, nb)  # the whole block, bit for bit
             stats = await caller.stats("store-f")
             assert stats.disk_blocks == 1 and stats.dram_blocks == 1
+    finally:
+        store.stop()
+
+
+async def test_blocks_written_behind_survive_sigkill_bit_exact(nats_url, tmp_path):
+    contract, nb = store_contract()
+    store = StoreProcess("store-k", nats_url, tmp_path / "store-k", slots=8, disk_blocks=16, block_nbytes=nb,
+                         write_behind_s=0.2).start()  # fmt: skip
+    try:
+        async with Caller(nats_url, contract, nb) as caller:
+            await caller.wait_ready("store-k")
+            on_disk = await caller.watch_disk("store-k")
+            hashes = [block_hash(i) for i in range(6)]
+            for i in range(6):
+                caller.fill(i, block_bytes(i, nb))
+            assert await caller.put("store-k", hashes[:3], [0, 1, 2]) == 3
+            assert await caller.put("store-k", hashes[3:], [3, 4, 5]) == 3
+            assert await caller.exists("store-k", hashes) == ["dram"] * 6  # nothing evicted: room for all
+            await wait_until_async(lambda: set(hashes) <= on_disk, 60, "the write-behind never wrote the blocks")
+            stats = await caller.stats("store-k")
+            assert stats.disk_pending == 0 and stats.counters["written_behind"] == 6
+            assert stats.counters.get("demoted", 0) == 0  # no eviction wrote them
+
+            killed_at = time.time()
+            store.kill()
+            store.start()
+            await caller.wait_ready("store-k", started_after=killed_at)
+            assert await caller.get("store-k", hashes, list(range(10, 16))) == ["disk"] * 6
+            assert [caller.read(10 + i) for i in range(6)] == [block_bytes(i, nb) for i in range(6)]
+    finally:
+        store.stop()
+
+
+async def test_a_graceful_stop_writes_every_pending_block_before_it_exits(nats_url, tmp_path):
+    contract, nb = store_contract()
+    store = StoreProcess("store-g", nats_url, tmp_path / "store-g", slots=8, disk_blocks=16, block_nbytes=nb,
+                         write_behind_s=3600).start()  # the write-behind never runs by itself here  # fmt: skip
+    try:
+        async with Caller(nats_url, contract, nb) as caller:
+            await caller.wait_ready("store-g")
+            hashes = [block_hash(i) for i in range(5)]
+            for i in range(5):
+                caller.fill(i, block_bytes(i, nb))
+            assert await caller.put("store-g", hashes[:3], [0, 1, 2]) == 3
+            stats = await caller.stats("store-g")
+            assert (stats.disk_pending, stats.disk_blocks) == (3, 0)
+            assert await caller.put("store-g", hashes[3:], [3, 4]) == 2
+            assert store.terminate() == 0  # right after the last put
+            assert store.logged("wrote 5 of 5 pending blocks to disk before stopping")
+
+            started = time.time()
+            store.start()
+            await caller.wait_ready("store-g", started_after=started)
+            assert await caller.get("store-g", hashes, list(range(10, 15))) == ["disk"] * 5
+            assert [caller.read(10 + i) for i in range(5)] == [block_bytes(i, nb) for i in range(5)]
     finally:
         store.stop()

@@ -7,7 +7,8 @@ from libs.common.kv_events import KVEventLog
 from libs.common.schema import KVContract
 from libs.common.transfer import SharedSegment
 from libs.common.transfer.segment import new_segment_name
-from services.store.disk import HEADER, BlockFiles, DiskTier, contract_digest
+from services.store.block_files import HEADER, BlockFiles, contract_digest
+from services.store.disk import DiskTier
 from services.store.tiers import TieredStore
 
 BLOCK = 256

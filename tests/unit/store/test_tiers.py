@@ -4,7 +4,7 @@ corruption, restart and removal."""
 
 import os
 
-from services.store.disk import HEADER
+from services.store.block_files import HEADER
 from tests.unit.store.conftest import BLOCK, events_of, h, payload, put, read
 
 
