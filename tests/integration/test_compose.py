@@ -1,20 +1,27 @@
 """docker-compose.yml and the Dockerfile, checked against the code they run (no
 Docker engine needed): commands name real service modules, every KVSERVE_*
-variable set is one the code reads, ports and the NATS URL line up, and
-nothing stops `docker compose up --scale`."""
+variable set is one the code reads, ports and the NATS URL line up, each service
+finds its own NATS credentials and no other role's, and nothing stops
+`docker compose up --scale`."""
 
 import importlib.util
-import os
+import json
 import re
+import subprocess
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
 
+from libs.cli.main import main as kvserve
+from libs.common.nats_auth import load_credentials
+from libs.common.nats_server import find_nats_server
+
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("conductor", "store", "prefill", "decode", "gateway")
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
+SECRETS = {"KVSERVE_API_KEY": "test-key", "KVSERVE_NATS_SECRET": "a-test-secret-of-32-characters.."}
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:
@@ -37,7 +44,7 @@ def compose() -> dict:
 
 
 def environment(service: dict, env: dict[str, str] | None = None) -> dict[str, str]:
-    env = {"KVSERVE_API_KEY": "test-key"} if env is None else env
+    env = SECRETS if env is None else env
     raw = service.get("environment") or {}
     if isinstance(raw, list):
         raw = dict(item.split("=", 1) for item in raw)
@@ -100,15 +107,76 @@ def test_the_gateway_requires_an_api_key(compose):
         environment(compose["services"]["gateway"], env={})
 
 
-def test_every_service_reaches_nats_by_its_service_name_with_its_token(compose):
+def test_compose_refuses_to_start_without_a_nats_secret(compose):
+    assert "change-me" not in (ROOT / "docker-compose.yml").read_text()
+    with pytest.raises(KeyError, match="set KVSERVE_NATS_SECRET"):
+        environment(compose["services"]["nats-config"], env={"KVSERVE_API_KEY": "k"})
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """Container path -> volume (":ro" kept on the volume's side)."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = volume.split(":")
+        found[target] = source + "".join(":" + m for m in mode)
+    return found
+
+
+def test_every_service_reaches_nats_by_name_with_its_own_roles_credentials_only(compose):
     services = compose["services"]
-    token = os.environ.get("KVSERVE_NATS_TOKEN") or "change-me"
-    nats_args = [interpolate(str(arg), {}) for arg in services["nats"]["command"]]
-    assert nats_args[nats_args.index("--auth") + 1] == token
-    assert services["nats"]["image"].startswith("nats:2.10")
+    job = {volume: path for path, volume in mounts(services["nats-config"]).items()}
     for name in SERVICES:
-        url = urlsplit(environment(services[name], env={"KVSERVE_API_KEY": "k"})["KVSERVE_NATS_URL"])
-        assert (url.scheme, url.hostname, url.port, url.username) == ("nats", "nats", 4222, token)
+        env = environment(services[name])
+        url = urlsplit(env["KVSERVE_NATS_URL"])
+        assert (url.scheme, url.hostname, url.port, url.username, url.password) == ("nats", "nats", 4222, None, None)
+        credentials = Path(env["KVSERVE_NATS_CREDENTIALS"])
+        auth = {path: volume for path, volume in mounts(services[name]).items() if volume.startswith("nats-auth-")}
+        assert auth == {str(credentials.parent): f"nats-auth-{name}:ro"}  # its own, read-only; no other role's
+        assert job[f"nats-auth-{name}"] == str(credentials.parent)  # where nats-config writes that role's
+        depends = services[name]["depends_on"]
+        assert depends["nats-config"]["condition"] == "service_completed_successfully"
+    assert services["nats"]["depends_on"]["nats-config"]["condition"] == "service_completed_successfully"
+    assert services["nats"]["image"].startswith("nats:2.10")
+
+
+def test_nats_config_writes_what_nats_server_and_each_service_read(compose, tmp_path, monkeypatch):
+    """Run the job's command with each of its volumes as a folder here, then read the files
+    through each service's own mounts: nats-server accepts its configuration, and each
+    role's credentials are that role's user, with the password nats-server holds."""
+    services = compose["services"]
+    command = services["nats-config"]["command"]
+    assert command[:2] == ["kvserve", "nats-config"]
+    root = Path(command[2])
+    monkeypatch.setenv("KVSERVE_NATS_SECRET", environment(services["nats-config"])["KVSERVE_NATS_SECRET"])
+    assert kvserve(["nats-config", str(tmp_path)]) == 0
+    written = {volume: tmp_path / Path(path).relative_to(root) for path, volume in mounts(services["nats-config"]).items()}
+
+    def read_through(service: dict, path: str) -> Path:
+        for target, volume in mounts(service).items():
+            if Path(path).is_relative_to(target):
+                return written[volume.removesuffix(":ro")] / Path(path).relative_to(target)
+        raise AssertionError(f"{path} is on no volume")
+
+    nats_args = services["nats"]["command"]
+    config = read_through(services["nats"], nats_args[nats_args.index("-c") + 1])
+    checked = subprocess.run([find_nats_server(), "-t", "-c", str(config)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    text = config.read_text()
+    users = {u["user"]: u["password"] for u in json.loads(text[text.index("{") :])["authorization"]["users"]}
+    for name in SERVICES:
+        path = read_through(services[name], environment(services[name])["KVSERVE_NATS_CREDENTIALS"])
+        credentials = load_credentials(path)
+        assert credentials.user == name and credentials.password == users[name]
+
+
+def test_the_image_makes_the_credentials_mount_points_private_to_its_user(compose):
+    dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    install = next(line for line in dockerfile.splitlines() if line.startswith("RUN install -d"))
+    assert "-o kvserve" in install and "-m 700" in install
+    targets = {path for service in compose["services"].values() for path, volume in mounts(service).items()
+               if volume.startswith("nats-auth-")}  # fmt: skip
+    assert targets and all(f" {path}" in install for path in targets)
+    assert dockerfile.index("useradd") < dockerfile.index("RUN install -d")
 
 
 def test_workers_share_a_host_id_a_dtype_and_dev_shm(compose):
