@@ -47,7 +47,8 @@ class EngineHost:
         enable_prefix_cache: bool = True,
     ) -> "EngineHost":
         """Load the model, place a KV pool of ``settings.num_blocks`` blocks in a new
-        shm segment, and open the transfer engine (with its TCP listener) on it."""
+        shm segment, and open the transfer engine on it (its TCP listener opens when a
+        peer on another host is to write here)."""
         torch.set_grad_enabled(False)
         removed = remove_stale_segments()
         if removed:
@@ -71,6 +72,8 @@ class EngineHost:
             transport=transfer.transport,
             connections=transfer.connections,
             timeout=transfer.timeout,
+            max_connections=transfer.max_connections,
+            idle_timeout=transfer.idle_timeout,
         )
         transfers.register(segment)
         log.info(

@@ -109,12 +109,16 @@ class TransferSettings:
     transport: str = "auto"  # auto: shared memory with peers on this host, TCP otherwise
     timeout: float = 30.0
     connections: int = 4
+    max_connections: int = 64  # the listener's cap on open connections; more are closed at once
+    idle_timeout: float = 60.0  # the listener closes a connection silent this long
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):
             raise SystemExit(f"KVSERVE_TRANSPORT must be auto, shm or tcp, got {self.transport!r}")
         if self.timeout <= 0 or self.connections < 1:
             raise SystemExit("KVSERVE_TRANSFER_TIMEOUT and KVSERVE_TRANSFER_CONNECTIONS must be positive")
+        if self.max_connections < 1 or self.idle_timeout <= 0:
+            raise SystemExit("KVSERVE_TRANSFER_MAX_CONNECTIONS and KVSERVE_TRANSFER_IDLE_TIMEOUT must be positive")
 
     @classmethod
     def from_env(cls) -> "TransferSettings":
@@ -123,4 +127,6 @@ class TransferSettings:
             transport=env_str("TRANSPORT", "auto"),
             timeout=env_float("TRANSFER_TIMEOUT", 30.0),
             connections=env_int("TRANSFER_CONNECTIONS", 4),
+            max_connections=env_int("TRANSFER_MAX_CONNECTIONS", 64),
+            idle_timeout=env_float("TRANSFER_IDLE_TIMEOUT", 60.0),
         )

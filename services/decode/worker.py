@@ -103,7 +103,7 @@ class DecodeWorker(Service):
             await self._free(block_ids)
             return ReserveReply(error=ErrorInfo(code="cancelled", message="the request was cancelled"))
         ticket = self.host.transfers.expect(self.host.segment.name, self.host.block_ranges(block_ids),
-                                            ttl=self.leases.lease_seconds)  # fmt: skip
+                                            ttl=self.leases.lease_seconds, sender_host=request.host_id)  # fmt: skip
         lease = self.leases.grant(request.request_id, block_ids, ticket.token)
         return ReserveReply(block_ids=lease.block_ids, ticket=ticket, lease_seconds=self.leases.lease_seconds)
 

@@ -139,7 +139,8 @@ class StoreClient:
 
         async def ask(name: str, idx: list[int]) -> None:
             offsets = [self.host.block_offset(blocks[i]) for i in idx]
-            ticket = self.host.transfers.expect(self.host.segment.name, [(o, nbytes) for o in offsets], STORE_TIMEOUT)
+            ticket = self.host.transfers.expect(self.host.segment.name, [(o, nbytes) for o in offsets], STORE_TIMEOUT,
+                                                sender_host=self._host_of(name))  # fmt: skip
             request = StoreGetRequest(contract=self.host.contract, block_hashes=[hashes[i] for i in idx],
                                       block_nbytes=nbytes, ticket=ticket, offsets=offsets)  # fmt: skip
             try:
@@ -170,7 +171,8 @@ class StoreClient:
                                for name, idx in by_store.items()))  # fmt: skip
 
     async def _put(self, name: str, hashes: list[bytes], blocks: list[int]) -> None:
-        request = StorePutRequest(contract=self.host.contract, block_hashes=hashes, block_nbytes=self.host.block_nbytes)
+        request = StorePutRequest(contract=self.host.contract, block_hashes=hashes, block_nbytes=self.host.block_nbytes,
+                                  host_id=self.host.transfers.writer_host_id)  # fmt: skip
         reply = await self._call(name, "put", request, StorePutReply)
         if reply is None or not reply.missing:
             return
@@ -192,6 +194,7 @@ class StoreClient:
         transfers = self.host.transfers
         loop = asyncio.get_running_loop()
         if transfers.choose_transport(ticket) == "shm":
+            transfers.claim(ticket)  # no TCP writer may use it too
             source = self.host.segment.name
             batch = [Descriptor(source, s.src_offset, ticket.segment, s.dst_offset, s.length) for s in spans]
             await loop.run_in_executor(None, transfers.copy, batch)
@@ -199,6 +202,10 @@ class StoreClient:
         writer = await loop.run_in_executor(None, transfers.writer, ticket, self.host.segment.name, STORE_TIMEOUT)
         writer.submit(spans)
         await transfers.finish(writer)
+
+    def _host_of(self, name: str) -> str | None:
+        """A store's host id, from its heartbeat: whether its writes to us can come over TCP."""
+        return next((hb.host_id for hb in self.stores.alive("store") if hb.instance_id == name), None)
 
     async def _call(self, name: str, op: str, request, kind):
         try:
