@@ -54,9 +54,11 @@ class WriteTicket(msgspec.Struct, frozen=True, kw_only=True):
     """A receiver's grant to write into some of its memory, for one transfer.
 
     Same host: the sender maps ``segment`` (shared memory) and copies. Other host:
-    it connects to ``address`` and presents ``token``, which the receiver issued
-    for this transfer alone and accepts for no other ranges and no longer than
-    the lease. A new ticket is needed for every transfer.
+    it connects to ``address`` and proves it holds ``token`` (a secret: it never
+    crosses the data plane), which the receiver issued for this transfer alone and
+    accepts for no other ranges, for each byte once, and no longer than the lease.
+    ``address`` is None when the receiver issued it for a writer on its own host.
+    A new ticket is needed for every transfer.
     """
 
     token: str
