@@ -4,7 +4,9 @@ KVSERVE_NATS_URL, KVSERVE_INSTANCE_ID, KVSERVE_HOST_ID (every service);
 KVSERVE_GATEWAY_HOST (127.0.0.1), KVSERVE_GATEWAY_PORT (8000; 0 = any free port),
 KVSERVE_API_KEY (unset: no auth), KVSERVE_MODEL (unset: the embedded default),
 KVSERVE_BLOCK_SIZE (16), KVSERVE_MAX_MODEL_LEN (0 = the model's context window),
-KVSERVE_REQUEST_TIMEOUT (120 seconds without a token), KVSERVE_LOG_LEVEL (INFO).
+KVSERVE_REQUEST_TIMEOUT (120 seconds without a token), KVSERVE_LOG_LEVEL (INFO),
+KVSERVE_GATEWAY_HEADER_TIMEOUT (10 s), KVSERVE_GATEWAY_BODY_TIMEOUT (30 s),
+KVSERVE_GATEWAY_KEEPALIVE_TIMEOUT (5 s), KVSERVE_GATEWAY_MAX_CONNECTIONS (1024).
 """
 
 import dataclasses
@@ -28,6 +30,10 @@ def settings_from_env() -> GatewaySettings:
             block_size=env_int("BLOCK_SIZE", 16),
             max_model_len=env_int("MAX_MODEL_LEN", 0) or None,
             request_timeout=env_float("REQUEST_TIMEOUT", 120.0),
+            header_timeout=env_float("GATEWAY_HEADER_TIMEOUT", 10.0),
+            body_timeout=env_float("GATEWAY_BODY_TIMEOUT", 30.0),
+            keepalive_timeout=env_float("GATEWAY_KEEPALIVE_TIMEOUT", 5.0),
+            max_connections=env_int("GATEWAY_MAX_CONNECTIONS", 1024),
         )
     except ValueError as e:
         raise SystemExit(f"gateway: {e}") from None

@@ -24,6 +24,7 @@ from services.gateway import handlers
 from services.gateway.dispatch import RequestRun, SLOOverride
 from services.gateway.errors import ModelNotServedError
 from services.gateway.generation import Delta, TextStream, stream_deltas
+from services.gateway.listener import ConnectionGuard, serve
 from services.gateway.openai_protocol import GenerateRequest, Usage
 from services.gateway.served_model import ServedModel
 from services.gateway.settings import GatewaySettings
@@ -61,10 +62,9 @@ class Gateway(Service):
         if self.model is None:
             self.model = await asyncio.to_thread(ServedModel.load, s.model, s.block_size, s.max_model_len)
         await self.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
-        runner = web.AppRunner(init_app(self), handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE)
-        await runner.setup()
+        guard = ConnectionGuard(s.header_timeout, s.keepalive_timeout, s.max_connections)
+        runner = await serve(init_app(self, guard), s.host, s.port, guard, shutdown_timeout=SHUTDOWN_GRACE)
         stack.push_async_callback(runner.cleanup)
-        await web.TCPSite(runner, s.host, s.port).start()
         port = runner.addresses[0][1]
         self.address = f"http://{_url_host(s.host)}:{port}"
         self.log.info("OpenAI-compatible API on %s/v1 (model %s)", self.address, self.model.model_id)
@@ -109,15 +109,20 @@ class Gateway(Service):
             self.num_in_flight -= 1
 
 
-def init_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[handlers.error_middleware, handlers.auth_middleware])
+def init_app(gateway: Gateway, guard: ConnectionGuard | None = None) -> web.Application:
+    """The gateway's routes; ``guard``, when given, watches every request first."""
+    middlewares = [handlers.error_middleware, handlers.auth_middleware]
+    app = web.Application(middlewares=([guard.middleware] if guard else []) + middlewares)
     app[handlers.GATEWAY] = gateway
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model}", handlers.get_model)
-    app.router.add_get("/health", handlers.health)
+    app.router.add_get("/health", handlers.health_ready)  # vLLM's meaning: 200 only when requests can be served
+    app.router.add_get("/health/ready", handlers.health_ready)
+    app.router.add_get("/health/live", handlers.health_live)
     app.router.add_get("/metrics", handlers.metrics)
+    app.router.add_get("/openapi.json", handlers.openapi)
     return app
 
 

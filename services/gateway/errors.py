@@ -50,6 +50,10 @@ class RequestTimeoutError(KVServeError):
     """No token arrived for the configured number of seconds."""
 
 
+class RequestBodyTimeoutError(KVServeError):
+    """The request body did not arrive in time (a slow or stalled client)."""
+
+
 class UpstreamError(KVServeError):
     """A worker or the conductor failed while serving the request."""
 
@@ -85,6 +89,8 @@ def to_http(error: Exception) -> HTTPError:
         return HTTPError(429, body, headers)
     if isinstance(error, ServiceUnavailableError):
         return HTTPError(503, error_body(message, "server_error", None, error.code), {})
+    if isinstance(error, RequestBodyTimeoutError):
+        return HTTPError(408, error_body(message, "invalid_request_error", None, "request_timeout"), {})
     if isinstance(error, RequestTimeoutError):
         return HTTPError(504, error_body(message, "server_error", None, "timeout"), {})
     if isinstance(error, UpstreamError):

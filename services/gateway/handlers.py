@@ -5,6 +5,7 @@ The only place domain errors become HTTP statuses and OpenAI error bodies
 Gateway's.
 """
 
+import asyncio
 import hmac
 import logging
 import time
@@ -17,18 +18,21 @@ import msgspec
 from aiohttp import web
 
 from libs.common.errors import KVServeError
+from services.gateway import openapi as openapi_document
 from services.gateway import sse
 from services.gateway.dispatch import RequestRun, SLOOverride
 from services.gateway.errors import (
     AuthenticationError,
     InvalidParameterError,
     ModelNotServedError,
+    RequestBodyTimeoutError,
     error_body,
     to_http,
 )
 from services.gateway.openai_protocol import (
     GenerateRequest,
     ResponseBodies,
+    decode_body,
     model_card,
     model_list,
     parse_chat_request,
@@ -41,6 +45,10 @@ if TYPE_CHECKING:
 GATEWAY: "web.AppKey[Gateway]" = web.AppKey("gateway")
 
 log = logging.getLogger("kvserve.gateway.http")
+
+PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"})  # no API key needed
+READY_ROLES = ("conductor", "prefill", "decode")  # a request needs a live instance of each
+INLINE_DECODE_BYTES = 64 * 1024  # larger bodies are decoded off the event loop
 
 
 # --- generation ---------------------------------------------------------------------
@@ -151,13 +159,18 @@ async def _write_events(stream: web.StreamResponse, generation: "Generation", bo
 
 
 async def _json_body(request: web.Request) -> Any:
+    seconds = request.app[GATEWAY].settings.body_timeout
     try:
-        return msgspec.json.decode(await request.read())
-    except msgspec.DecodeError as e:
-        raise InvalidParameterError(f"We could not parse the JSON body of your request: {e}") from None
+        async with asyncio.timeout(seconds):
+            data = await request.read()
+    except TimeoutError:
+        raise RequestBodyTimeoutError(f"The request body did not arrive within {seconds:g} seconds.") from None
+    if len(data) > INLINE_DECODE_BYTES:
+        return await asyncio.to_thread(decode_body, data)
+    return decode_body(data)
 
 
-# --- models and health ------------------------------------------------------------
+# --- models, health, metrics, the API description --------------------------------
 async def list_models(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
     model = gateway.model
@@ -172,22 +185,44 @@ async def get_model(request: web.Request) -> web.Response:
     return _json_response(model_card(model.model_id, int(gateway.started_at), model.max_model_len))
 
 
-async def health(request: web.Request) -> web.Response:
+async def health_live(request: web.Request) -> web.Response:
+    """200 while the process serves HTTP at all."""
+    return _json_response({"status": "ok", **_instance_facts(request.app[GATEWAY])})
+
+
+async def health_ready(request: web.Request) -> web.Response:
+    """200 when a request can be served now; else 503 with the reasons it cannot."""
     gateway = request.app[GATEWAY]
-    body = {
-        "status": "ok",
+    reasons = []
+    if gateway.nc is None or not gateway.nc.is_connected:
+        reasons.append("not connected to NATS")
+    reasons += [f"no live {role} instance" for role in READY_ROLES if not gateway.peers.alive(role)]
+    if reasons:
+        body = {"status": "unavailable", "reasons": reasons, **_instance_facts(gateway)}
+        return _json_response(body, status=503)
+    return _json_response({"status": "ok", **_instance_facts(gateway)})
+
+
+def _instance_facts(gateway: "Gateway") -> dict[str, Any]:
+    return {
         "instance_id": gateway.instance_id,
         "model": gateway.model.model_id,
         "in_flight": gateway.num_in_flight,
         "uptime_s": round(time.time() - gateway.started_at, 3),
     }
-    return _json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:
     """The whole cluster's metrics in the Prometheus text format, one ``instance`` label per process."""
     text = await request.app[GATEWAY].cluster_metrics()
     return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    """The OpenAPI 3 description of every route."""
+    gateway = request.app[GATEWAY]
+    body = openapi_document.document_bytes(gateway.model.model_id, gateway.settings.api_key is not None)
+    return web.Response(body=body, content_type="application/json")
 
 
 # --- middlewares ----------------------------------------------------------------------
@@ -200,7 +235,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         error = to_http(e)
         if error.status >= 500:
             log.warning("%s %s -> %d: %s", request.method, request.path, error.status, e)
-        return _json_response(error.body, status=error.status, headers=error.headers)
+        response = _json_response(error.body, status=error.status, headers=error.headers)
+        if isinstance(e, RequestBodyTimeoutError):
+            return await _answer_and_hang_up(request, response)
+        return response
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -215,9 +253,10 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """With an API key configured, every /v1 route needs ``Authorization: Bearer <key>``."""
+    """With an API key configured, every route but the health probes and the API
+    description needs ``Authorization: Bearer <key>``."""
     key = request.app[GATEWAY].settings.api_key
-    if key is not None and request.path.startswith("/v1"):
+    if key is not None and request.path not in PUBLIC_PATHS:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise AuthenticationError(
@@ -227,6 +266,18 @@ async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
         if not hmac.compare_digest(token.strip().encode(), key.encode()):
             raise AuthenticationError("Incorrect API key provided.")
     return await handler(request)
+
+
+async def _answer_and_hang_up(request: web.Request, response: web.Response) -> web.Response:
+    """Send ``response`` and end the connection's sending side: a client still sending
+    its body sees the answer and EOF now, and what it sends is read and dropped until
+    it stops (a lingering close; closing outright could reset the answer away)."""
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    if request.transport is not None and request.transport.can_write_eof():
+        request.transport.write_eof()
+    return response
 
 
 def _json_response(body: dict[str, Any], status: int = 200, headers: dict[str, str] | None = None) -> web.Response:

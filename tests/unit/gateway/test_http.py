@@ -70,8 +70,8 @@ async def test_models_lists_the_one_served_model(client):
     assert (await (await client.get("/v1/models/tiny-llama")).json())["id"] == "tiny-llama"
 
 
-async def test_health(client):
-    response = await client.get("/health")
+async def test_health_live(client):
+    response = await client.get("/health/live")
     body = await response.json()
     assert response.status == 200
     assert (body["status"], body["instance_id"], body["model"]) == ("ok", "gateway-test", "tiny-llama")
@@ -95,7 +95,7 @@ async def test_the_api_key_guards_every_v1_route(client):
     assert (await client.get("/v1/models", headers=good)).status == 200
     response = await client.post("/v1/chat/completions", json={"model": "tiny-llama"}, headers=good)
     assert await error_of(response) == (400, "invalid_request_error", "messages", None)  # past the guard
-    assert (await client.get("/health")).status == 200  # probes need no key
+    assert (await client.get("/health/live")).status == 200  # probes need no key
 
 
 def test_domain_errors_map_to_statuses():

@@ -1,0 +1,324 @@
+"""The gateway's OpenAPI 3.1 description (GET /openapi.json), written out by hand.
+
+Field lists, ranges and the values unsupported features may take come from
+`openai_protocol`, so the description and the parser cannot drift apart.
+"""
+
+from functools import cache
+from typing import Any
+
+import msgspec
+
+from services.gateway.openai_protocol import (
+    IGNORED_FIELDS,
+    RANGES,
+    STREAM_OPTIONS,
+    UNSUPPORTED_UNLESS,
+)
+
+Schema = dict[str, Any]
+
+_JSON_TYPE = {str: "string", bool: "boolean", int: "integer", float: "number", list: "array", dict: "object"}
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _nullable(schema: Schema) -> Schema:
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _integer(field: str) -> Schema:
+    valid = RANGES[field]
+    return {"type": "integer", "minimum": valid.minimum, "maximum": valid.maximum}
+
+
+def _number(field: str) -> Schema:
+    valid = RANGES[field]
+    lower = "exclusiveMinimum" if valid.exclusive_minimum else "minimum"
+    return {"type": "number", lower: valid.minimum, "maximum": valid.maximum}
+
+
+def _request(endpoint_fields: dict[str, Schema], required: list[str], model_id: str) -> Schema:
+    """A request body: the endpoint's fields, the shared ones, and those accepted but ignored or off."""
+    properties: dict[str, Schema] = {
+        "model": {"type": "string", "examples": [model_id], "description": "The served model's id."},
+        **endpoint_fields,
+        "max_tokens": _nullable(_integer("max_tokens")),
+        "temperature": _nullable(_number("temperature")),
+        "top_p": _nullable(_number("top_p")),
+        "top_k": _nullable({**_integer("top_k"), "description": "vLLM's extension; -1 and 0 mean no top-k cut."}),
+        "seed": _nullable(_integer("seed")),
+        "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
+        "stop_token_ids": _nullable({"type": "array", "items": _integer("stop_token_ids")}),
+        "ignore_eos": {"type": ["boolean", "null"]},
+        "n": _nullable({**_integer("n"), "description": "Only 1 is supported."}),
+        "stream": {"type": ["boolean", "null"]},
+        "stream_options": _nullable({
+            "type": "object",
+            "properties": {name: {"type": ["boolean", "null"]} for name in STREAM_OPTIONS},
+            "additionalProperties": False,
+            "description": "Only with stream: true. include_obfuscation is accepted and ignored.",
+        }),  # fmt: skip
+    }
+    for name, kind in IGNORED_FIELDS.items():
+        properties[name] = {"type": [_JSON_TYPE[kind], "null"], "description": "Accepted and ignored."}
+    for name, allowed in UNSUPPORTED_UNLESS.items():
+        properties[name] = {"enum": [None, *allowed], "description": "Not supported: accepted only as shown."}
+    return {"type": "object", "required": required, "properties": properties, "additionalProperties": False}
+
+
+def _schemas(model_id: str) -> dict[str, Schema]:
+    text_part = {
+        "type": "object",
+        "required": ["type", "text"],
+        "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    }
+    message = {
+        "type": "object",
+        "required": ["role"],
+        "properties": {
+            "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+            "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]},
+            "name": {"type": "string"},
+        },
+    }
+    token_ids = {"type": "array", "items": _integer("prompt")}
+    prompt = {
+        "anyOf": [
+            {"type": "string"},
+            token_ids,
+            {"type": "array", "items": {"anyOf": [{"type": "string"}, token_ids]}, "minItems": 1, "maxItems": 1},
+        ],
+        "description": "Text or token ids; a batch of exactly one of either.",
+    }
+    usage = {
+        "type": "object",
+        "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+        "properties": {
+            "prompt_tokens": {"type": "integer"},
+            "completion_tokens": {"type": "integer"},
+            "total_tokens": {"type": "integer"},
+            "prompt_tokens_details": {"type": "object", "properties": {"cached_tokens": {"type": "integer"}}},
+        },
+    }
+    finish_reason = {"type": ["string", "null"]}
+
+    def completion_object(object_: str, choice: Schema) -> Schema:
+        return {
+            "type": "object",
+            "required": ["id", "object", "created", "model", "choices"],
+            "properties": {
+                "id": {"type": "string"},
+                "object": {"const": object_},
+                "created": {"type": "integer"},
+                "model": {"type": "string"},
+                "choices": {"type": "array", "items": choice},
+                "usage": {"anyOf": [_ref("Usage"), {"type": "null"}]},
+            },
+        }
+
+    chat_choice = {
+        "type": "object",
+        "required": ["index", "message", "finish_reason"],
+        "properties": {
+            "index": {"type": "integer"},
+            "message": {
+                "type": "object",
+                "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}},
+            },
+            "finish_reason": finish_reason,
+        },
+    }
+    text_choice = {
+        "type": "object",
+        "required": ["index", "text", "finish_reason"],
+        "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": finish_reason},
+    }
+    model_card = {
+        "type": "object",
+        "required": ["id", "object", "created", "owned_by"],
+        "properties": {
+            "id": {"type": "string"},
+            "object": {"const": "model"},
+            "created": {"type": "integer"},
+            "owned_by": {"type": "string"},
+            "max_model_len": {"type": "integer", "description": "vLLM's extension: the context window."},
+        },
+    }
+    return {
+        "ChatCompletionRequest": _request(
+            {
+                "messages": {"type": "array", "items": message, "minItems": 1},
+                "max_completion_tokens": _nullable(_integer("max_completion_tokens")),
+            },
+            ["model", "messages"],
+            model_id,
+        ),
+        "CompletionRequest": _request({"prompt": prompt}, ["model", "prompt"], model_id),
+        "ChatCompletion": completion_object("chat.completion", chat_choice),
+        "Completion": completion_object("text_completion", text_choice),
+        "Usage": usage,
+        "Model": model_card,
+        "ModelList": {
+            "type": "object",
+            "required": ["object", "data"],
+            "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": _ref("Model")}},
+        },
+        "Error": {
+            "type": "object",
+            "required": ["error"],
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "required": ["message", "type", "param", "code"],
+                    "properties": {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "param": {"type": ["string", "null"], "description": "The request field at fault."},
+                        "code": {"type": ["string", "null"]},
+                    },
+                },
+            },
+        },
+        "Health": {
+            "type": "object",
+            "required": ["status", "instance_id", "model", "in_flight", "uptime_s"],
+            "properties": {
+                "status": {"enum": ["ok", "unavailable"]},
+                "reasons": {"type": "array", "items": {"type": "string"}, "description": "Why it is not ready."},
+                "instance_id": {"type": "string"},
+                "model": {"type": "string"},
+                "in_flight": {"type": "integer"},
+                "uptime_s": {"type": "number"},
+            },
+        },
+    }
+
+
+_STATUS_TEXT = {
+    400: "The request is invalid; `param` names the field.",
+    401: "No API key, or the wrong one.",
+    404: "The model is not served here.",
+    408: "The request body did not arrive within the body timeout.",
+    413: "The request body is larger than the server accepts.",
+    429: "The cluster cannot meet the request's latency targets now (Retry-After says when to retry).",
+    500: "A worker failed while serving the request.",
+    503: "A role the request needs (conductor, prefill, decode) is missing or unreachable.",
+    504: "No token arrived within the request timeout.",
+}
+
+
+def _errors(*statuses: int) -> dict[str, Schema]:
+    return {
+        str(status): {"description": _STATUS_TEXT[status], "content": {"application/json": {"schema": _ref("Error")}}}
+        for status in statuses
+    }
+
+
+def _json(description: str, schema: Schema) -> Schema:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _generation(summary: str, request: str, response: str, chunk_object: str) -> Schema:
+    slo_headers = [
+        {
+            "name": name,
+            "in": "header",
+            "required": False,
+            "description": f"This request's {target} target in milliseconds, overriding the conductor's.",
+            "schema": {"type": "number", "exclusiveMinimum": 0},
+        }
+        for name, target in (("x-kvserve-slo-ttft-ms", "time-to-first-token"),
+                             ("x-kvserve-slo-tbt-ms", "time-between-tokens"))
+    ]  # fmt: skip
+    stream = {
+        "type": "string",
+        "description": f"With stream: true, Server-Sent Events: one `data: <{chunk_object}>` event per chunk, "
+        "then `data: [DONE]`.",
+    }
+    return {
+        "summary": summary,
+        "parameters": slo_headers,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
+        "responses": {
+            "200": {
+                "description": "The completion, whole or streamed.",
+                "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": {"schema": stream}},
+            },
+            **_errors(400, 401, 404, 408, 413, 429, 500, 503, 504),
+        },
+    }
+
+
+def _health(summary: str, ready: bool) -> Schema:
+    responses = {"200": _json("Serving.", _ref("Health"))}
+    if ready:
+        responses["503"] = _json("Not ready: `reasons` says why.", _ref("Health"))
+    return {"summary": summary, "security": [], "responses": responses}
+
+
+def document(model_id: str, needs_api_key: bool) -> dict[str, Any]:
+    ready = "Ready: connected to NATS with a live conductor, prefill and decode instance (vLLM's /health)."
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kvserve",
+            "version": "0.1.0",
+            "description": "An OpenAI-compatible API in front of a disaggregated LLM serving cluster.",
+        },
+        "security": [{"bearer": []}] if needs_api_key else [],
+        "paths": {
+            "/v1/chat/completions": {
+                "post": _generation("Create a chat completion.", "ChatCompletionRequest", "ChatCompletion",
+                                    "chat.completion.chunk"),  # fmt: skip
+            },
+            "/v1/completions": {
+                "post": _generation("Create a text completion.", "CompletionRequest", "Completion",
+                                    "text_completion"),  # fmt: skip
+            },
+            "/v1/models": {
+                "get": {"summary": "List the served model.",
+                        "responses": {"200": _json("The model list.", _ref("ModelList")), **_errors(401)}},
+            },  # fmt: skip
+            "/v1/models/{model}": {
+                "get": {
+                    "summary": "Describe one model.",
+                    "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "responses": {"200": _json("The model.", _ref("Model")), **_errors(401, 404)},
+                },
+            },
+            "/health": {"get": _health(ready, ready=True)},
+            "/health/ready": {"get": _health(ready, ready=True)},
+            "/health/live": {"get": _health("Live: the process serves HTTP.", ready=False)},
+            "/metrics": {
+                "get": {
+                    "summary": "Every instance's metrics in the Prometheus text format, labelled by instance.",
+                    "responses": {
+                        "200": {"description": "The metrics.",
+                                "content": {"text/plain": {"schema": {"type": "string"}}}},  # fmt: skip
+                        **_errors(401),
+                    },
+                },
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This description.",
+                    "security": [],
+                    "responses": {"200": _json("The OpenAPI 3.1 document.", {"type": "object"})},
+                },
+            },
+        },
+        "components": {
+            "schemas": _schemas(model_id),
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "Needed when the gateway has an API key."}
+            },
+        },
+    }
+
+
+@cache
+def document_bytes(model_id: str, needs_api_key: bool) -> bytes:
+    return msgspec.json.encode(document(model_id, needs_api_key))
