@@ -3,7 +3,8 @@
 LocalCluster owns processes — it starts them, prefixes and keeps their logs,
 watches heartbeats to tell when the cluster is ready, and stops them — and
 knows nothing about what the services do. `kvserve up` and the integration
-tests both run on it.
+tests both run on it. Every child dies with the process that started it; with
+``supervise=True`` one that exits is started again (libs/cli/supervisor.py).
 """
 
 import os
@@ -20,6 +21,16 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from libs.cli.heartbeats import HeartbeatWatcher
+from libs.cli.supervisor import (
+    HEALTHY_AFTER_SECONDS,
+    RESTART_DELAY_FIRST,
+    RESTART_DELAY_MAX,
+    Backoff,
+    Exit,
+    Supervisor,
+    die_with_launcher,
+    remove_segments_of,
+)
 from libs.common.errors import KVServeError
 from libs.common.model.default_model import DEFAULT_MODEL_ID, resolve_model_path
 from libs.common.nats_server import NatsServer
@@ -28,7 +39,9 @@ from libs.common.schema import Heartbeat
 ROLES = ("conductor", "store", "prefill", "decode", "gateway")  # also the start order
 GATEWAY_ID = "gateway-0"
 LOG_TAIL_LINES = 200
-STOP_GRACE_SECONDS = 10.0
+# SIGTERM to SIGKILL. Longer than any service's own stop: the gateway drains in-flight
+# requests for up to 10 s (SHUTDOWN_GRACE, services/gateway/app.py), so twice that.
+STOP_GRACE_SECONDS = 20.0
 _COLOURS = {"conductor": "35", "store": "34", "prefill": "33", "decode": "32", "gateway": "36", "kvserve": "1"}
 _STDOUT: Any = object()  # `log`'s default: sys.stdout as it is when the cluster is built, not at import
 
@@ -46,6 +59,7 @@ class _Instance:
     proc: subprocess.Popen | None = None
     reader: threading.Thread | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
+    spawned_at: float = 0.0  # time.monotonic() of the last start
 
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
@@ -59,6 +73,11 @@ class LocalCluster:
     ``modules`` maps a role to the module run for it (``services.<role>`` by
     default), so the launcher itself can be tested with stand-in services.
     ``env`` is added to every service's environment, last.
+
+    With ``supervise``, once the cluster is ready any process that exits (a service
+    instance or nats-server) is started again after a backoff: ``restart_delays``
+    (first, longest) seconds, doubling at each exit in a row. Without it (tests that kill
+    on purpose) a process that exits stays down until ``restart()``.
     """
 
     def __init__(
@@ -77,6 +96,8 @@ class LocalCluster:
         log: TextIO | None = _STDOUT,
         api_key: str | None = None,
         modules: dict[str, str] | None = None,
+        supervise: bool = False,
+        restart_delays: tuple[float, float] = (RESTART_DELAY_FIRST, RESTART_DELAY_MAX),
     ) -> None:
         if prefill < 1 or decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode worker")
@@ -92,10 +113,12 @@ class LocalCluster:
         self.api_key = api_key
         self.extra_env = dict(env or {})
         self.modules = {role: f"services.{role}" for role in ROLES} | (modules or {})
+        self.supervise = supervise
+        self.restart_delays = restart_delays
         self.model_id = ""
         self.model_path: Path | None = None
         self.gateway_url = ""  # set once ready
-        self.nats_url = ""  # with the auth token
+        self.nats_url = ""  # the admin user's, credentials included: for this process (tests) only
         self._log = sys.stdout if log is _STDOUT else log
         self._colour = _isatty(self._log)
         self._log_lock = threading.Lock()
@@ -105,6 +128,7 @@ class LocalCluster:
         self._procs: dict[str, _Instance] = {}
         self._nats: NatsServer | None = None
         self._watcher: HeartbeatWatcher | None = None
+        self._supervisor: Supervisor | None = None  # forks every child; restarts them when supervising
         ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
         self._label_width = max(len(i) for i in ids + ["kvserve"]) + 3  # "[" id "] "
 
@@ -136,6 +160,11 @@ class LocalCluster:
         return list(self._procs)
 
     @property
+    def nats_pid(self) -> int | None:
+        """nats-server's process id, while started."""
+        return None if self._nats is None else self._nats.pid
+
+    @property
     def running(self) -> bool:
         """Started and not yet stopped."""
         return self._nats is not None
@@ -148,20 +177,28 @@ class LocalCluster:
         Raises ClusterError (having stopped everything) when that does not happen."""
         if self._nats is not None:
             raise ClusterError("this cluster is already started")
+        self._supervisor = Supervisor(report=lambda text: self.echo(text, label="kvserve"))
+        self._supervisor.start()
         try:
             self._resolve_model()
-            self._nats = NatsServer().start()
+            self._nats = NatsServer()
+            self._nats.preexec_fn = die_with_launcher()
+            self._supervisor.call(self._nats.start)
             self.nats_url = self._nats.url
             self.echo(f"nats-server listening on {self._nats.public_url}", label="kvserve")
-            self._watcher = HeartbeatWatcher(self.nats_url, self._on_heartbeat)
+            self._watcher = HeartbeatWatcher(
+                self._nats.url_for("observer"), self._on_heartbeat, on_disconnect=self._supervisor.wake
+            )
             self._watcher.start()
             if not self._watcher.subscribed.wait(10.0) or self._watcher.error is not None:
                 raise ClusterError(f"cannot watch heartbeats on nats-server: {self._watcher.error or 'timed out'}")
             deadline = time.monotonic() + timeout
             for role in ROLES:
                 for i in range(self.counts[role]):
-                    self._spawn(self._plan(role, f"{role}-{i}"))
+                    self._supervisor.call(self._spawn, self._plan(role, f"{role}-{i}"))
             self._wait_ready(deadline, timeout)
+            if self.supervise:
+                self._watch_all()
         except BaseException:
             self.stop()
             raise
@@ -169,6 +206,8 @@ class LocalCluster:
     def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
         """SIGTERM every service (they drain), SIGKILL those still running after
         ``grace`` seconds, then stop nats-server. Safe to call more than once."""
+        if self._supervisor is not None:
+            self._supervisor.unwatch_all()  # nothing is restarted from here on
         running = [inst for inst in self._procs.values() if inst.exit_code() is None]
         for inst in running:
             _signal(inst.proc, signal.SIGTERM)
@@ -190,6 +229,17 @@ class LocalCluster:
         if self._nats is not None:
             self._nats.stop()
             self._nats = None
+        if self._supervisor is not None:
+            self._supervisor.stop()  # last: children it forked that were still alive would die with it
+
+    def join(self) -> None:
+        """Block until the cluster is stopped (by ``stop()`` in another thread). Raises
+        ClusterError if its supervisor thread fails, when nothing restarts any more."""
+        if self._supervisor is None:
+            return
+        self._supervisor.join()
+        if self._supervisor.error is not None:
+            raise ClusterError(f"the supervisor failed: {self._supervisor.error!r}")
 
     def __enter__(self) -> "LocalCluster":
         self.start()
@@ -236,12 +286,9 @@ class LocalCluster:
     def restart(self, instance_id: str) -> None:
         """Start an instance that has exited again, with the same id and environment."""
         inst = self._instance(instance_id)
-        if inst.exit_code() is None:
-            raise ClusterError(f"{instance_id} is still running")
-        self._reap_group(inst)
-        if inst.reader is not None:
-            inst.reader.join(timeout=5)
-        self._spawn(inst)
+        if self._supervisor is None:
+            raise ClusterError("this cluster is not started")
+        self._supervisor.call(self._respawn, inst, True)
 
     def echo(self, text: str, label: str | None = None) -> None:
         """Write ``text`` to the cluster's log, whole, between service lines."""
@@ -283,7 +330,8 @@ class LocalCluster:
             env.pop(inherited, None)
         env.update(
             PYTHONUNBUFFERED="1",
-            KVSERVE_NATS_URL=self.nats_url,
+            KVSERVE_NATS_URL=self._nats.public_url,  # no secret: that is in the role's credentials file
+            KVSERVE_NATS_CREDENTIALS=str(self._nats.credentials_file(role)),
             KVSERVE_INSTANCE_ID=instance_id,
             KVSERVE_HOST_ID=socket.gethostname(),
             KVSERVE_DTYPE=self.dtype,
@@ -303,6 +351,8 @@ class LocalCluster:
         return _Instance(instance_id, role, self.modules[role], env)
 
     def _spawn(self, inst: _Instance) -> None:
+        """Start ``inst``'s process; on the supervisor's thread only (see die_with_launcher)."""
+        inst.spawned_at = time.monotonic()
         inst.proc = subprocess.Popen(
             [sys.executable, "-m", inst.module],
             env=inst.env,
@@ -312,6 +362,7 @@ class LocalCluster:
             # Its own process group: a Ctrl-C in the terminal reaches this supervisor
             # only, which then stops the services in order instead of all at once.
             start_new_session=True,
+            preexec_fn=die_with_launcher(),
         )
         with self._cond:
             self._procs[inst.instance_id] = inst
@@ -321,14 +372,76 @@ class LocalCluster:
     def _pump(self, inst: _Instance) -> None:
         """Copy an instance's output to the log, line by line, keeping its tail."""
         prefix = self._prefix(inst.instance_id, inst.role)
-        for raw in inst.proc.stdout:
+        proc = inst.proc  # a restart replaces inst.proc only once this thread has ended
+        for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip("\r\n")
             inst.tail.append(line)
             self.echo(prefix + line)
-        inst.proc.stdout.close()
-        inst.proc.wait()
+        proc.stdout.close()
+        proc.wait()
+        remove_segments_of(proc.pid)
         with self._cond:
             self._cond.notify_all()
+        if self._supervisor is not None:
+            self._supervisor.wake()
+
+    # --- supervision (on the supervisor's thread) ----------------------------
+    def _watch_all(self) -> None:
+        def backoff() -> Backoff:
+            first, longest = self.restart_delays
+            return Backoff(first=first, longest=longest)
+
+        for inst in self._procs.values():
+            self._supervisor.watch(
+                inst.instance_id,
+                inst.exit_code,
+                start=lambda inst=inst: self._respawn(inst, False),
+                on_exit=lambda ended, inst=inst: self._on_exit(ended, inst),
+                backoff=backoff(),
+                started_at=inst.spawned_at,
+            )
+        self._supervisor.watch(
+            "nats-server",
+            self._nats.exit_code,
+            start=self._restart_nats,
+            on_exit=lambda ended: self._on_exit(ended, None),
+            backoff=backoff(),
+            started_at=time.monotonic(),
+        )
+
+    def _on_exit(self, ended: Exit, inst: _Instance | None) -> None:
+        """Say who died, how and when it starts again; clear what it left behind."""
+        pid = inst.proc.pid if inst is not None else self._nats.pid
+        where = f" on port {self._nats.port}" if inst is None else ""
+        text = f"{ended.name} (pid {pid}) {describe_exit(ended.code)} after {ended.ran_for:.1f}s; "
+        if ended.crash_looping:
+            text += (
+                f"it is crash-looping ({ended.failures} exits in a row, each within "
+                f"{HEALTHY_AFTER_SECONDS:g}s of starting); "
+            )
+        self.echo(text + f"restarting it{where} in {ended.delay:g}s", label="kvserve")
+        if ended.crash_looping and inst is not None:
+            self.echo(self._tail_of(inst, lines=10).lstrip("\n"))
+        if inst is not None:
+            self._reap_group(inst)
+        if removed := remove_segments_of(pid):
+            self.echo(f"removed {len(removed)} shared-memory segments {ended.name} left", label="kvserve")
+
+    def _respawn(self, inst: _Instance, by_hand: bool) -> None:
+        if inst.exit_code() is None:
+            if not by_hand:
+                return  # restarted by hand (restart()) while the supervisor's restart was due
+            raise ClusterError(f"{inst.instance_id} is still running")
+        self._reap_group(inst)
+        if inst.reader is not None:
+            inst.reader.join(timeout=5)  # its last lines first, in order
+        self._spawn(inst)
+        if not by_hand:
+            self.echo(f"{inst.instance_id} started again (pid {inst.proc.pid})", label="kvserve")
+
+    def _restart_nats(self) -> None:
+        self._nats.restart()
+        self.echo(f"nats-server started again on {self._nats.public_url} (pid {self._nats.pid})", label="kvserve")
 
     def _prefix(self, label: str, role: str) -> str:
         prefix = f"[{label}]".ljust(self._label_width)

@@ -15,10 +15,16 @@ from libs.common.schema import BadMessageError, Heartbeat
 class HeartbeatWatcher(threading.Thread):
     """``start()``, wait for ``subscribed`` (then check ``error``), ``stop()``."""
 
-    def __init__(self, url: str, on_heartbeat: Callable[[Heartbeat], None]) -> None:
+    def __init__(
+        self,
+        url: str,
+        on_heartbeat: Callable[[Heartbeat], None],
+        on_disconnect: Callable[[], None] | None = None,
+    ) -> None:
         super().__init__(name="kvserve-heartbeats", daemon=True)
         self._url = url
         self._on_heartbeat = on_heartbeat
+        self._on_disconnect = on_disconnect  # nats-server went away (the supervisor checks on it)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._done: asyncio.Event | None = None
         self.subscribed = threading.Event()
@@ -37,7 +43,7 @@ class HeartbeatWatcher(threading.Thread):
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
                 error_cb=_quiet,  # the services' own logs say when NATS is gone
-                disconnected_cb=_quiet,
+                disconnected_cb=self._disconnected,
             )
         except Exception as e:
             self.error = e
@@ -57,6 +63,10 @@ class HeartbeatWatcher(threading.Thread):
         except BadMessageError:
             return  # a peer speaking another protocol: it never counts as ready
         self._on_heartbeat(beat)
+
+    async def _disconnected(self) -> None:
+        if self._on_disconnect is not None:
+            self._on_disconnect()
 
     def stop(self) -> None:
         if self._loop is not None and self._done is not None:

@@ -10,16 +10,23 @@ import os
 import shlex
 import signal
 
-from libs.cli.cluster import LocalCluster, describe_exit
+from libs.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
+from libs.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
 from libs.cli.options import add_model_options
 
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Run a kvserve cluster on this machine, in the foreground: nats-server, a conductor,
 a KV store, prefill and decode workers and the OpenAI-compatible gateway, each its
 own process, their logs interleaved here with a [service-N] prefix. The model is
 prepared first (once, with a progress bar). When every service is ready, the URL
 and a curl command to try are printed. Ctrl-C (or SIGTERM) stops everything
-cleanly; if a service dies, the whole cluster stops with exit code 1."""
+cleanly (each service gets {STOP_GRACE_SECONDS:g} s to drain, then is killed).
+
+A process that dies once the cluster is up (a service instance or nats-server) is
+started again, with the same id, port and settings, {RESTART_DELAY_FIRST:g} s later; the delay
+doubles, up to {RESTART_DELAY_MAX:g} s, while it keeps dying within {HEALTHY_AFTER_SECONDS:g} s of starting. The rest
+of the cluster keeps serving meanwhile. Every process it started dies with kvserve
+up, however kvserve up ends (kill -9 included)."""
 
 EPILOG = """\
 examples:
@@ -72,20 +79,25 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         device=args.device,
         api_key=args.api_key,
+        supervise=True,
     )
     return serve(cluster, timeout=args.timeout)
 
 
 def serve(cluster: LocalCluster, timeout: float) -> int:
-    """Start ``cluster``, announce it, and hold it up: 0 after Ctrl-C or SIGTERM,
-    1 when a service dies. A cluster that cannot start raises ClusterError."""
+    """Start ``cluster`` (supervised: it restarts what dies), announce it, and hold it
+    up: 0 after Ctrl-C or SIGTERM, 1 if its supervisor fails. A cluster that cannot
+    start raises ClusterError."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start(timeout=timeout)
         cluster.echo(banner(cluster))
-        instance_id, code = cluster.wait_for_exit()
-        cluster.echo(f"{instance_id} {describe_exit(code)}; stopping the cluster", label="kvserve")
-        return 1
+        try:
+            cluster.join()  # until Ctrl-C or SIGTERM
+        except ClusterError as e:
+            cluster.echo(f"{e}; stopping the cluster", label="kvserve")
+            return 1
+        return 0
     except KeyboardInterrupt:
         cluster.echo("stopping (Ctrl-C again to kill at once)", label="kvserve")
         return 0

@@ -2,15 +2,19 @@
 heartbeats, SIGTERM) with its role taken from its instance id ("prefill-1").
 
 Its first line reports the settings it was given. KVSERVE_FAKE_CRASH lists
-instances that exit at once with code 3; KVSERVE_FAKE_STUCK lists instances that
-never finish stopping. The gateway listens on its host and port for real and
-reports the port it got.
+instances that exit at once with code 3, and so does the file KVSERVE_FAKE_CRASH_FILE
+names (one instance id a line, read at each start); KVSERVE_FAKE_STUCK lists
+instances that never finish stopping. With KVSERVE_FAKE_SEGMENT=1 each holds a
+shared-memory segment named as the transfer engine names them, removed at a clean
+stop. The gateway listens on its host and port for real and reports the port it got.
 """
 
 import asyncio
 import os
+import secrets
 import sys
 from contextlib import AsyncExitStack
+from pathlib import Path
 
 from libs.common.schema import Heartbeat
 from libs.common.service import Service, run_service
@@ -23,6 +27,10 @@ class FakeService(Service):
     address = ""
 
     async def start(self, stack: AsyncExitStack) -> None:
+        if env_str("FAKE_SEGMENT", "") == "1":  # the name new_segment_name gives, without importing torch
+            segment = Path("/dev/shm") / f"kvserve-{os.getpid()}-{self.instance_id}-fake-{secrets.token_hex(6)}"
+            segment.write_bytes(bytes(4096))
+            stack.callback(segment.unlink, missing_ok=True)
         if self.settings.role == "gateway":
             host, port = env_str("GATEWAY_HOST", "127.0.0.1"), env_int("GATEWAY_PORT", 0)
             server = await asyncio.start_server(_close, host, port)
@@ -52,7 +60,9 @@ async def _close_server(server: asyncio.Server) -> None:
 def main() -> None:
     instance_id = env_str("INSTANCE_ID", "")
     print("settings " + " ".join(f"{name}={os.environ.get('KVSERVE_' + name, '-')}" for name in REPORTED))
-    if instance_id in env_str("FAKE_CRASH", "").split(","):
+    crash_file = env_str("FAKE_CRASH_FILE", "")
+    crashing = Path(crash_file).read_text().split() if crash_file and Path(crash_file).exists() else []
+    if instance_id in env_str("FAKE_CRASH", "").split(",") + crashing:
         print(f"{instance_id}: fake crash", file=sys.stderr)
         raise SystemExit(3)
     run_service(FakeService(ServiceSettings.from_env(instance_id.rsplit("-", 1)[0])))

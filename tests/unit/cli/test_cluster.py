@@ -2,69 +2,25 @@
 and a real nats-server: readiness, settings, logs, crashes, and clean stops."""
 
 import io
-import json
 import os
 import re
 import signal
 import socket
 import threading
-from pathlib import Path
 
 import pytest
 
 from libs.cli import up
-from libs.cli.cluster import ClusterError, LocalCluster
+from libs.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from libs.cli.main import build_parser
 from libs.common.model.default_model import DEFAULT_MODEL_ID
-
-ROOT = Path(__file__).resolve().parents[3]
-FAKE = "tests.unit.cli.fake_service"
-MODULES = {role: FAKE for role in ("conductor", "store", "prefill", "decode", "gateway")}
-TINY_CONFIG = {  # enough of a config.json for the dtype choice; no weights needed
-    "model_type": "llama", "vocab_size": 320, "hidden_size": 64, "intermediate_size": 160,
-    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-}  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("models") / "tiny-llama"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(TINY_CONFIG))
-    return folder
-
-
-def make_cluster(model_dir: Path, log: io.StringIO, **kwargs) -> LocalCluster:
-    env = {"PYTHONPATH": str(ROOT), **kwargs.pop("env", {})}
-    options = dict(model=str(model_dir), dtype="float32", gateway_port=0, log=log, modules=MODULES, env=env)
-    return LocalCluster(**(options | kwargs))
+from services.gateway.app import SHUTDOWN_GRACE
+from tests.unit.cli.harness import children, is_alive, make_cluster
 
 
 def settings_of(cluster: LocalCluster, instance_id: str) -> dict[str, str]:
     line = next(line for line in cluster.logs(instance_id) if line.startswith("settings "))
     return dict(item.split("=", 1) for item in line.split()[1:])
-
-
-def children() -> set[int]:
-    """Live processes whose parent is this test process (Linux /proc); compare with a
-    set taken before, since the module's shared cluster runs alongside."""
-    me, found = os.getpid(), set()
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # it exited while we looked
-        if int(fields[1]) == me and fields[0] != "Z":
-            found.add(int(stat.parent.name))
-    return found
-
-
-def is_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +127,7 @@ def test_stop_kills_what_does_not_stop_and_leaves_nothing_behind(model_dir):
     log = io.StringIO()
     with make_cluster(model_dir, log, env={"KVSERVE_FAKE_STUCK": "store-0"}) as cluster:
         pids = cluster.pids
-        assert children() - before == set(pids.values()) | {cluster._nats._proc.pid}
+        assert children() - before == set(pids.values()) | {cluster.nats_pid}
         cluster.stop(grace=1)
     assert "[kvserve]     store-0 did not stop within 1s; killing it" in log.getvalue()
     assert all(not is_alive(pid) for pid in pids.values())
@@ -203,14 +159,34 @@ def _when_up(cluster: LocalCluster, action) -> threading.Thread:
     return thread
 
 
-def test_serve_stops_with_exit_code_1_when_a_service_dies(model_dir):
+def test_serve_restarts_a_service_that_dies_and_stops_only_on_sigterm(model_dir):
     before = children()
     log = io.StringIO()
-    cluster = make_cluster(model_dir, log)
-    _when_up(cluster, lambda: cluster.kill("prefill-0"))
-    assert up.serve(cluster, timeout=60) == 1
-    assert "[kvserve]     prefill-0 was killed by SIGKILL; stopping the cluster" in log.getvalue()
+    cluster = make_cluster(model_dir, log, supervise=True, restart_delays=(0.1, 0.4))
+    first = {}
+
+    def kill_then_stop_once_restarted() -> None:
+        try:
+            first["pid"] = cluster.pids["prefill-0"]
+            started = cluster.instances["prefill-0"].started_at
+            cluster.kill("prefill-0")
+            cluster.wait_for(lambda beats: beats["prefill-0"].started_at > started, timeout=30)
+            first["restarted"] = cluster.pids["prefill-0"]
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    _when_up(cluster, kill_then_stop_once_restarted)
+    assert up.serve(cluster, timeout=60) == 0
+    assert first["restarted"] != first["pid"]
+    out = log.getvalue()
+    assert f"[kvserve]     prefill-0 (pid {first['pid']}) was killed by SIGKILL after " in out
+    assert f"[kvserve]     prefill-0 started again (pid {first['restarted']})" in out
+    assert "stopping the cluster" not in out
     assert children() == before
+
+
+def test_the_stop_grace_outlasts_the_gateway_drain():
+    assert STOP_GRACE_SECONDS > SHUTDOWN_GRACE
 
 
 def test_serve_announces_once_and_stops_cleanly_on_sigterm(model_dir):

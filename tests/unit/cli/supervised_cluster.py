@@ -1,0 +1,20 @@
+"""A supervised LocalCluster of stand-in services (fake_service.py), run until it is
+killed, for the test that kills its launcher: ``python -m tests.unit.cli.supervised_cluster
+MODEL_DIR`` prints one line, ``pids {"<instance id>": pid, ..., "nats-server": pid}``,
+once the cluster is ready."""
+
+import json
+import sys
+
+from tests.unit.cli.harness import make_cluster
+
+
+def main() -> None:
+    cluster = make_cluster(sys.argv[1], log=None, supervise=True, env={"KVSERVE_FAKE_SEGMENT": "1"})
+    cluster.start(timeout=60)
+    print("pids " + json.dumps(cluster.pids | {"nats-server": cluster.nats_pid}), flush=True)
+    cluster.join()
+
+
+if __name__ == "__main__":
+    main()
