@@ -4,7 +4,6 @@ are all on its host listens on no port."""
 
 import logging
 import socket
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch
 from libs.common.transfer import Span, TransferError, tcp
 from libs.common.transfer.listener import _REFUSED
 from libs.common.transfer.tcp import BAD_FRAME, END_OFFSET, FRAME, OK, REFUSED, greeting
+from tests.unit.transfer.proc_net import listening_ports
 
 KiB = 1 << 10
 
@@ -121,26 +121,6 @@ async def test_a_ticket_used_over_shared_memory_is_refused_over_tcp_and_back(rec
         await shm.write(second, shm_src.name, [Span(5 * KiB, 5 * KiB, KiB)])
     assert caught.value.cause == "bad_token"
     assert dst.tensor[5 * KiB : 6 * KiB].count_nonzero() == 0
-
-
-def listening_ports() -> set[int]:
-    """TCP ports this process listens on, from /proc: its socket inodes in LISTEN state."""
-    inodes = set()
-    for fd in Path("/proc/self/fd").iterdir():
-        try:
-            target = fd.readlink().name
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    ports = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    ports.add(int(fields[1].rsplit(":", 1)[1], 16))
-    return ports
 
 
 async def test_an_engine_whose_peers_are_all_local_listens_on_no_port(segments):
