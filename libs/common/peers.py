@@ -1,7 +1,8 @@
 """Who else is in the cluster, from heartbeats: the live instances of a role.
 
 For a worker that must pick a peer on its own (a prefill worker retrying a
-hand-off on another decode worker); the conductor keeps its own, richer view.
+hand-off on another decode worker) and for the gateway, which watches the workers
+serving its requests; the conductor keeps its own, richer view.
 """
 
 import time
@@ -18,6 +19,10 @@ class PeerDirectory:
 
     def observe(self, heartbeat: Heartbeat) -> None:
         self._seen[heartbeat.instance_id] = (heartbeat, self.clock())
+
+    def last_heard(self, instance_id: str) -> tuple[Heartbeat, float] | None:
+        """The last heartbeat of ``instance_id`` and when it came (by ``clock``); None if never heard."""
+        return self._seen.get(instance_id)
 
     def alive(self, role: str, exclude: set[str] = frozenset()) -> list[Heartbeat]:
         """Live instances of ``role`` not in ``exclude``, least loaded first."""

@@ -6,7 +6,8 @@ KVSERVE_API_KEY (unset: no auth), KVSERVE_MODEL (unset: the embedded default),
 KVSERVE_BLOCK_SIZE (16), KVSERVE_MAX_MODEL_LEN (0 = the model's context window),
 KVSERVE_REQUEST_TIMEOUT (120 seconds without a token), KVSERVE_LOG_LEVEL (INFO),
 KVSERVE_GATEWAY_HEADER_TIMEOUT (10 s), KVSERVE_GATEWAY_BODY_TIMEOUT (30 s),
-KVSERVE_GATEWAY_KEEPALIVE_TIMEOUT (5 s), KVSERVE_GATEWAY_MAX_CONNECTIONS (1024).
+KVSERVE_GATEWAY_KEEPALIVE_TIMEOUT (5 s), KVSERVE_GATEWAY_MAX_CONNECTIONS (1024),
+KVSERVE_GATEWAY_MAX_ATTEMPTS (3 tries per request when its workers die under it).
 """
 
 import dataclasses
@@ -29,6 +30,7 @@ def settings_from_env() -> GatewaySettings:
             model=env_str("MODEL", "") or None,
             block_size=env_int("BLOCK_SIZE", 16),
             max_model_len=env_int("MAX_MODEL_LEN", 0) or None,
+            max_attempts=env_int("GATEWAY_MAX_ATTEMPTS", 3),
             request_timeout=env_float("REQUEST_TIMEOUT", 120.0),
             header_timeout=env_float("GATEWAY_HEADER_TIMEOUT", 10.0),
             body_timeout=env_float("GATEWAY_BODY_TIMEOUT", 30.0),

@@ -17,27 +17,32 @@ from aiohttp import web
 
 from libs.common import subjects
 from libs.common.metrics import REGISTRY, merge_by_instance
+from libs.common.model.hashing import BlockHash, block_hashes, model_extra
 from libs.common.peers import PeerDirectory
 from libs.common.schema import Heartbeat, MetricsReply, MetricsRequest
 from libs.common.service import Service
 from services.gateway import handlers
 from services.gateway.dispatch import RequestRun, SLOOverride
+from services.gateway.migration import MigratingRun
 from services.gateway.errors import ModelNotServedError
 from services.gateway.generation import Delta, TextStream, stream_deltas
 from services.gateway.listener import ConnectionGuard, serve
 from services.gateway.openai_protocol import GenerateRequest, Usage
-from services.gateway.served_model import ServedModel
+from services.gateway.served_model import PreparedRequest, ServedModel
 from services.gateway.settings import GatewaySettings
+from services.gateway.worker_watch import LOST_AFTER_HEARTBEATS, WorkerWatch
 
 SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
+INLINE_HASH_TOKENS = 2048  # longer prompts are hashed off the event loop
 ROLES = ("conductor", "store", "prefill", "decode", "gateway")
 
 
 @dataclass
 class Generation:
-    """One admitted request: where it runs and the text it has produced so far."""
+    """One admitted request: where it runs (moving when a worker dies) and the
+    text it has produced so far."""
 
-    run: RequestRun
+    run: MigratingRun
     text: TextStream
 
     def deltas(self) -> AsyncIterator[Delta]:
@@ -45,6 +50,10 @@ class Generation:
 
     def usage(self) -> Usage:
         return Usage(self.text.num_prompt_tokens, self.text.num_completion_tokens, self.text.num_cached_tokens)
+
+    def served_by(self) -> dict:
+        """Which instances served it and how often it moved, for its last chunk or body."""
+        return self.run.served_by()
 
 
 class Gateway(Service):
@@ -95,18 +104,32 @@ class Gateway(Service):
         self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None
     ) -> AsyncIterator[Generation]:
         """Admit ``request`` and start it on the cluster; inside the block, read its
-        text. Leaving the block early (an error, a disconnect) cancels it."""
-        model = self.model
+        text. A worker that dies under it moves it (at most ``max_attempts`` tries
+        in all); leaving the block early (an error, a disconnect) cancels it."""
+        model, s = self.model, self.settings
         if request.model != model.model_id:
             raise ModelNotServedError(request.model)
         prepared = await model.prepare(request, request_id)
         text = TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
+        silence = LOST_AFTER_HEARTBEATS * s.heartbeat_interval
+
+        def attempt(p: PreparedRequest, exclude: frozenset[str]) -> RequestRun:
+            watch = WorkerWatch(self.peers, silence)
+            return RequestRun(self, p, s.request_timeout, slo=slo, exclude=exclude, watch=watch)
+
         self.num_in_flight += 1
         try:
-            async with RequestRun(self, prepared, self.settings.request_timeout, slo=slo) as run:
+            async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts) as run:
                 yield Generation(run, text)
         finally:
             self.num_in_flight -= 1
+
+    async def _block_hashes(self, token_ids: list[int]) -> list[BlockHash]:
+        """The block hashes of a prompt, as the workers name its KV blocks."""
+        model = self.model
+        if len(token_ids) > INLINE_HASH_TOKENS:
+            return await asyncio.to_thread(block_hashes, token_ids, model.block_size, model_extra(model.model_id))
+        return block_hashes(token_ids, model.block_size, model_extra(model.model_id))
 
 
 def init_app(gateway: Gateway, guard: ConnectionGuard | None = None) -> web.Application:

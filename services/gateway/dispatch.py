@@ -1,9 +1,13 @@
 """The NATS side of one request: admission by the conductor, submission to the
 chosen prefill worker, and the request's tokens back, in order.
 
-`RequestRun` is an async context manager; whichever way the block is left it
-unsubscribes from the token subject and, unless the workers said the request
-finished, broadcasts a Cancel so no worker keeps running it. The conductor
+`RequestRun` is one attempt at a request, an async context manager; whichever
+way the block is left it unsubscribes from the token subject and, unless the
+workers said the request finished, broadcasts a Cancel so no worker keeps
+running it. While it waits for tokens it watches the workers serving it (the
+prefill worker until the decode worker takes over, then the decode worker) and
+raises WorkerLostError as soon as one is gone, instead of waiting out the token
+timeout; `migration.py` moves the request on. The conductor
 hears of the request's first token and of its end (RequestProgress), to settle
 its predictions. Failures are raised as the gateway's domain errors; nothing
 here knows about HTTP.
@@ -11,10 +15,12 @@ here knows about HTTP.
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 
 import nats.errors
+from nats.aio.msg import Msg
 
 from libs.common import schema, subjects
 from libs.common.schema import (
@@ -38,8 +44,10 @@ from services.gateway.errors import (
 )
 from services.gateway.reorder import ChunkReorderer
 from services.gateway.served_model import PreparedRequest
+from services.gateway.worker_watch import WorkerWatch
 
 CONTROL_TIMEOUT = 5.0  # seconds the conductor and a prefill worker have to answer
+MIN_WAIT = 0.001  # seconds: a wait on the token subject that is due now still takes what is there
 _MISSING_ROLE_CODES = ("no_prefill", "no_decode", "no_instances")
 
 log = logging.getLogger("kvserve.gateway.dispatch")
@@ -53,6 +61,15 @@ class SLOOverride:
     tbt_s: float | None = None
 
 
+class WorkerLostError(ServiceUnavailableError):
+    """A worker serving the request is gone (silent, restarted, or not taking requests)."""
+
+    def __init__(self, message: str, instance_id: str, role: str) -> None:
+        super().__init__(message, "worker_lost")
+        self.instance_id = instance_id
+        self.role = role
+
+
 class RequestRun:
     def __init__(
         self,
@@ -61,6 +78,8 @@ class RequestRun:
         token_timeout: float,
         control_timeout: float = CONTROL_TIMEOUT,
         slo: SLOOverride | None = None,
+        exclude: frozenset[str] = frozenset(),
+        watch: WorkerWatch | None = None,
     ) -> None:
         self.service = service
         self.prepared = prepared
@@ -68,8 +87,11 @@ class RequestRun:
         self.token_timeout = token_timeout
         self.control_timeout = control_timeout
         self.slo = slo or SLOOverride()
+        self.exclude = exclude  # instances the conductor must not choose
+        self.watch = watch  # None: only the token timeout notices a dead worker
         self.prefill_id: str | None = None
-        self.decode_id: str | None = None
+        self.decode_id: str | None = None  # the conductor's choice ...
+        self.serving_decode_id: str | None = None  # ... and the one whose tokens came (a hand-off may be retried)
         self.admission: AdmitReply | None = None  # what the conductor predicted
         self.ttft_s: float | None = None  # measured from admission to the first token
         self._admitted_at: float | None = None
@@ -107,6 +129,7 @@ class RequestRun:
             block_hashes=list(p.block_hashes),
             slo_ttft_s=self.slo.ttft_s,
             slo_tbt_s=self.slo.tbt_s,
+            exclude=sorted(self.exclude),
         )
         self._may_be_running = True  # from here on the conductor may have admitted it
         try:
@@ -129,6 +152,9 @@ class RequestRun:
             raise UpstreamError("the conductor admitted the request without naming a prefill and a decode instance")
         self.prefill_id, self.decode_id = reply.prefill_id, reply.decode_id
         self.admission, self._admitted_at = reply, time.monotonic()
+        if self.watch is not None:
+            self.watch.watch(self.decode_id, "decode")
+            self.watch.watch(self.prefill_id, "decode" if reply.prefill_on_decode else "prefill")
 
     async def _submit(self) -> None:
         p = self.prepared
@@ -138,16 +164,17 @@ class RequestRun:
             sampling=p.sampling,
             decode_id=self.decode_id,
         )
-        subject, where = subjects.prefill_submit(self.prefill_id), f"prefill instance {self.prefill_id}"
+        subject, role = subjects.prefill_submit(self.prefill_id), "prefill"
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation
-            subject, where = subjects.decode_prefill(self.decode_id), f"decode instance {self.decode_id}"
+            subject, role = subjects.decode_prefill(self.decode_id), "decode"
+        where = f"{role} instance {self.prefill_id}"
         try:
             ack = await self.service.request(subject, request, Ack, self.control_timeout)
-        except nats.errors.NoRespondersError:
-            raise ServiceUnavailableError(f"{where} is unavailable", "no_prefill") from None
+        except nats.errors.NoRespondersError:  # its process is gone; the conductor has not noticed yet
+            raise WorkerLostError(f"{where} is unavailable", self.prefill_id, role) from None
         except nats.errors.TimeoutError:
             message = f"{where} did not answer within {self.control_timeout:g}s"
-            raise ServiceUnavailableError(message, "no_prefill") from None
+            raise WorkerLostError(message, self.prefill_id, role) from None
         except nats.errors.Error as e:
             raise ServiceUnavailableError(f"{where} is unreachable: {e}", "no_prefill") from e
         except BadMessageError as e:
@@ -158,14 +185,10 @@ class RequestRun:
     # --- the tokens -------------------------------------------------------------
     async def next_chunks(self) -> list[TokenChunk]:
         """Wait for the next message on the token subject; return the chunks now in
-        order (often one, possibly none). Raises when a worker fails or nothing
-        arrives for ``token_timeout`` seconds."""
+        order (often one, possibly none). Raises when a worker fails, when a worker
+        serving the request is gone, or when nothing arrives for ``token_timeout`` seconds."""
         assert self._sub is not None, "next_chunks outside `async with`"
-        try:
-            msg = await self._sub.next_msg(timeout=self.token_timeout)
-        except nats.errors.TimeoutError:
-            self._failure = "timeout"
-            raise RequestTimeoutError(f"no token arrived for {self.token_timeout:g} seconds") from None
+        msg = await self._next_message()
         try:
             chunk = schema.decode(msg.data, TokenChunk)
         except BadMessageError as e:
@@ -177,7 +200,38 @@ class RequestRun:
         if chunk.index == 0 and self.ttft_s is None and self._admitted_at is not None:
             self.ttft_s = time.monotonic() - self._admitted_at
             await self._progress(RequestProgress(request_id=self.request_id, kind="first_token", ttft_s=self.ttft_s))
+        if chunk.index > 0 and chunk.instance_id and self.serving_decode_id is None:
+            self._decoding_on(chunk.instance_id)
         return self._reorder.push(chunk)
+
+    async def _next_message(self) -> Msg:
+        """The next message on the token subject. Wakes up when a watched worker
+        would count as gone unless heard from since, not only at the token timeout."""
+        deadline = time.monotonic() + self.token_timeout
+        while True:
+            wait = min(deadline - time.monotonic(), self.watch.seconds_to_next_check() if self.watch else math.inf)
+            try:
+                return await self._sub.next_msg(timeout=max(wait, MIN_WAIT))
+            except nats.errors.TimeoutError:
+                pass
+            gone = self.watch.gone() if self.watch is not None else None
+            if gone is not None:
+                self._failure = f"{gone.instance_id} is gone"
+                where = f"{gone.role} instance {gone.instance_id}"
+                raise WorkerLostError(f"{where} is gone ({gone.why})", gone.instance_id, gone.role)
+            if time.monotonic() >= deadline:
+                self._failure = "timeout"
+                raise RequestTimeoutError(f"no token arrived for {self.token_timeout:g} seconds")
+
+    def _decoding_on(self, instance_id: str) -> None:
+        """The decode worker's first token came: the prefill worker's part is done."""
+        self.serving_decode_id = instance_id
+        if self.watch is None:
+            return
+        for watched in self.watch.watched:
+            if watched != instance_id:
+                self.watch.unwatch(watched)
+        self.watch.watch(instance_id, "decode")
 
     # --- the way out ------------------------------------------------------------
     async def cancel(self, reason: str) -> None:

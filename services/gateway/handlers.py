@@ -20,7 +20,7 @@ from aiohttp import web
 from libs.common.errors import KVServeError
 from services.gateway import openapi as openapi_document
 from services.gateway import sse
-from services.gateway.dispatch import RequestRun, SLOOverride
+from services.gateway.dispatch import SLOOverride
 from services.gateway.errors import (
     AuthenticationError,
     InvalidParameterError,
@@ -41,6 +41,7 @@ from services.gateway.openai_protocol import (
 
 if TYPE_CHECKING:
     from services.gateway.app import Gateway, Generation
+    from services.gateway.migration import MigratingRun
 
 GATEWAY: "web.AppKey[Gateway]" = web.AppKey("gateway")
 
@@ -90,6 +91,7 @@ async def _complete(generation: "Generation", bodies: ResponseBodies, headers: d
             pieces.append(delta.text)
             finish_reason = delta.finish_reason
     body = bodies.completion("".join(pieces), finish_reason, generation.usage())
+    body["kvserve"] = generation.served_by()  # the headers name the first instances; a migration moves it
     if generation.run.ttft_s is not None:
         headers["x-kvserve-actual-ttft-ms"] = f"{generation.run.ttft_s * 1e3:.1f}"
     return _json_response(body, headers=headers)
@@ -115,7 +117,7 @@ def _slo_override(request: web.Request) -> SLOOverride:
     return SLOOverride(**values)
 
 
-def _explanation_headers(run: RequestRun) -> dict[str, str]:
+def _explanation_headers(run: "MigratingRun") -> dict[str, str]:
     """Which instances serve the request and what the conductor predicted for it."""
     headers = {
         "x-kvserve-prefill-instance": run.prefill_id or "",
@@ -133,8 +135,11 @@ def _explanation_headers(run: RequestRun) -> dict[str, str]:
 
 
 async def _write_events(stream: web.StreamResponse, generation: "Generation", bodies: ResponseBodies) -> None:
-    """Write the request's chunks as they come; a failure after the first byte
-    becomes an error event, since the status line has already gone out."""
+    """Write the request's chunks as they come. A failure after the first byte
+    (the status line has gone out) releases the text not shown yet, then becomes
+    an error event and a last chunk with finish_reason "error"; whatever happens
+    short of a lost client, the stream ends with [DONE]."""
+    finish_written = False
     try:
         if bodies.is_chat:
             await stream.write(sse.event(bodies.role_chunk()))
@@ -143,9 +148,8 @@ async def _write_events(stream: web.StreamResponse, generation: "Generation", bo
                 if delta.text:
                     await stream.write(sse.event(bodies.text_chunk(delta.text)))
                 if delta.finish_reason is not None:
-                    await stream.write(sse.event(bodies.finish_chunk(delta.finish_reason)))
-        if bodies.include_usage:
-            await stream.write(sse.event(bodies.usage_chunk(generation.usage())))
+                    finish_written = True
+                    await stream.write(sse.event(_last_chunk(bodies, delta.finish_reason, generation)))
     except ConnectionResetError:
         raise  # the client is gone: nothing more to write
     except Exception as e:
@@ -153,9 +157,20 @@ async def _write_events(stream: web.StreamResponse, generation: "Generation", bo
             log.warning("%s failed mid-stream: %s", bodies.id, e)
         else:
             log.exception("%s failed mid-stream", bodies.id)
+        if generation.text.finish_reason is None and (rest := generation.text.fail().text):
+            await stream.write(sse.event(bodies.text_chunk(rest)))
         await stream.write(sse.event(to_http(e).body))
+        if not finish_written:
+            await stream.write(sse.event(_last_chunk(bodies, "error", generation)))
+    if bodies.include_usage:
+        await stream.write(sse.event(bodies.usage_chunk(generation.usage())))
     await stream.write(sse.DONE)
     await stream.write_eof()
+
+
+def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: "Generation") -> dict[str, Any]:
+    """The chunk with the finish reason, saying which instances served the request."""
+    return {**bodies.finish_chunk(finish_reason), "kvserve": generation.served_by()}
 
 
 async def _json_body(request: web.Request) -> Any:

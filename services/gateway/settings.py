@@ -16,6 +16,7 @@ class GatewaySettings(ServiceSettings):
     model: str | None = None  # None: the embedded default model
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context window
+    max_attempts: int = 3  # tries a request gets in all when its workers die under it (1: it is never moved)
     request_timeout: float = 120.0  # seconds without a token before a request fails
     # The HTTP listener's guard against slow and idle clients (see listener.py)
     header_timeout: float = 10.0  # seconds a request head (request line and headers) may take to arrive
@@ -30,6 +31,8 @@ class GatewaySettings(ServiceSettings):
             raise ValueError(f"the block size must be at least 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"the maximum model length must be at least 2 tokens, got {self.max_model_len}")
+        if self.max_attempts < 1:
+            raise ValueError(f"a request needs at least one attempt, got {self.max_attempts}")
         if not self.request_timeout > 0:
             raise ValueError(f"the request timeout must be positive, got {self.request_timeout}")
         for name in ("header_timeout", "body_timeout", "keepalive_timeout"):

@@ -1,0 +1,155 @@
+"""One request over as many attempts as its workers' deaths take.
+
+Each attempt is a `dispatch.RequestRun` with its own request id. When a worker
+serving an attempt is gone (WorkerLostError), the attempt is cancelled
+everywhere (its blocks on the survivors are freed) and the request is admitted
+again as ``<id>-m<n>``, excluding every instance seen gone, with the tokens
+already delivered appended to its prompt and max_tokens reduced by them: the new
+prefill, mostly a prefix-cache hit, yields the next token and decoding goes on.
+The caller reads one stream whose chunk indexes carry on where the last attempt
+left off, so greedy output equals an undisturbed run. After ``max_attempts``
+the loss is raised. Knows nothing of HTTP or text.
+"""
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+
+from libs.common.model.hashing import BlockHash
+from libs.common.schema import AdmitReply, TokenChunk
+from services.gateway.dispatch import RequestRun, WorkerLostError
+from services.gateway.served_model import PreparedRequest
+
+# (the request for this attempt, instances to exclude) -> an attempt not yet entered
+AttemptFactory = Callable[[PreparedRequest, frozenset[str]], RequestRun]
+BlockHasher = Callable[[list[int]], Awaitable[list[BlockHash]]]
+
+log = logging.getLogger("kvserve.gateway.migration")
+
+
+class MigratingRun:
+    def __init__(
+        self, prepared: PreparedRequest, new_attempt: AttemptFactory, block_hashes: BlockHasher, max_attempts: int
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError(f"a request needs at least one attempt, got {max_attempts}")
+        self.prepared = prepared
+        self.request_id = prepared.request_id
+        self.max_attempts = max_attempts
+        self.migrations = 0  # attempts started because a worker was gone
+        self.ttft_s: float | None = None  # from the first admission to the first token, across attempts
+        self._new_attempt = new_attempt
+        self._block_hashes = block_hashes
+        self._attempt: RequestRun | None = None
+        self._served: list[RequestRun] = []  # every attempt that reached a worker, in order
+        self._num_attempts = 0
+        self._gone: set[str] = set()
+        self._delivered: list[int] = []  # generated tokens handed to the caller, over every attempt
+        self._offset = 0  # tokens delivered before the current attempt started
+        self._started_at = 0.0
+
+    # --- what the headers and the final chunk say ------------------------------------
+    @property
+    def prefill_id(self) -> str | None:
+        return self._attempt.prefill_id if self._attempt is not None else None
+
+    @property
+    def decode_id(self) -> str | None:
+        return self._attempt.decode_id if self._attempt is not None else None
+
+    @property
+    def admission(self) -> AdmitReply | None:
+        return self._attempt.admission if self._attempt is not None else None
+
+    @property
+    def finished(self) -> bool:
+        return self._attempt is not None and self._attempt.finished
+
+    def served_by(self) -> dict[str, Any]:
+        """The instances that worked on the request, in order, and how often it moved."""
+        prefills: list[str] = []
+        decodes: list[str] = []
+        for run in self._served:
+            for ids, instance in ((prefills, run.prefill_id), (decodes, run.serving_decode_id or run.decode_id)):
+                if instance and instance not in ids:
+                    ids.append(instance)
+        return {"prefill_instances": prefills, "decode_instances": decodes, "migrations": self.migrations}
+
+    # --- the way in and out -------------------------------------------------------------
+    async def __aenter__(self) -> "MigratingRun":
+        self._started_at = time.monotonic()
+        await self._start_attempt()
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        attempt, self._attempt = self._attempt, None
+        if attempt is not None:
+            await attempt.__aexit__(exc_type, exc, tb)
+
+    async def cancel(self, reason: str) -> None:
+        if self._attempt is not None:
+            await self._attempt.cancel(reason)
+
+    # --- the tokens -----------------------------------------------------------------------
+    async def next_chunks(self) -> list[TokenChunk]:
+        """The next in-order chunks, indexed from the request's first generated token."""
+        while True:
+            try:
+                chunks = await self._attempt.next_chunks()
+                break
+            except WorkerLostError as e:
+                lost, self._attempt = self._attempt, None
+                await lost.close(f"moved elsewhere: {e.instance_id} is gone")
+                self._lost(e)
+                await self._start_attempt()
+        if chunks and self.ttft_s is None:
+            self.ttft_s = self._served[0].ttft_s if self.migrations == 0 else time.monotonic() - self._started_at
+        return [self._continued(chunk) for chunk in chunks]
+
+    def _continued(self, chunk: TokenChunk) -> TokenChunk:
+        self._delivered.extend(chunk.token_ids)
+        if self._offset == 0:
+            return chunk
+        return msgspec.structs.replace(chunk, index=chunk.index + self._offset)
+
+    # --- attempts -------------------------------------------------------------------------
+    async def _start_attempt(self) -> None:
+        """Admit and submit the next attempt; move on again if its worker is already gone."""
+        while True:
+            self._num_attempts += 1
+            run = self._new_attempt(await self._attempt_request(), frozenset(self._gone))
+            try:
+                await run.__aenter__()  # closes the attempt itself when it fails
+            except WorkerLostError as e:
+                self._lost(e)
+                continue
+            self._attempt, self._offset = run, len(self._delivered)
+            self._served.append(run)
+            return
+
+    def _lost(self, error: WorkerLostError) -> None:
+        """Note the gone instance; raise when no attempt is left."""
+        self._gone.add(error.instance_id)
+        if self._num_attempts >= self.max_attempts:
+            log.warning("%s: %s; no attempt left (%d made)", self.request_id, error, self._num_attempts)
+            message = f"{error}; the request was given up after {self._num_attempts} attempts"
+            raise WorkerLostError(message, error.instance_id, error.role) from error
+        self.migrations += 1
+        log.warning("%s: %s; moving it with %d tokens generated (attempt %d of %d)", self.request_id, error,
+                    len(self._delivered), self._num_attempts + 1, self.max_attempts)  # fmt: skip
+
+    async def _attempt_request(self) -> PreparedRequest:
+        """The first attempt runs the request as it came; a later one continues it: the
+        tokens delivered so far join the prompt and come off max_tokens."""
+        p = self.prepared
+        if self._num_attempts == 1:
+            return p
+        request_id = f"{p.request_id}-m{self._num_attempts - 1}"
+        if not self._delivered:
+            return PreparedRequest(request_id, p.prompt_token_ids, p.sampling, p.block_hashes)
+        prompt = p.prompt_token_ids + self._delivered
+        sampling = msgspec.structs.replace(p.sampling, max_tokens=p.sampling.max_tokens - len(self._delivered))
+        return PreparedRequest(request_id, prompt, sampling, await self._block_hashes(prompt))

@@ -1,0 +1,182 @@
+"""Moving a request whose worker died, with fake attempts: what each new attempt
+is asked to run (prompt, max_tokens, id, exclusions), how its chunks continue
+the stream, and when it gives up."""
+
+import pytest
+
+from libs.common.model.sampling_params import SamplingParams
+from libs.common.schema import TokenChunk
+from services.gateway.dispatch import WorkerLostError
+from services.gateway.generation import TextStream, stream_deltas
+from services.gateway.migration import MigratingRun
+from services.gateway.served_model import PreparedRequest
+
+PROMPT = [1, 2, 3, 4, 5]
+ORIGINAL = PreparedRequest("req", PROMPT, SamplingParams(max_tokens=10, temperature=0.0), [b"h1"])
+
+
+def ids(text: str) -> list[int]:
+    return list(text.encode())  # the byte tokenizer: id = byte
+
+
+def lost(instance_id: str, role: str = "decode") -> WorkerLostError:
+    return WorkerLostError(f"{role} instance {instance_id} is gone", instance_id, role)
+
+
+class FakeAttempt:
+    """An attempt that yields scripted batches of chunks, or raises what the script says."""
+
+    def __init__(self, prepared: PreparedRequest, exclude: frozenset[str], script: list, route: tuple[str, str],
+                 enter_error: Exception | None = None) -> None:  # fmt: skip
+        self.prepared, self.exclude, self.script = prepared, exclude, list(script)
+        self.request_id = prepared.request_id
+        self.prefill_id, self.decode_id = route
+        self.serving_decode_id = None
+        self.admission = None
+        self.ttft_s = 0.25
+        self.finished = False
+        self.enter_error = enter_error
+        self.closed: list[str] = []
+        self.cancels: list[str] = []
+
+    async def __aenter__(self) -> "FakeAttempt":
+        if self.enter_error is not None:
+            self.closed.append("error")
+            raise self.enter_error
+        return self
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        self.closed.append("exit")
+
+    async def close(self, reason: str) -> None:
+        self.closed.append(reason)
+
+    async def cancel(self, reason: str) -> None:
+        self.cancels.append(reason)
+
+    async def next_chunks(self) -> list[TokenChunk]:
+        step = self.script.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        for chunk in step:
+            if chunk.index > 0:
+                self.serving_decode_id = chunk.instance_id
+            self.finished = self.finished or chunk.finish_reason is not None
+        return step
+
+
+def chunk(index: int, text: str, finish: str | None = None, instance: str = "", cached: int = 0) -> TokenChunk:
+    return TokenChunk(request_id="x", index=index, token_ids=ids(text), finish_reason=finish, instance_id=instance,
+                      num_cached_tokens=cached)  # fmt: skip
+
+
+class Cluster:
+    """Hands out the scripted attempts in order and records what each was asked to run."""
+
+    def __init__(self, *attempts: dict) -> None:
+        self.plans = list(attempts)
+        self.attempts: list[FakeAttempt] = []
+        self.hashed: list[list[int]] = []
+
+    def new_attempt(self, prepared: PreparedRequest, exclude: frozenset[str]) -> FakeAttempt:
+        plan = self.plans.pop(0)
+        attempt = FakeAttempt(prepared, exclude, plan.get("script", []), plan["route"], plan.get("enter_error"))
+        self.attempts.append(attempt)
+        return attempt
+
+    async def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+        self.hashed.append(token_ids)
+        return [b"rehashed"]
+
+    def run(self, max_attempts: int = 3) -> MigratingRun:
+        return MigratingRun(ORIGINAL, self.new_attempt, self.block_hashes, max_attempts)
+
+
+async def read_all(run: MigratingRun) -> list[TokenChunk]:
+    out: list[TokenChunk] = []
+    while not out or out[-1].finish_reason is None:
+        out += await run.next_chunks()
+    return out
+
+
+async def test_a_dead_decode_worker_resumes_with_the_streamed_tokens_in_the_prompt():
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [[chunk(0, "H", instance="p0", cached=4)], [chunk(1, "el", instance="d0")],
+                                           lost("d0")]},
+        {"route": ("p0", "d1"), "script": [[chunk(0, "l", instance="p0")], [chunk(1, "o!", "stop", instance="d1")]]},
+    )  # fmt: skip
+    async with cluster.run() as run:
+        chunks = await read_all(run)
+    first, second = cluster.attempts
+    resumed = second.prepared
+    assert resumed.request_id == "req-m1" and second.exclude == {"d0"}
+    assert resumed.prompt_token_ids == PROMPT + ids("Hel") and resumed.sampling.max_tokens == 10 - 3
+    assert resumed.block_hashes == [b"rehashed"] and cluster.hashed == [PROMPT + ids("Hel")]
+    assert resumed.sampling.temperature == 0.0  # everything else as asked
+    assert [(c.index, bytes(c.token_ids).decode()) for c in chunks] == [(0, "H"), (1, "el"), (3, "l"), (4, "o!")]
+    assert first.closed == ["moved elsewhere: d0 is gone"] and second.closed == ["exit"]
+    assert run.served_by() == {"prefill_instances": ["p0"], "decode_instances": ["d0", "d1"], "migrations": 1}
+
+
+async def test_a_dead_prefill_worker_gets_the_request_admitted_again_as_it_came():
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [lost("p0", "prefill")]},
+        {"route": ("p1", "d0"), "script": [[chunk(0, "ok", "length", instance="p1")]]},
+    )
+    async with cluster.run() as run:
+        chunks = await read_all(run)
+    again = cluster.attempts[1]
+    assert (again.prepared.request_id, again.exclude) == ("req-m1", {"p0"})
+    assert (again.prepared.prompt_token_ids, again.prepared.sampling) == (PROMPT, ORIGINAL.sampling)
+    assert again.prepared.block_hashes == ORIGINAL.block_hashes and cluster.hashed == []
+    assert [c.index for c in chunks] == [0]
+    assert run.served_by() == {"prefill_instances": ["p0", "p1"], "decode_instances": ["d0"], "migrations": 1}
+
+
+async def test_a_worker_gone_before_it_took_the_request_is_passed_over_at_once():
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "enter_error": lost("p0", "prefill")},  # no responders on its submit subject
+        {"route": ("p1", "d0"), "script": [[chunk(0, "ok", "length", instance="p1")]]},
+    )
+    async with cluster.run() as run:
+        assert run.prefill_id == "p1"  # what the response headers will say
+        await read_all(run)
+    assert cluster.attempts[1].exclude == {"p0"}
+    assert run.served_by() == {"prefill_instances": ["p1"], "decode_instances": ["d0"], "migrations": 1}
+
+
+async def test_attempts_run_out_and_the_last_loss_is_raised_after_every_gone_instance_was_excluded():
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [[chunk(0, "H", instance="p0")], lost("d0")]},
+        {"route": ("p0", "d1"), "script": [[chunk(0, "i", instance="p0")], lost("d1")]},
+        {"route": ("p0", "d2"), "script": [lost("p0", "prefill")]},
+    )
+    with pytest.raises(WorkerLostError, match="prefill instance p0 is gone; the request was given up after 3 attempts"):
+        async with cluster.run(max_attempts=3) as run:
+            await read_all(run)
+    assert [a.exclude for a in cluster.attempts] == [set(), {"d0"}, {"d0", "d1"}]
+    assert [a.prepared.request_id for a in cluster.attempts] == ["req", "req-m1", "req-m2"]
+    assert cluster.attempts[2].prepared.prompt_token_ids == PROMPT + ids("Hi")
+    assert cluster.attempts[2].closed == ["moved elsewhere: p0 is gone"]
+    assert run.migrations == 2
+
+
+async def test_one_attempt_only_means_the_first_loss_ends_the_request():
+    cluster = Cluster({"route": ("p0", "d0"), "script": [lost("d0")]})
+    with pytest.raises(WorkerLostError, match="given up after 1 attempts"):
+        async with cluster.run(max_attempts=1) as run:
+            await run.next_chunks()
+
+
+async def test_the_text_of_a_migrated_stream_counts_from_the_original_prompt(served_model):
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [[chunk(0, "Hel", instance="p0", cached=4)], lost("d0")]},
+        {"route": ("p0", "d1"), "script": [[chunk(0, "lo wor", instance="p0", cached=16)],
+                                           [chunk(6, "ld", instance="d1")]]},
+    )  # fmt: skip
+    text = TextStream(served_model.tokenizer, ORIGINAL.sampling, served_model.max_model_len, len(PROMPT))
+    async with cluster.run() as run:
+        deltas = [d async for d in stream_deltas(run, text)]
+    assert "".join(d.text for d in deltas) == "Hello worl" and deltas[-1].finish_reason == "length"
+    assert (text.num_prompt_tokens, text.num_completion_tokens, text.num_cached_tokens) == (5, 10, 4)
+    assert cluster.attempts[1].cancels == ["stop"]  # max_tokens reached here: the workers are told to stop
