@@ -47,7 +47,7 @@ def serve_kvserve(args) -> None:
     from services.store.app import StoreService, StoreSettings
 
     service = ServiceSettings(role="store", nats_url=args.nats, instance_id=args.instance, host_id="bench-host",
-                              heartbeat_interval=0.2)  # fmt: skip
+                              heartbeat_interval=0.2, nats_credentials=os.environ["KVSERVE_NATS_CREDENTIALS"])  # fmt: skip
     configure_logging(args.instance, "WARNING")
     settings = StoreSettings(service=service, directory=Path(args.dir), transfer=TransferSettings(),
                              capacity_bytes=args.capacity, disk_bytes=args.disk)  # fmt: skip
@@ -71,8 +71,8 @@ def serve_mooncake(args) -> None:
 
 
 # --- kvserve client ------------------------------------------------------------------------------
-async def kvserve_run(nats_url: str, block: int, count: int, batch: int, transport: str, disk: bool, workdir: Path):
-    """Put ``count`` blocks, then get them: DRAM hits, or (``disk``) disk hits."""
+async def kvserve_run(nats, block: int, count: int, batch: int, transport: str, disk: bool, workdir: Path):
+    """Put ``count`` blocks, then get them: DRAM hits, or (``disk``) disk hits. ``nats``: a NatsServer."""
     from tests.integration.store_harness import Caller
 
     instance = f"bench-{'disk' if disk else 'dram'}-{transport}-{block}"
@@ -80,11 +80,12 @@ async def kvserve_run(nats_url: str, block: int, count: int, batch: int, transpo
     slots = 2 * batch if disk else count
     capacity = slots * block
     disk_bytes = (count + 1) * (block + 64) if disk else 0
-    server = subprocess.Popen([sys.executable, __file__, "serve-kvserve", "--nats", nats_url, "--instance", instance,
-                               "--block-bytes", str(block), "--capacity", str(capacity), "--disk", str(disk_bytes),
-                               "--dir", str(directory)])  # fmt: skip
+    server = subprocess.Popen([sys.executable, __file__, "serve-kvserve", "--nats", nats.public_url, "--instance",
+                               instance, "--block-bytes", str(block), "--capacity", str(capacity), "--disk",
+                               str(disk_bytes), "--dir", str(directory)],
+                              env=dict(os.environ, KVSERVE_NATS_CREDENTIALS=str(nats.credentials_file("store"))))  # fmt: skip
     try:
-        caller = Caller(nats_url, bench_contract(block), block, num_blocks=batch)
+        caller = Caller(nats.url, bench_contract(block), block, num_blocks=batch)
         caller.transfers.host_id = "bench-host" if transport == "shm" else "elsewhere"
         async with caller:
             await caller.wait_ready(instance)
@@ -218,9 +219,9 @@ def main_run(args) -> None:
             row = {"block": block, "count": count, "batch": batch}
             row["mooncake"] = mooncake_run(block, count, batch)
             for transport in ("shm", "tcp"):
-                row[f"kvserve_{transport}"] = asyncio.run(kvserve_run(nats.url, block, count, batch, transport, False, workdir))
+                row[f"kvserve_{transport}"] = asyncio.run(kvserve_run(nats, block, count, batch, transport, False, workdir))
             if batch > 1:
-                row["kvserve_disk"] = asyncio.run(kvserve_run(nats.url, block, count, batch, "shm", True, workdir))
+                row["kvserve_disk"] = asyncio.run(kvserve_run(nats, block, count, batch, "shm", True, workdir))
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
