@@ -43,7 +43,7 @@ def _number(field: str) -> Schema:
 def _request(endpoint_fields: dict[str, Schema], required: list[str], model_id: str) -> Schema:
     """A request body: the endpoint's fields, the shared ones, and those accepted but ignored or off."""
     properties: dict[str, Schema] = {
-        "model": {"type": "string", "examples": [model_id], "description": "The served model's id."},
+        "model": {"enum": [model_id], "description": "The served model's id (any other is a 404)."},
         **endpoint_fields,
         "max_tokens": _nullable(_integer("max_tokens")),
         "temperature": _nullable(_number("temperature")),
@@ -233,9 +233,11 @@ def _generation(summary: str, request: str, response: str, chunk_object: str) ->
         for name, target in (("x-kvserve-slo-ttft-ms", "time-to-first-token"),
                              ("x-kvserve-slo-tbt-ms", "time-between-tokens"))
     ]  # fmt: skip
-    stream = {
-        "type": "string",
-        "description": f"With stream: true, Server-Sent Events: one `data: <{chunk_object}>` event per chunk, "
+    stream = {  # one event (OpenAPI 3.2's reading of an event stream's schema)
+        "type": "object",
+        "required": ["data"],
+        "properties": {"data": {"type": "string"}},
+        "description": f"With stream: true, Server-Sent Events: one `data: <{chunk_object} JSON>` event per chunk, "
         "then `data: [DONE]`.",
     }
     return {
@@ -285,7 +287,7 @@ def document(model_id: str, needs_api_key: bool) -> dict[str, Any]:
             "/v1/models/{model}": {
                 "get": {
                     "summary": "Describe one model.",
-                    "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                    "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"enum": [model_id]}}],
                     "responses": {"200": _json("The model.", _ref("Model")), **_errors(401, 404)},
                 },
             },
