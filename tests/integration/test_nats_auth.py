@@ -8,6 +8,8 @@ import logging
 import os
 import signal
 import stat
+from pathlib import Path
+from urllib.parse import urlsplit
 
 import nats
 import pytest
@@ -243,3 +245,25 @@ async def test_a_service_logs_neither_its_credentials_nor_its_url(caplog, given)
             await running
     assert f"reconnected to NATS at 127.0.0.1:{server.port}" in caplog.text
     assert password not in caplog.text
+
+
+def test_a_local_cluster_serves_with_each_role_its_own_user_and_nothing_refused(cluster, openai_client):
+    """Every service runs as its role's NATS user, given by a file, with no secret in its
+    environment or command line; a request end to end (admission, prefill, store, hand-off,
+    tokens, KV events) needs nothing NATS refuses."""
+    out = openai_client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
+    )
+    assert out.choices[0].message.content
+    secrets = {urlsplit(cluster.nats_url).password}
+    for instance_id, pid in cluster.pids.items():
+        role = instance_id.rsplit("-", 1)[0]
+        env = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        credentials = nats_auth.load_credentials(env["KVSERVE_NATS_CREDENTIALS"])
+        assert credentials.user == role
+        assert "@" not in env["KVSERVE_NATS_URL"]
+        secrets.add(credentials.password)
+    for instance_id, pid in cluster.pids.items():
+        exposed = Path(f"/proc/{pid}/environ").read_text() + Path(f"/proc/{pid}/cmdline").read_text()
+        assert not any(secret in exposed for secret in secrets), instance_id
+        assert not any("NATS refused" in line for line in cluster.logs(instance_id)), cluster.logs(instance_id)
