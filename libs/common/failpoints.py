@@ -9,6 +9,8 @@ Failpoints: ``transfer.stall_receive`` — the TCP listener accepts a transfer's
 token, then stops reading (a hung peer). ``store.stall_disk_write`` — the store
 writes a block file's header and half its payload to the temp file, fsyncs it,
 then blocks forever (a crash mid-write, once the process is killed).
+``prefill.stall_before_compute`` — a prefill worker acknowledges requests, then
+never computes them (a hung worker that still sends heartbeats).
 """
 
 import os

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
-from libs.common import subjects
+from libs.common import failpoints, subjects
 from libs.common.engine_host import EngineHost
 from libs.common.errors import KVServeError
 from libs.common.model.sampling import sample
@@ -130,6 +130,10 @@ class PrefillWorker(Service):
 
     async def _prepare(self, job: Job) -> Job | None:
         """Reuse cached blocks (local, then store) and lease room on the decode worker."""
+        if failpoints.active("prefill.stall_before_compute"):
+            self.log.warning("failpoint prefill.stall_before_compute: holding %s", job.request.request_id)
+            await self.stopping.wait()  # a hung worker: it still sends heartbeats, never a token
+            return None
         if job.request.request_id in self.cancelled:
             await self._drop(job)
             return None
