@@ -80,6 +80,20 @@ async def test_a_large_body_is_decoded_and_checked_too(client):
     )  # fmt: skip
 
 
+async def test_a_body_over_a_mebibyte_is_413_with_an_openai_body(client):
+    response = await client.post("/v1/completions", data=b" " * (1024**2 + 1),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    assert await error_of(response) == (413, "invalid_request_error", None)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("header_timeout", 0), ("body_timeout", -1.0), ("keepalive_timeout", float("inf")), ("max_connections", 0),
+])  # fmt: skip
+def test_listener_settings_are_validated(field, value):
+    with pytest.raises(ValueError, match="must be"):
+        gateway_settings(**{field: value})
+
+
 # --- keys, probes, the API description -----------------------------------------------
 @pytest.mark.parametrize("client", [{"api_key": "sekret"}], indirect=True)
 async def test_metrics_need_the_api_key_and_probes_do_not(client):
