@@ -180,3 +180,13 @@ async def test_the_text_of_a_migrated_stream_counts_from_the_original_prompt(ser
     assert "".join(d.text for d in deltas) == "Hello worl" and deltas[-1].finish_reason == "length"
     assert (text.num_prompt_tokens, text.num_completion_tokens, text.num_cached_tokens) == (5, 10, 4)
     assert cluster.attempts[1].cancels == ["stop"]  # max_tokens reached here: the workers are told to stop
+
+
+def test_the_number_of_attempts_comes_from_the_environment_and_is_checked(monkeypatch):
+    from services.gateway.__main__ import settings_from_env
+
+    monkeypatch.setenv("KVSERVE_GATEWAY_MAX_ATTEMPTS", "5")
+    assert settings_from_env().max_attempts == 5
+    monkeypatch.setenv("KVSERVE_GATEWAY_MAX_ATTEMPTS", "0")
+    with pytest.raises(SystemExit, match="at least one attempt"):
+        settings_from_env()
