@@ -41,7 +41,8 @@ def events(response: HTTPResponse) -> Iterator[dict | str]:
 
 
 def text_of(evs: list) -> str:
-    return "".join(e["choices"][0]["delta"].get("content") or "" for e in evs if isinstance(e, dict) and e.get("choices"))
+    chunks = [e for e in evs if isinstance(e, dict) and e.get("choices")]
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
 
 
 def finish_chunk(evs: list) -> dict:

@@ -142,7 +142,8 @@ def events(raw: bytes) -> list:
 
 
 def streamed_text(evs: list) -> str:
-    return "".join(e["choices"][0]["delta"].get("content") or "" for e in evs if isinstance(e, dict) and e.get("choices"))
+    chunks = [e for e in evs if isinstance(e, dict) and e.get("choices")]
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
 
 
 def request(stream: bool = True, max_tokens: int = 20) -> dict:
@@ -174,8 +175,9 @@ async def test_a_decode_worker_that_dies_mid_stream_moves_the_request_and_no_tok
     cancel = await cluster.next_cancel()
     assert cancel.request_id == first.request_id and "d0 is gone" in cancel.reason
     served = {"prefill_instances": ["p0"], "decode_instances": ["d0", "d1"], "migrations": 1}
-    usage = {"prompt_tokens": len(first.prompt_token_ids), "completion_tokens": 3 + 9,
-             "total_tokens": len(first.prompt_token_ids) + 12, "prompt_tokens_details": {"cached_tokens": 16}}  # fmt: skip
+    prompt_tokens = len(first.prompt_token_ids)
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": 3 + 9, "total_tokens": prompt_tokens + 12,
+             "prompt_tokens_details": {"cached_tokens": 16}}  # fmt: skip
     if not stream:
         body = json.loads(raw)
         assert body["choices"][0]["message"]["content"] == "Hello world"
