@@ -58,7 +58,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--api-key",
         default=os.environ.get("KVSERVE_API_KEY") or None,
         metavar="KEY",
-        help="require 'Authorization: Bearer KEY' on every request (default: $KVSERVE_API_KEY, else none)",
+        help="require 'Authorization: Bearer KEY' on every request but the health probes and /openapi.json "
+        "(default: $KVSERVE_API_KEY, else none)",
     )
     parser.add_argument(
         "--timeout", type=float, default=120.0, metavar="SECONDS",
