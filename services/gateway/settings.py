@@ -12,7 +12,7 @@ from libs.common.settings import ServiceSettings
 class GatewaySettings(ServiceSettings):
     host: str = "127.0.0.1"
     port: int = 8000  # 0: the OS picks a free port (the heartbeat reports the real one)
-    api_key: str | None = None  # when set, every /v1 request needs "Authorization: Bearer <key>"
+    api_key: str | None = None  # when set, every request but the probes and /openapi.json needs a Bearer key
     model: str | None = None  # None: the embedded default model
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context window
