@@ -32,12 +32,12 @@ from services.gateway.errors import (
 from services.gateway.openai_protocol import (
     GenerateRequest,
     ResponseBodies,
-    decode_body,
     model_card,
     model_list,
     parse_chat_request,
     parse_completion_request,
 )
+from services.gateway.request_limits import decode_body
 
 if TYPE_CHECKING:
     from services.gateway.app import Gateway, Generation

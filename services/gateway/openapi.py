@@ -1,7 +1,7 @@
 """The gateway's OpenAPI 3.1 description (GET /openapi.json), written out by hand.
 
 Field lists, ranges and the values unsupported features may take come from
-`openai_protocol`, so the description and the parser cannot drift apart.
+`request_limits`, so the description and the parser cannot drift apart.
 """
 
 from functools import cache
@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from services.gateway.openai_protocol import (
+from services.gateway.request_limits import (
     IGNORED_FIELDS,
     RANGES,
     STREAM_OPTIONS,

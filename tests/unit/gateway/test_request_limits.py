@@ -6,13 +6,8 @@ import json
 import pytest
 
 from services.gateway.errors import InvalidParameterError
-from services.gateway.openai_protocol import (
-    MAX_JSON_DEPTH,
-    decode_body,
-    json_depth,
-    parse_chat_request,
-    parse_completion_request,
-)
+from services.gateway.openai_protocol import parse_chat_request, parse_completion_request
+from services.gateway.request_limits import MAX_JSON_DEPTH, decode_body, json_depth
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 COMPLETION = {"model": "m", "prompt": "Hi"}

@@ -1,0 +1,119 @@
+"""What a request may carry: the range of every number, the fields each endpoint
+reads, ignores or refuses, and how deep its JSON may nest.
+
+`openai_protocol` enforces these while parsing; `openapi` publishes them, so the
+parser and the description cannot drift apart.
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from services.gateway.errors import InvalidParameterError
+
+MAX_JSON_DEPTH = 32  # nesting levels of arrays and objects a request body may have
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch's generators and msgpack carry
+
+
+@dataclass(frozen=True)
+class Range:
+    """The values a numeric field may take: [minimum, maximum], or (minimum, maximum]."""
+
+    minimum: int | float
+    maximum: int | float
+    exclusive_minimum: bool = False
+
+    def __contains__(self, value: int | float) -> bool:
+        above = value > self.minimum if self.exclusive_minimum else value >= self.minimum
+        return above and value <= self.maximum  # exact for any int: no float conversion
+
+    def __str__(self) -> str:
+        return f"{'(' if self.exclusive_minimum else '['}{self.minimum}, {self.maximum}]"
+
+
+# Every number a request may carry; for arrays, every item.
+RANGES: dict[str, Range] = {
+    "max_tokens": Range(1, INT32_MAX),
+    "max_completion_tokens": Range(1, INT32_MAX),
+    "n": Range(1, 1),
+    "temperature": Range(0.0, 100.0),
+    "top_p": Range(0.0, 1.0, exclusive_minimum=True),
+    "top_k": Range(-1, INT32_MAX),  # vLLM: -1 and 0 mean "no top-k cut"
+    "seed": Range(INT64_MIN, INT64_MAX),
+    "stop_token_ids": Range(0, INT32_MAX),
+    "prompt": Range(0, INT32_MAX),  # token ids
+}
+
+# The fields each endpoint reads. Any other field is refused, as OpenAI refuses an
+# unrecognized argument, so a client never gets an answer that ignored what it asked.
+SHARED_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+    "stream", "stream_options",
+})  # fmt: skip
+CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = SHARED_FIELDS | {"prompt"}
+# Accepted (type-checked) and ignored: they ask nothing of the answer itself.
+IGNORED_FIELDS: dict[str, type] = {
+    "user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict, "service_tier": str,
+    "parallel_tool_calls": bool,
+}  # fmt: skip
+# Features kvserve does not implement: accepted only as null or the value that turns them off.
+UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_p": (0,),
+    "min_tokens": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "store": (False,),
+    "echo": (False,),
+    "best_of": (1,),
+    "suffix": ("",),
+}
+STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the second is accepted and ignored
+
+
+def decode_body(data: bytes) -> Any:
+    """The JSON value of a request body, refused before decoding when it nests too deep."""
+    might_nest_too_deep = data.count(b"[") + data.count(b"{") > MAX_JSON_DEPTH
+    if might_nest_too_deep and json_depth(data) > MAX_JSON_DEPTH:
+        raise InvalidParameterError(f"The JSON body of your request nests deeper than {MAX_JSON_DEPTH} levels.")
+    try:
+        return msgspec.json.decode(data)
+    except msgspec.DecodeError as e:
+        raise InvalidParameterError(f"We could not parse the JSON body of your request: {e}") from None
+
+
+_NESTING = np.zeros(256, np.int8)
+_NESTING[[ord("["), ord("{")]] = 1
+_NESTING[[ord("]"), ord("}")]] = -1
+
+
+def json_depth(data: bytes) -> int:
+    """How deep the arrays and objects of the JSON text ``data`` nest, brackets inside
+    strings not counted; vectorized, so a megabyte of brackets costs milliseconds."""
+    b = np.frombuffer(data, np.uint8)
+    idx = np.arange(b.size, dtype=np.int64)
+    last_plain = np.maximum.accumulate(np.where(b != ord("\\"), idx, -1))  # the last byte that is no backslash
+    backslashes_before = np.zeros(b.size, np.int64)
+    backslashes_before[1:] = idx[:-1] - last_plain[:-1]
+    delimiters = (b == ord('"')) & (backslashes_before % 2 == 0)  # a quote no backslash escapes
+    in_string = np.cumsum(delimiters) % 2 == 1
+    steps = np.where(in_string, 0, _NESTING[b].astype(np.int64))
+    return int(np.cumsum(steps).max(initial=0))
