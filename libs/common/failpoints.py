@@ -6,7 +6,8 @@ with the process's ``KVSERVE_INSTANCE_ID``. Unset (always, in production),
 every check is one frozenset lookup.
 
 Failpoints: ``transfer.stall_receive`` — the TCP listener accepts a transfer's
-token, then stops reading (a hung peer). ``store.stall_disk_write`` — the store
+token, then stops reading (a hung peer); ``transfer.stall_first_receive`` — the
+same for the first transfer only (a hand-off caught mid-way, later ones normal). ``store.stall_disk_write`` — the store
 writes a block file's header and half its payload to the temp file, fsyncs it,
 then blocks forever (a crash mid-write, once the process is killed).
 ``prefill.stall_before_compute`` — a prefill worker acknowledges requests, then
@@ -14,6 +15,7 @@ never computes them (a hung worker that still sends heartbeats).
 """
 
 import os
+import threading
 
 
 def _parse() -> frozenset[str]:
@@ -32,5 +34,20 @@ def _parse() -> frozenset[str]:
 _ACTIVE = _parse()
 
 
+_FIRED: set[str] = set()
+_FIRED_LOCK = threading.Lock()
+
+
 def active(name: str) -> bool:
     return name in _ACTIVE
+
+
+def first_time(name: str) -> bool:
+    """True for the first check of an active failpoint in this process, False after and when inactive."""
+    if name not in _ACTIVE:
+        return False
+    with _FIRED_LOCK:
+        if name in _FIRED:
+            return False
+        _FIRED.add(name)
+        return True

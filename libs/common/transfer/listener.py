@@ -195,8 +195,8 @@ class TcpListener:
     def _receive(self, conn: socket.socket, ticket: OpenTicket, peer) -> int:
         """One greeted transfer's frames, then its status; blocking, on a pooled thread."""
         try:
-            if failpoints.active("transfer.stall_receive"):
-                log.warning("failpoint transfer.stall_receive: not reading from %s", peer[0])
+            if failpoints.active("transfer.stall_receive") or failpoints.first_time("transfer.stall_first_receive"):
+                log.warning("failpoint: not reading from %s", peer[0])
                 self._closing.wait(ticket.expires_at - self.tickets.clock())
                 return FAILED
             status = self._receive_frames(conn, ticket, peer)
