@@ -116,6 +116,7 @@ def _schemas(model_id: str) -> dict[str, Schema]:
                 "model": {"type": "string"},
                 "choices": {"type": "array", "items": choice},
                 "usage": {"anyOf": [_ref("Usage"), {"type": "null"}]},
+                "kvserve": _ref("ServedBy"),
             },
         }
 
@@ -160,6 +161,18 @@ def _schemas(model_id: str) -> dict[str, Schema]:
         "ChatCompletion": completion_object("chat.completion", chat_choice),
         "Completion": completion_object("text_completion", text_choice),
         "Usage": usage,
+        "ServedBy": {
+            "type": "object",
+            "description": "kvserve's extension, on a non-streaming body and on the chunk with the finish reason: "
+            "the instances that served the request, in order, and how often it moved to another worker "
+            "because one died (the x-kvserve-*-instance headers name only the first).",
+            "required": ["prefill_instances", "decode_instances", "migrations"],
+            "properties": {
+                "prefill_instances": {"type": "array", "items": {"type": "string"}},
+                "decode_instances": {"type": "array", "items": {"type": "string"}},
+                "migrations": {"type": "integer", "minimum": 0},
+            },
+        },
         "Model": model_card,
         "ModelList": {
             "type": "object",
