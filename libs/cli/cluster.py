@@ -14,13 +14,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from libs.cli.console import Console
 from libs.cli.heartbeats import HeartbeatWatcher
+from libs.cli.service_process import ServiceProcess, describe_exit
 from libs.cli.supervisor import (
     HEALTHY_AFTER_SECONDS,
     RESTART_DELAY_FIRST,
@@ -38,31 +38,14 @@ from libs.common.schema import Heartbeat
 
 ROLES = ("conductor", "store", "prefill", "decode", "gateway")  # also the start order
 GATEWAY_ID = "gateway-0"
-LOG_TAIL_LINES = 200
 # SIGTERM to SIGKILL. Longer than any service's own stop: the gateway drains in-flight
 # requests for up to 10 s (SHUTDOWN_GRACE, services/gateway/app.py), so twice that.
 STOP_GRACE_SECONDS = 20.0
-_COLOURS = {"conductor": "35", "store": "34", "prefill": "33", "decode": "32", "gateway": "36", "kvserve": "1"}
 _STDOUT: Any = object()  # `log`'s default: sys.stdout as it is when the cluster is built, not at import
 
 
 class ClusterError(KVServeError):
     """The cluster could not start, or a service in it failed."""
-
-
-@dataclass
-class _Instance:
-    instance_id: str
-    role: str
-    module: str
-    env: dict[str, str]
-    proc: subprocess.Popen | None = None
-    reader: threading.Thread | None = None
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
-    spawned_at: float = 0.0  # time.monotonic() of the last start
-
-    def exit_code(self) -> int | None:
-        return None if self.proc is None else self.proc.poll()
 
 
 class LocalCluster:
@@ -119,18 +102,15 @@ class LocalCluster:
         self.model_path: Path | None = None
         self.gateway_url = ""  # set once ready
         self.nats_url = ""  # the admin user's, credentials included: for this process (tests) only
-        self._log = sys.stdout if log is _STDOUT else log
-        self._colour = _isatty(self._log)
-        self._log_lock = threading.Lock()
         self._cond = threading.Condition()  # guards the heartbeats; notified on each one and on each exit
         self._heartbeats: dict[str, Heartbeat] = {}
         self._last_seen: dict[str, float] = {}
-        self._procs: dict[str, _Instance] = {}
+        self._procs: dict[str, ServiceProcess] = {}
         self._nats: NatsServer | None = None
         self._watcher: HeartbeatWatcher | None = None
         self._supervisor: Supervisor | None = None  # forks every child; restarts them when supervising
         ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
-        self._label_width = max(len(i) for i in ids + ["kvserve"]) + 3  # "[" id "] "
+        self._console = Console(sys.stdout if log is _STDOUT else log, ids + ["kvserve", "nats-server"])
 
     # --- what the cluster looks like ------------------------------------------
     @property
@@ -148,7 +128,7 @@ class LocalCluster:
     @property
     def pids(self) -> dict[str, int]:
         """The process id of every service instance started."""
-        return {i: inst.proc.pid for i, inst in self._procs.items() if inst.proc is not None}
+        return {i: inst.pid for i, inst in self._procs.items() if inst.pid is not None}
 
     def logs(self, instance_id: str) -> list[str]:
         """The last lines (up to 200) an instance wrote to stdout or stderr."""
@@ -210,7 +190,7 @@ class LocalCluster:
             self._supervisor.unwatch_all()  # nothing is restarted from here on
         running = [inst for inst in self._procs.values() if inst.exit_code() is None]
         for inst in running:
-            _signal(inst.proc, signal.SIGTERM)
+            inst.send(signal.SIGTERM)
         deadline = time.monotonic() + grace
         for inst in running:
             try:
@@ -220,9 +200,8 @@ class LocalCluster:
                 inst.proc.kill()
                 inst.proc.wait()
         for inst in self._procs.values():
-            self._reap_group(inst)
-            if inst.reader is not None:
-                inst.reader.join(timeout=5)
+            inst.reap_group()
+            inst.wait_output()
         if self._watcher is not None:
             self._watcher.stop()
             self._watcher = None
@@ -237,7 +216,10 @@ class LocalCluster:
         ClusterError if its supervisor thread fails, when nothing restarts any more."""
         if self._supervisor is None:
             return
-        self._supervisor.join()
+        # In slices: a signal that lands on another thread wakes no wait, and Python runs
+        # its handler (Ctrl-C's KeyboardInterrupt) only once this thread is awake.
+        while not self._supervisor.ended.wait(0.25):
+            pass
         if self._supervisor.error is not None:
             raise ClusterError(f"the supervisor failed: {self._supervisor.error!r}")
 
@@ -279,9 +261,10 @@ class LocalCluster:
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one instance (for fault tests); SIGKILL returns once it is gone."""
         inst = self._instance(instance_id)
-        _signal(inst.proc, sig)
-        if sig == signal.SIGKILL:
-            inst.proc.wait()
+        proc = inst.proc
+        inst.send(sig)
+        if sig == signal.SIGKILL and proc is not None:
+            proc.wait()
 
     def restart(self, instance_id: str) -> None:
         """Start an instance that has exited again, with the same id and environment."""
@@ -292,16 +275,7 @@ class LocalCluster:
 
     def echo(self, text: str, label: str | None = None) -> None:
         """Write ``text`` to the cluster's log, whole, between service lines."""
-        if self._log is None:
-            return
-        if label is not None:
-            text = "\n".join(self._prefix(label, label) + line for line in text.splitlines())
-        with self._log_lock:
-            try:
-                self._log.write(text + "\n")
-                self._log.flush()
-            except (OSError, ValueError):  # a closed or broken log must not stop the pipes draining
-                pass
+        self._console.echo(text, label)
 
     # --- internals ------------------------------------------------------------
     def _resolve_model(self) -> None:
@@ -324,7 +298,7 @@ class LocalCluster:
             raise ClusterError(str(e)) from None
         self.dtype = next(name for name, dt in DTYPES.items() if dt == chosen)
 
-    def _plan(self, role: str, instance_id: str) -> _Instance:
+    def _plan(self, role: str, instance_id: str) -> ServiceProcess:
         env = dict(os.environ)
         for inherited in ("KVSERVE_MODEL", "KVSERVE_API_KEY"):  # only what this cluster was given
             env.pop(inherited, None)
@@ -348,38 +322,16 @@ class LocalCluster:
         if not self.counts["store"]:
             env["KVSERVE_USE_STORE"] = "0"  # prefill workers then never ask a store that is not there
         env.update(self.extra_env)
-        return _Instance(instance_id, role, self.modules[role], env)
+        return ServiceProcess(instance_id, role, self.modules[role], env)
 
-    def _spawn(self, inst: _Instance) -> None:
-        """Start ``inst``'s process; on the supervisor's thread only (see die_with_launcher)."""
-        inst.spawned_at = time.monotonic()
-        inst.proc = subprocess.Popen(
-            [sys.executable, "-m", inst.module],
-            env=inst.env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            # Its own process group: a Ctrl-C in the terminal reaches this supervisor
-            # only, which then stops the services in order instead of all at once.
-            start_new_session=True,
-            preexec_fn=die_with_launcher(),
-        )
+    def _spawn(self, inst: ServiceProcess) -> None:
+        """Start ``inst``; on the supervisor's thread only (see die_with_launcher)."""
+        prefix = self._console.prefix(inst.instance_id, inst.role)
+        inst.spawn(write=lambda line: self._console.echo(prefix + line), on_exit=self._on_process_exit)
         with self._cond:
             self._procs[inst.instance_id] = inst
-        inst.reader = threading.Thread(target=self._pump, args=(inst,), name=f"log-{inst.instance_id}", daemon=True)
-        inst.reader.start()
 
-    def _pump(self, inst: _Instance) -> None:
-        """Copy an instance's output to the log, line by line, keeping its tail."""
-        prefix = self._prefix(inst.instance_id, inst.role)
-        proc = inst.proc  # a restart replaces inst.proc only once this thread has ended
-        for raw in proc.stdout:
-            line = raw.decode(errors="replace").rstrip("\r\n")
-            inst.tail.append(line)
-            self.echo(prefix + line)
-        proc.stdout.close()
-        proc.wait()
-        remove_segments_of(proc.pid)
+    def _on_process_exit(self) -> None:
         with self._cond:
             self._cond.notify_all()
         if self._supervisor is not None:
@@ -409,9 +361,9 @@ class LocalCluster:
             started_at=time.monotonic(),
         )
 
-    def _on_exit(self, ended: Exit, inst: _Instance | None) -> None:
+    def _on_exit(self, ended: Exit, inst: ServiceProcess | None) -> None:
         """Say who died, how and when it starts again; clear what it left behind."""
-        pid = inst.proc.pid if inst is not None else self._nats.pid
+        pid = inst.pid if inst is not None else self._nats.pid
         where = f" on port {self._nats.port}" if inst is None else ""
         text = f"{ended.name} (pid {pid}) {describe_exit(ended.code)} after {ended.ran_for:.1f}s; "
         if ended.crash_looping:
@@ -421,33 +373,26 @@ class LocalCluster:
             )
         self.echo(text + f"restarting it{where} in {ended.delay:g}s", label="kvserve")
         if ended.crash_looping and inst is not None:
-            self.echo(self._tail_of(inst, lines=10).lstrip("\n"))
+            self.echo(inst.last_lines(10).lstrip("\n"))
         if inst is not None:
-            self._reap_group(inst)
+            inst.reap_group()
         if removed := remove_segments_of(pid):
             self.echo(f"removed {len(removed)} shared-memory segments {ended.name} left", label="kvserve")
 
-    def _respawn(self, inst: _Instance, by_hand: bool) -> None:
+    def _respawn(self, inst: ServiceProcess, by_hand: bool) -> None:
         if inst.exit_code() is None:
             if not by_hand:
                 return  # restarted by hand (restart()) while the supervisor's restart was due
             raise ClusterError(f"{inst.instance_id} is still running")
-        self._reap_group(inst)
-        if inst.reader is not None:
-            inst.reader.join(timeout=5)  # its last lines first, in order
+        inst.reap_group()
+        inst.wait_output()  # its last lines first, in order
         self._spawn(inst)
         if not by_hand:
-            self.echo(f"{inst.instance_id} started again (pid {inst.proc.pid})", label="kvserve")
+            self.echo(f"{inst.instance_id} started again (pid {inst.pid})", label="kvserve")
 
     def _restart_nats(self) -> None:
         self._nats.restart()
         self.echo(f"nats-server started again on {self._nats.public_url} (pid {self._nats.pid})", label="kvserve")
-
-    def _prefix(self, label: str, role: str) -> str:
-        prefix = f"[{label}]".ljust(self._label_width)
-        if self._colour:
-            return f"\x1b[{_COLOURS.get(role, '0')}m{prefix}\x1b[0m"
-        return prefix
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         with self._cond:
@@ -469,74 +414,28 @@ class LocalCluster:
                 if remaining <= 0:
                     raise ClusterError(self._not_ready(timeout))
                 self._cond.wait(min(remaining, 1.0))  # the cap: see wait_for_exit
-        if dead.reader is not None:
-            dead.reader.join(timeout=5)  # its last lines, which say why
+        dead.wait_output()  # its last lines, which say why
         raise ClusterError(
             f"{dead.instance_id} {describe_exit(dead.exit_code())} before the cluster was ready"
-            + self._tail_of(dead)
+            + dead.last_lines()
         )
 
     def _not_ready(self, timeout: float) -> str:
         silent = [inst for i, inst in self._procs.items() if i not in self._heartbeats]
         if not silent:
-            return f"{GATEWAY_ID} did not report its address within {timeout:g}s" + self._tail_of(
-                self._procs[GATEWAY_ID]
-            )
+            gateway = self._procs[GATEWAY_ID]
+            return f"{GATEWAY_ID} did not report its address within {timeout:g}s" + gateway.last_lines()
         names = ", ".join(inst.instance_id for inst in silent)
-        return f"no heartbeat from {names} within {timeout:g}s" + "".join(self._tail_of(inst) for inst in silent)
+        return f"no heartbeat from {names} within {timeout:g}s" + "".join(inst.last_lines() for inst in silent)
 
-    def _tail_of(self, inst: _Instance, lines: int = 40) -> str:
-        tail = list(inst.tail)[-lines:]
-        if not tail:
-            return f"\n--- {inst.instance_id} wrote nothing ---"
-        return f"\n--- last lines of {inst.instance_id} ---\n" + "\n".join(tail)
-
-    def _instance(self, instance_id: str) -> _Instance:
+    def _instance(self, instance_id: str) -> ServiceProcess:
         try:
             return self._procs[instance_id]
         except KeyError:
             raise ClusterError(f"no instance {instance_id!r}; this cluster runs {', '.join(self._procs)}") from None
-
-    @staticmethod
-    def _reap_group(inst: _Instance) -> None:
-        """Kill whatever the service left behind in its process group."""
-        if inst.proc is None or inst.proc.poll() is None:
-            return
-        try:
-            # The leader is reaped, but Linux keeps its pid from being reused while
-            # its group has members, so this reaches only the leftovers.
-            os.killpg(inst.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def describe_exit(code: int | None) -> str:
-    if code is None:
-        return "is running"
-    if code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
 
 
 def _base_url(address: str) -> str:
     """The gateway's base URL, without a trailing slash or /v1."""
     url = address.rstrip("/")
     return url[: -len("/v1")] if url.endswith("/v1") else url
-
-
-def _signal(proc: subprocess.Popen | None, sig: int) -> None:
-    if proc is not None and proc.poll() is None:
-        try:
-            proc.send_signal(sig)
-        except ProcessLookupError:
-            pass
-
-
-def _isatty(stream: TextIO | None) -> bool:
-    try:
-        return stream is not None and stream.isatty()
-    except (AttributeError, ValueError):
-        return False

@@ -135,15 +135,20 @@ class Supervisor(threading.Thread):
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._watches: dict[str, _Watch] = {}
         self.error: BaseException | None = None  # what ended the thread, if not stop()
+        # Set when run() ends. Waited on instead of join() or is_alive(): Python 3.11
+        # marks a thread stopped when a signal handler interrupts a join() of it.
+        self.ended = threading.Event()
+        self._ending = threading.Lock()  # no call is queued after the last one is failed
 
     def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on this thread and return its result (or raise its exception)."""
         if threading.current_thread() is self:
             return fn(*args)
-        if not self.is_alive():
-            raise RuntimeError("the supervisor thread is not running")
         future: Future = Future()
-        self._tasks.put((future, fn, args))
+        with self._ending:
+            if self.ended.is_set():
+                raise RuntimeError("the supervisor thread is not running")
+            self._tasks.put((future, fn, args))
         return future.result()
 
     def watch(
@@ -162,7 +167,7 @@ class Supervisor(threading.Thread):
 
     def unwatch_all(self) -> None:
         """Restart nothing from now on (the cluster is stopping)."""
-        if self.is_alive():
+        if not self.ended.is_set():
             self.call(self._watches.clear)
 
     def wake(self) -> None:
@@ -172,7 +177,7 @@ class Supervisor(threading.Thread):
     def stop(self) -> None:
         self._tasks.put(None)
         if threading.current_thread() is not self:
-            self.join()
+            self.ended.wait()
 
     def run(self) -> None:
         try:
@@ -195,7 +200,9 @@ class Supervisor(threading.Thread):
             self.error = e
             raise
         finally:
-            self._fail_pending()
+            with self._ending:
+                self.ended.set()
+                self._fail_pending()
 
     def _until_next_check(self) -> float | None:
         if not self._watches:

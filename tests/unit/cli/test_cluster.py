@@ -14,7 +14,6 @@ from libs.cli import up
 from libs.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from libs.cli.main import build_parser
 from libs.common.model.default_model import DEFAULT_MODEL_ID
-from services.gateway.app import SHUTDOWN_GRACE
 from tests.unit.cli.harness import children, is_alive, make_cluster
 
 
@@ -186,6 +185,8 @@ def test_serve_restarts_a_service_that_dies_and_stops_only_on_sigterm(model_dir)
 
 
 def test_the_stop_grace_outlasts_the_gateway_drain():
+    from services.gateway.app import SHUTDOWN_GRACE
+
     assert STOP_GRACE_SECONDS > SHUTDOWN_GRACE
 
 
