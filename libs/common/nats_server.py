@@ -102,7 +102,7 @@ class NatsServer:
                     self.port = int(info["nats"][0].rsplit(":", 1)[1])
                     return self
             time.sleep(0.02)  # polling the ports file, which nats-server writes once it listens
-        self.stop()
+        self._end_run()  # the credentials stay until stop(): a restart must not move them
         raise NatsServerError(f"nats-server did not report its port within {timeout}s")
 
     @property
