@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
 from libs.cli.console import Console
 from libs.cli.heartbeats import HeartbeatWatcher
@@ -343,6 +344,8 @@ class LocalCluster:
             first, longest = self.restart_delays
             return Backoff(first=first, longest=longest)
 
+        # A restarted gateway listens where the announced URL says, even if port 0 was asked for.
+        self._procs[GATEWAY_ID].env["KVSERVE_GATEWAY_PORT"] = str(urlsplit(self.gateway_url).port)
         for inst in self._procs.values():
             self._supervisor.watch(
                 inst.instance_id,

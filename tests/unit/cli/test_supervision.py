@@ -6,6 +6,7 @@ import io
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -65,6 +66,16 @@ def test_a_killed_service_is_restarted_with_its_segments_removed_and_the_others_
     assert f"; restarting it in {DELAYS[0]:g}s\n" in out
     assert f"[kvserve]     prefill-0 started again (pid {new})\n" in out
     assert cluster.wait_for_exit(timeout=0) is None
+
+
+def test_a_restarted_gateway_listens_on_the_port_it_announced(supervised):
+    cluster, log, _ = supervised
+    url, port = cluster.gateway_url, int(cluster.gateway_url.rsplit(":", 1)[1])  # asked for port 0
+    started = cluster.instances["gateway-0"].started_at
+    cluster.kill("gateway-0")
+    restarted(cluster, "gateway-0", started)
+    assert cluster.instances["gateway-0"].address == url
+    socket.create_connection(("127.0.0.1", port), timeout=5).close()
 
 
 def test_nats_server_is_restarted_on_the_same_port_and_every_service_reconnects(supervised):
