@@ -110,6 +110,7 @@ class LocalCluster:
         self._nats: NatsServer | None = None
         self._watcher: HeartbeatWatcher | None = None
         self._supervisor: Supervisor | None = None  # forks every child; restarts them when supervising
+        self._nats_started_at = 0.0  # time.monotonic()
         ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
         self._console = Console(sys.stdout if log is _STDOUT else log, ids + ["kvserve", "nats-server"])
 
@@ -165,6 +166,7 @@ class LocalCluster:
             self._nats = NatsServer()
             self._nats.preexec_fn = die_with_launcher()
             self._supervisor.call(self._nats.start)
+            self._nats_started_at = time.monotonic()
             self.nats_url = self._nats.url
             self.echo(f"nats-server listening on {self._nats.public_url}", label="kvserve")
             self._watcher = HeartbeatWatcher(
@@ -361,7 +363,7 @@ class LocalCluster:
             start=self._restart_nats,
             on_exit=lambda ended: self._on_exit(ended, None),
             backoff=backoff(),
-            started_at=time.monotonic(),
+            started_at=self._nats_started_at,
         )
 
     def _on_exit(self, ended: Exit, inst: ServiceProcess | None) -> None:
