@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import subprocess
+import tempfile
 import sys
 import threading
 import time
@@ -73,6 +74,7 @@ class LocalCluster:
         store_dir: str | Path | None = None,
         gateway_port: int = 8000,
         gateway_host: str = "127.0.0.1",
+        nats_host: str = "127.0.0.1",
         model: str | None = None,
         dtype: str = "auto",
         device: str = "cpu",
@@ -91,6 +93,7 @@ class LocalCluster:
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.gateway_port = gateway_port
         self.gateway_host = gateway_host
+        self.nats_host = nats_host  # the address nats-server listens on (another host's services must reach it)
         self.model = model
         self.dtype = dtype  # the explicit dtype every service gets, once start() has resolved "auto"
         self.device = device
@@ -110,6 +113,7 @@ class LocalCluster:
         self._nats: NatsServer | None = None
         self._watcher: HeartbeatWatcher | None = None
         self._supervisor: Supervisor | None = None  # forks every child; restarts them when supervising
+        self._runtime: tempfile.TemporaryDirectory | None = None  # what the services leave for their restarts
         self._nats_started_at = 0.0  # time.monotonic()
         ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
         self._console = Console(sys.stdout if log is _STDOUT else log, ids + ["kvserve", "nats-server"])
@@ -163,7 +167,8 @@ class LocalCluster:
         self._supervisor.start()
         try:
             self._resolve_model()
-            self._nats = NatsServer()
+            self._runtime = tempfile.TemporaryDirectory(prefix="kvserve-cluster-")  # mode 0700
+            self._nats = NatsServer(host=self.nats_host)
             self._nats.preexec_fn = die_with_launcher()
             self._supervisor.call(self._nats.start)
             self._nats_started_at = time.monotonic()
@@ -213,6 +218,9 @@ class LocalCluster:
             self._nats = None
         if self._supervisor is not None:
             self._supervisor.stop()  # last: children it forked that were still alive would die with it
+        if self._runtime is not None:
+            self._runtime.cleanup()
+            self._runtime = None
 
     def join(self) -> None:
         """Block until the cluster is stopped (by ``stop()`` in another thread). Raises
@@ -320,6 +328,9 @@ class LocalCluster:
             env["KVSERVE_API_KEY"] = self.api_key
         if role == "gateway":
             env.update(KVSERVE_GATEWAY_HOST=self.gateway_host, KVSERVE_GATEWAY_PORT=str(self.gateway_port))
+        if role in ("prefill", "decode") and self._runtime is not None:
+            # a restarted worker reuses its first run's calibration (libs/common/cost_model.py)
+            env["KVSERVE_CALIBRATION_FILE"] = str(Path(self._runtime.name) / f"{instance_id}.calibration.json")
         if role == "store" and self.store_dir is not None:
             env["KVSERVE_STORE_DIR"] = str(self.store_dir / instance_id)
         if not self.counts["store"]:

@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import signal
+from pathlib import Path
 
 from libs.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from libs.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
@@ -59,8 +60,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=os.environ.get("KVSERVE_API_KEY") or None,
         metavar="KEY",
         help="require 'Authorization: Bearer KEY' on every request but the health probes and /openapi.json "
-        "(default: $KVSERVE_API_KEY, else none)",
+        "(default: $KVSERVE_API_KEY, else none). A key given here is visible to every local user in the "
+        "process list: prefer $KVSERVE_API_KEY or --api-key-file",
     )
+    parser.add_argument(
+        "--api-key-file", type=_read_key, dest="api_key_file", metavar="PATH",
+        help="read the API key from the first line of this file (keep it mode 0600)",
+    )  # fmt: skip
     parser.add_argument(
         "--timeout", type=float, default=120.0, metavar="SECONDS",
         help="how long every service has to become ready (default 120; preparing the model is not counted)",
@@ -79,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         device=args.device,
-        api_key=args.api_key,
+        api_key=args.api_key_file or args.api_key,
         supervise=True,
     )
     return serve(cluster, timeout=args.timeout)
@@ -121,20 +127,31 @@ def banner(cluster: LocalCluster) -> str:
         "messages": [{"role": "user", "content": "What is the capital of France?"}],
         "stream": True,
     }
-    curl = ["curl", "-N", f"{url}/chat/completions", "-H", "Content-Type: application/json"]
-    if cluster.api_key:
-        curl += ["-H", f"Authorization: Bearer {cluster.api_key}"]
-    curl += ["-d", json.dumps(body)]
+    curl = shlex.join(["curl", "-N", f"{url}/chat/completions", "-H", "Content-Type: application/json"])
+    if cluster.api_key:  # never the key itself: this goes to the terminal and to logs
+        curl += ' -H "Authorization: Bearer $KVSERVE_API_KEY"'
+    curl += " -d " + shlex.quote(json.dumps(body))
+    key_note = "(with KVSERVE_API_KEY set to the API key in your shell)\n" if cluster.api_key else ""
     return (
         f"\nkvserve is up: {url}\n"
         f"model: {cluster.model_id} ({cluster.dtype}, {cluster.device})\n"
-        f"try it:\n  {shlex.join(curl)}\n"
+        f"try it:\n  {curl}\n{key_note}"
         f"Ctrl-C stops the cluster.\n"
     )
 
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the cluster exactly as Ctrl-C does
+
+
+def _read_key(path: str) -> str:
+    try:
+        key = Path(path).read_text().splitlines()[0].strip() if Path(path).stat().st_size else ""
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read the API key file: {e.strerror}") from None
+    if not key:
+        raise argparse.ArgumentTypeError(f"{path} holds no API key")
+    return key
 
 
 def _positive(text: str) -> int:

@@ -16,7 +16,9 @@ import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 
+import msgspec
 import numpy as np
 
 from libs.common.schema import CostCoefficients
@@ -132,6 +134,52 @@ def calibrate(engine, budget_s: float = 5.0) -> CostCoefficients:
     )  # fmt: skip
     log.info("calibrated in %.1f s: %s", time.perf_counter() - started, CostModel(coefficients).describe())
     return coefficients
+
+
+def calibrate_once(engine, saved: str | None) -> CostCoefficients:
+    """``calibrate``, unless the file ``saved`` holds what an earlier run of this same
+    instance measured on an engine of the same shape; then write what was measured there.
+
+    A supervisor restarting a worker gives it the same file: the restarted worker serves
+    seconds sooner and is not timed on a machine still busy with the load its death left
+    (which would skew its cost model). A file that does not match is measured over."""
+    key = _engine_key(engine)
+    path = Path(saved) if saved else None
+    if path is not None and path.is_file():
+        try:
+            found = msgspec.json.decode(path.read_bytes(), type=_SavedCalibration)
+        except (OSError, msgspec.DecodeError) as e:
+            log.warning("ignoring the saved calibration %s: %s", path, e)
+        else:
+            if found.engine == key:
+                log.info("reusing this instance's calibration from its previous run: %s",
+                         CostModel(found.coefficients).describe())  # fmt: skip
+                return found.coefficients
+    coefficients = calibrate(engine)
+    if path is not None:
+        try:
+            temp = path.with_suffix(".tmp")
+            temp.write_bytes(msgspec.json.encode(_SavedCalibration(engine=key, coefficients=coefficients)))
+            temp.replace(path)
+        except OSError as e:
+            log.warning("cannot save the calibration to %s: %s", path, e)
+    return coefficients
+
+
+class _SavedCalibration(msgspec.Struct, frozen=True):
+    engine: str  # _engine_key of the engine it was measured on
+    coefficients: CostCoefficients
+
+
+def _engine_key(engine) -> str:
+    """What a calibration depends on: the model's shape, dtype, device, pool and threads."""
+    import torch
+
+    config = engine.model.config
+    return (f"{config.hidden_size}x{config.num_layers}x{config.intermediate_size}x{config.vocab_size}"
+            f"/{engine.pool.layout.block_nbytes}B/{engine.cache.block_pool.num_blocks}blocks"
+            f"/{next(engine.model.parameters()).dtype}/{next(engine.model.parameters()).device}"
+            f"/{torch.get_num_threads()}threads")  # fmt: skip
 
 
 def _fitting(engine, plan, shape_of) -> list:

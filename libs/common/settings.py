@@ -83,6 +83,7 @@ class ModelSettings:
     num_blocks: int
     max_model_len: int | None
     calibrate: bool = False  # time the engine at start and report the fitted cost model (KVSERVE_CALIBRATE, on)
+    calibration_file: str | None = None  # where a restart finds this instance's calibration (KVSERVE_CALIBRATION_FILE)
 
     @classmethod
     def from_env(cls, default_blocks: int = 512) -> "ModelSettings":
@@ -95,6 +96,7 @@ class ModelSettings:
             num_blocks=env_int("NUM_BLOCKS", default_blocks),
             max_model_len=max_len or None,
             calibrate=env_bool("CALIBRATE", True),
+            calibration_file=env_str("CALIBRATION_FILE", "") or None,
         )
         if settings.block_size < 1 or settings.num_blocks < 1:
             raise SystemExit("KVSERVE_BLOCK_SIZE and KVSERVE_NUM_BLOCKS must be positive")

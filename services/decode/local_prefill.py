@@ -8,7 +8,7 @@ model at start-up and reports it, with the batch it is running, in heartbeats.
 from nats.aio.msg import Msg
 
 from libs.common import subjects
-from libs.common.cost_model import CostModel, calibrate
+from libs.common.cost_model import CostModel, calibrate_once
 from libs.common.errors import KVServeError
 from libs.common.model.sampling import sample
 from libs.common.model.sequence import Sequence
@@ -26,7 +26,7 @@ class LocalPrefill:
     async def start(self, stack) -> None:
         w = self.worker
         if self.calibrate_at_start:
-            self.cost = await w.host.run(calibrate, w.engine)
+            self.cost = await w.host.run(calibrate_once, w.engine, w.config.model.calibration_file)
             w.log.info("cost model: %s", CostModel(self.cost).describe())
         await w.subscribe(subjects.decode_prefill(w.instance_id), PrefillRequest, self.on_prefill)
 

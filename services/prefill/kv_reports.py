@@ -4,7 +4,7 @@ start-up on this machine. The worker calls `start` and `fill` (its heartbeat);
 the block pool's listener is set here, so the worker's loop knows nothing of it.
 """
 
-from libs.common.cost_model import CostModel, calibrate
+from libs.common.cost_model import CostModel, calibrate_once
 from libs.common.engine_host import EngineHost
 from libs.common.kv_events import KVEventLog, KVEventPublisher
 from libs.common.model.hashing import BlockHash
@@ -12,10 +12,11 @@ from libs.common.schema import CostCoefficients, Heartbeat
 
 
 class KVReports:
-    def __init__(self, service, host: EngineHost, calibrate_at_start: bool) -> None:
+    def __init__(self, service, host: EngineHost, calibrate_at_start: bool, calibration_file: str | None = None) -> None:
         self.service = service
         self.host = host
         self.calibrate_at_start = calibrate_at_start
+        self.calibration_file = calibration_file  # where a restart of this instance finds its calibration
         self.events = KVEventLog(service.instance_id)
         self.publisher = KVEventPublisher(service, self.events)
         self.cost: CostCoefficients | None = None
@@ -23,7 +24,7 @@ class KVReports:
 
     async def start(self, stack) -> None:
         if self.calibrate_at_start:
-            self.cost = await self.host.run(calibrate, self.host.engine)
+            self.cost = await self.host.run(calibrate_once, self.host.engine, self.calibration_file)
             self.service.log.info("cost model: %s", CostModel(self.cost).describe())
         await self.publisher.start(stack)
 

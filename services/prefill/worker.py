@@ -72,7 +72,9 @@ class PrefillWorker(Service):
         self.store = StoreClient(self, self.host, settings.store_replicas) if settings.use_store else None
         self.handoff = Handoff(self, self.host)
         self.decoders = PeerDirectory()  # for retrying a failed hand-off elsewhere
-        self.reports = KVReports(self, self.host, settings.model.calibrate)  # KV events and cost model
+        self.reports = KVReports(  # KV events and cost model
+            self, self.host, settings.model.calibrate, settings.model.calibration_file
+        )
 
     async def start(self, stack: AsyncExitStack) -> None:
         stack.callback(self.host.close)

@@ -205,8 +205,24 @@ def test_serve_announces_once_and_stops_cleanly_on_sigterm(model_dir):
     assert "model: tiny-llama (float32, cpu)\n" in out
     assert (
         f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
-        "-H 'Authorization: Bearer s3cret' "
+        '-H "Authorization: Bearer $KVSERVE_API_KEY" '
         """-d '{"model": "tiny-llama", "messages": [{"role": "user", "content": "What is the capital of France?"}], """
         """"stream": true}'\n"""
     ) in out
+    assert "Bearer s3cret" not in out  # the banner never prints the key itself
     assert children() == before
+
+
+def test_the_api_key_is_read_from_a_file_and_a_missing_or_empty_one_is_refused(tmp_path, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    up.add_parser(parser.add_subparsers())
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    assert parser.parse_args(["up", "--api-key-file", str(key_file)]).api_key_file == "from-a-file"
+    (tmp_path / "empty").write_text("")
+    for bad in (tmp_path / "empty", tmp_path / "missing"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["up", "--api-key-file", str(bad)])
+    assert "API key" in capsys.readouterr().err

@@ -1,0 +1,39 @@
+"""A restarted worker reuses its previous run's calibration when its engine has the same shape."""
+
+import msgspec
+import pytest
+
+from libs.common import cost_model
+from libs.common.model.engine import EngineConfig
+from libs.common.model.loader import build_engine
+
+
+@pytest.fixture
+def engine(tiny_model):
+    return build_engine(tiny_model, EngineConfig(num_blocks=64))
+
+
+def test_a_saved_calibration_of_the_same_engine_is_reused_and_another_is_measured_over(engine, tmp_path, monkeypatch):
+    saved = tmp_path / "prefill-0.calibration.json"
+    measured = []
+    real = cost_model.calibrate
+    monkeypatch.setattr(cost_model, "calibrate", lambda e: measured.append(e) or real(e))
+
+    first = cost_model.calibrate_once(engine, str(saved))
+    assert len(measured) == 1 and saved.is_file()
+    assert cost_model.calibrate_once(engine, str(saved)) == first  # the restart: nothing timed
+    assert len(measured) == 1
+
+    other = msgspec.json.decode(saved.read_bytes())
+    other["engine"] = "another shape"
+    saved.write_bytes(msgspec.json.encode(other))
+    cost_model.calibrate_once(engine, str(saved))  # a different engine: measured again, file rewritten
+    assert len(measured) == 2
+    assert msgspec.json.decode(saved.read_bytes())["engine"] != "another shape"
+
+    saved.write_text("not json")
+    cost_model.calibrate_once(engine, str(saved))
+    assert len(measured) == 3
+
+    cost_model.calibrate_once(engine, None)  # no file: always measured
+    assert len(measured) == 4
