@@ -33,6 +33,7 @@ class Service:
         self.log = logging.getLogger(f"kvserve.{settings.role}")
         self.nc: NATS | None = None
         self.stopping = asyncio.Event()
+        self.reconnects = 0  # times the NATS connection came back: messages sent meanwhile may be lost
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
 
@@ -88,6 +89,7 @@ class Service:
                 self.log.warning("disconnected from NATS; reconnecting")
 
         async def reconnected() -> None:
+            self.reconnects += 1
             where = self.nc.connected_url if self.nc else None
             self.log.info("reconnected to NATS at %s", f"{where.hostname}:{where.port}" if where else "?")
 

@@ -48,7 +48,11 @@ from services.gateway.worker_watch import WorkerWatch
 
 CONTROL_TIMEOUT = 5.0  # seconds the conductor and a prefill worker have to answer
 MIN_WAIT = 0.001  # seconds: a wait on the token subject that is due now still takes what is there
+RECONNECT_CHECK = 0.5  # seconds: a silent token subject is checked this often for a NATS reconnect
 _MISSING_ROLE_CODES = ("no_prefill", "no_decode", "no_instances")
+# A prefill worker's hand-off found no decode worker answering (one died, or NATS was
+# down a moment): the request is worth another admission, which sees the cluster anew.
+_HANDOFF_LOST_CODES = ("decode_unavailable", "no_decode")
 
 log = logging.getLogger("kvserve.gateway.dispatch")
 
@@ -64,7 +68,7 @@ class SLOOverride:
 class WorkerLostError(ServiceUnavailableError):
     """A worker serving the request is gone (silent, restarted, or not taking requests)."""
 
-    def __init__(self, message: str, instance_id: str, role: str) -> None:
+    def __init__(self, message: str, instance_id: str | None, role: str) -> None:  # None: the control plane
         super().__init__(message, "worker_lost")
         self.instance_id = instance_id
         self.role = role
@@ -99,6 +103,7 @@ class RequestRun:
         self._sub = None
         self._may_be_running = False  # some service may hold the request: cancel it on the way out
         self._failure: str | None = None  # why the token stream failed, for the Cancel
+        self._reconnects = 0  # the service's NATS reconnects when the token subject was subscribed
 
     @property
     def finished(self) -> bool:
@@ -110,6 +115,7 @@ class RequestRun:
             await self._admit()
             # Subscribe before any work is sent, so not even the first token can be missed.
             self._sub = await self.service.nc.subscribe(subjects.tokens(self.request_id))
+            self._reconnects = getattr(self.service, "reconnects", 0)
             await self._submit()
         except BaseException as e:
             await self.close(_reason(e))
@@ -196,7 +202,10 @@ class RequestRun:
             return []
         if chunk.error is not None:
             self._failure = f"error: {chunk.error.code}"
-            raise _worker_error(chunk.error, f"instance {chunk.instance_id}" if chunk.instance_id else "a worker")
+            where = f"instance {chunk.instance_id}" if chunk.instance_id else "a worker"
+            if chunk.error.code in _HANDOFF_LOST_CODES:  # no decode worker took the KV: admit it again
+                raise WorkerLostError(f"{where} failed: {chunk.error.message}", None, "decode")
+            raise _worker_error(chunk.error, where)
         if chunk.index == 0 and self.ttft_s is None and self._admitted_at is not None:
             self.ttft_s = time.monotonic() - self._admitted_at
             await self._progress(RequestProgress(request_id=self.request_id, kind="first_token", ttft_s=self.ttft_s))
@@ -211,9 +220,14 @@ class RequestRun:
         while True:
             wait = min(deadline - time.monotonic(), self.watch.seconds_to_next_check() if self.watch else math.inf)
             try:
-                return await self._sub.next_msg(timeout=max(wait, MIN_WAIT))
+                return await self._sub.next_msg(timeout=max(min(wait, RECONNECT_CHECK), MIN_WAIT))
             except nats.errors.TimeoutError:
                 pass
+            if getattr(self.service, "reconnects", 0) != self._reconnects:
+                # NATS came back after an outage: tokens published meanwhile are lost, and
+                # this silence says the stream is stuck behind them. Continue it elsewhere.
+                self._failure = "NATS reconnected"
+                raise WorkerLostError("the stream was cut by a NATS outage", None, "nats")
             gone = self.watch.gone() if self.watch is not None else None
             if gone is not None:
                 self._failure = f"{gone.instance_id} is gone"

@@ -11,6 +11,7 @@ left off, so greedy output equals an undisturbed run. After ``max_attempts``
 the loss is raised. Knows nothing of HTTP or text.
 """
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -21,11 +22,15 @@ import msgspec
 from libs.common.model.hashing import BlockHash
 from libs.common.schema import AdmitReply, TokenChunk
 from services.gateway.dispatch import RequestRun, WorkerLostError
+from services.gateway.errors import ServiceUnavailableError
 from services.gateway.served_model import PreparedRequest
 
 # (the request for this attempt, instances to exclude) -> an attempt not yet entered
 AttemptFactory = Callable[[PreparedRequest, frozenset[str]], RequestRun]
 BlockHasher = Callable[[list[int]], Awaitable[list[BlockHash]]]
+
+ADMIT_RETRY_WINDOW = 5.0  # seconds a moved request waits for a conductor to answer again
+ADMIT_RETRY_DELAY = 0.2
 
 log = logging.getLogger("kvserve.gateway.migration")
 
@@ -102,7 +107,8 @@ class MigratingRun:
                 break
             except WorkerLostError as e:
                 lost, self._attempt = self._attempt, None
-                await lost.close(f"moved elsewhere: {e.instance_id} is gone")
+                why = f"{e.instance_id} is gone" if e.instance_id else "NATS cut the stream"
+                await lost.close(f"moved elsewhere: {why}")
                 self._lost(e)
                 await self._start_attempt()
         if chunks and self.ttft_s is None:
@@ -117,7 +123,10 @@ class MigratingRun:
 
     # --- attempts -------------------------------------------------------------------------
     async def _start_attempt(self) -> None:
-        """Admit and submit the next attempt; move on again if its worker is already gone."""
+        """Admit and submit the next attempt; move on again if its worker is already gone.
+        A later attempt that finds no conductor answering (NATS just came back and the
+        conductor has not resubscribed yet) asks again for up to ``ADMIT_RETRY_WINDOW``."""
+        retry_until = time.monotonic() + ADMIT_RETRY_WINDOW
         while True:
             self._num_attempts += 1
             run = self._new_attempt(await self._attempt_request(), frozenset(self._gone))
@@ -126,13 +135,20 @@ class MigratingRun:
             except WorkerLostError as e:
                 self._lost(e)
                 continue
+            except ServiceUnavailableError as e:
+                if self._num_attempts == 1 or e.code != "no_conductor" or time.monotonic() >= retry_until:
+                    raise
+                self._num_attempts -= 1  # not a worker lost: the same attempt, asked again
+                await asyncio.sleep(ADMIT_RETRY_DELAY)  # a bounded wait for the conductor to come back
+                continue
             self._attempt, self._offset = run, len(self._delivered)
             self._served.append(run)
             return
 
     def _lost(self, error: WorkerLostError) -> None:
         """Note the gone instance; raise when no attempt is left."""
-        self._gone.add(error.instance_id)
+        if error.instance_id is not None:  # None: a NATS outage cut the stream, every worker may still serve
+            self._gone.add(error.instance_id)
         if self._num_attempts >= self.max_attempts:
             log.warning("%s: %s; no attempt left (%d made)", self.request_id, error, self._num_attempts)
             message = f"{error}; the request was given up after {self._num_attempts} attempts"

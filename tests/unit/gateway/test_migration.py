@@ -190,3 +190,49 @@ def test_the_number_of_attempts_comes_from_the_environment_and_is_checked(monkey
     monkeypatch.setenv("KVSERVE_GATEWAY_MAX_ATTEMPTS", "0")
     with pytest.raises(SystemExit, match="at least one attempt"):
         settings_from_env()
+
+
+
+async def test_a_stream_cut_by_a_nats_outage_continues_on_the_same_workers_excluding_none():
+    cut = WorkerLostError("the stream was cut by a NATS outage", None, "nats")
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [[chunk(0, "H", instance="p0")], [chunk(1, "i", instance="d0")], cut]},
+        {"route": ("p0", "d0"), "script": [[chunk(0, "!", "stop", instance="p0")]]},
+    )
+    async with cluster.run() as run:
+        chunks = await read_all(run)
+    first, second = cluster.attempts
+    assert second.exclude == frozenset()  # every worker may still serve: only messages were lost
+    assert second.prepared.prompt_token_ids == PROMPT + ids("Hi") and second.prepared.sampling.max_tokens == 8
+    assert [(c.index, bytes(c.token_ids).decode()) for c in chunks] == [(0, "H"), (1, "i"), (2, "!")]
+    assert first.closed == ["moved elsewhere: NATS cut the stream"]
+    assert run.migrations == 1
+
+
+async def test_a_moved_request_asks_again_while_no_conductor_answers_without_spending_an_attempt(monkeypatch):
+    from services.gateway import migration
+    from services.gateway.errors import ServiceUnavailableError
+
+    monkeypatch.setattr(migration, "ADMIT_RETRY_DELAY", 0.0)
+    no_conductor = ServiceUnavailableError("conductor unavailable: no conductor is running", "no_conductor")
+    cut = WorkerLostError("the stream was cut by a NATS outage", None, "nats")
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [[chunk(0, "H", instance="p0")], cut]},
+        {"route": ("p0", "d0"), "enter_error": no_conductor},
+        {"route": ("p0", "d0"), "enter_error": no_conductor},
+        {"route": ("p0", "d0"), "script": [[chunk(0, "i", "stop", instance="p0")]]},
+    )
+    async with cluster.run(max_attempts=2) as run:
+        chunks = await read_all(run)
+    assert [bytes(c.token_ids).decode() for c in chunks] == ["H", "i"]
+    assert [a.prepared.request_id for a in cluster.attempts] == ["req", "req-m1", "req-m1", "req-m1"]
+    assert run.migrations == 1
+
+
+async def test_a_first_attempt_with_no_conductor_fails_at_once():
+    from services.gateway.errors import ServiceUnavailableError
+
+    cluster = Cluster({"route": ("p0", "d0"), "enter_error": ServiceUnavailableError("no conductor", "no_conductor")})
+    with pytest.raises(ServiceUnavailableError):
+        async with cluster.run():
+            pass
