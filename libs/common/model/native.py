@@ -21,7 +21,11 @@ from libs.common.model.default_model import cache_dir
 
 log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent / "kernels"
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+# The reassociation -ffast-math would allow (vectorised sums), without -ffast-math itself:
+# that links crtfastmath.o, whose constructor flushes subnormal floats to zero for the
+# whole process that loads the library, not just this kernel.
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math", "-fno-signed-zeros",
+         "-freciprocal-math", "-fopenmp", "-shared", "-fPIC"]  # fmt: skip
 
 
 @functools.cache
