@@ -4,7 +4,7 @@ LocalCluster owns processes — it starts them, prefixes and keeps their logs,
 watches heartbeats to tell when the cluster is ready, and stops them — and
 knows nothing about what the services do. `kvserve up` and the integration
 tests both run on it. Every child dies with the process that started it; with
-``supervise=True`` one that exits is started again (libs/cli/supervisor.py).
+``supervise=True`` one that exits is started again (kvserve/cli/supervisor.py).
 """
 
 import os
@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
-from libs.cli.console import Console
-from libs.cli.heartbeats import HeartbeatWatcher
-from libs.cli.service_process import ServiceProcess, describe_exit
-from libs.cli.supervisor import (
+from kvserve.cli.console import Console
+from kvserve.cli.heartbeats import HeartbeatWatcher
+from kvserve.cli.service_process import ServiceProcess, describe_exit
+from kvserve.cli.supervisor import (
     HEALTHY_AFTER_SECONDS,
     RESTART_DELAY_FIRST,
     RESTART_DELAY_MAX,

@@ -11,9 +11,9 @@ import shlex
 import signal
 from pathlib import Path
 
-from libs.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
-from libs.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
-from libs.cli.options import add_model_options
+from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
+from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
+from kvserve.cli.options import add_model_options
 
 DESCRIPTION = f"""\
 Run a kvserve cluster on this machine, in the foreground: nats-server, a conductor,

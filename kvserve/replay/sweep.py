@@ -16,12 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.replay import plots, report
-from libs.replay.client import Endpoint, plan, replay
-from libs.replay.metrics import SLO, Summary, summarize
-from libs.replay.prompts import PromptSynthesizer
-from libs.replay.records import Run
-from libs.replay.trace import TraceRequest
+from kvserve.replay import plots, report
+from kvserve.replay.client import Endpoint, plan, replay
+from kvserve.replay.metrics import SLO, Summary, summarize
+from kvserve.replay.prompts import PromptSynthesizer
+from kvserve.replay.records import Run
+from kvserve.replay.trace import TraceRequest
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 import numpy as np  # noqa: E402
 
-from libs.replay.metrics import Summary  # noqa: E402
-from libs.replay.records import Run  # noqa: E402
+from kvserve.replay.metrics import Summary  # noqa: E402
+from kvserve.replay.records import Run  # noqa: E402
 
 
 def ttft_cdf(runs: Sequence[Run], path: Path, slo_ttft_ms: float | None = None) -> Path:

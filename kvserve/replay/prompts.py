@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from libs.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest
+from kvserve.replay.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 _BLOCK_STREAM, _TAIL_STREAM = 0, 1  # keep the two RNG families apart
 

@@ -8,7 +8,7 @@ from libs.common.errors import KVServeError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from libs.cli import bench, chat, model, nats_config, simulate, up
+    from kvserve.cli import bench, chat, model, nats_config, simulate, up
 
     parser = argparse.ArgumentParser(
         prog="kvserve",

@@ -19,9 +19,9 @@ from typing import Any
 import aiohttp
 from tqdm import tqdm
 
-from libs.replay.prompts import PromptSynthesizer
-from libs.replay.records import RequestRecord, Run
-from libs.replay.trace import TraceRequest, arrival_offsets_ms
+from kvserve.replay.prompts import PromptSynthesizer
+from kvserve.replay.records import RequestRecord, Run
+from kvserve.replay.trace import TraceRequest, arrival_offsets_ms
 
 
 @dataclass(frozen=True)

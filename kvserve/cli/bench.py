@@ -1,7 +1,7 @@
 """``kvserve bench``: replay a Mooncake-format trace against any OpenAI-compatible
 endpoint and report latency percentiles, SLO attainment and goodput.
 
-The command line and the files it names only; the replay is ``libs.replay``'s.
+The command line and the files it names only; the replay is ``kvserve.replay``'s.
 """
 
 import argparse
@@ -92,11 +92,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from libs.replay.client import Endpoint
-    from libs.replay.metrics import SLO
-    from libs.replay.report import runs_table
-    from libs.replay.sweep import SweepSettings, run_sweep, write_outputs
-    from libs.replay.trace import load_trace
+    from kvserve.replay.client import Endpoint
+    from kvserve.replay.metrics import SLO
+    from kvserve.replay.report import runs_table
+    from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs
+    from kvserve.replay.trace import load_trace
 
     requests = load_trace(args.trace, args.max_requests, args.start)
     settings = SweepSettings(
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 def load_vocab(spec: str | None) -> list[int]:
     """The ordinary token ids of a tokenizer: a tokenizer.json, a HF folder, or the default model."""
     from libs.common.model.default_model import resolve_model_path
-    from libs.replay.prompts import ordinary_vocab
+    from kvserve.replay.prompts import ordinary_vocab
 
     path = Path(spec) if spec is not None else resolve_model_path(None)[0]
     tok_file = path if path.is_file() else path / "tokenizer.json"

@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from libs.cli.supervisor import die_with_launcher, remove_segments_of
+from kvserve.cli.supervisor import die_with_launcher, remove_segments_of
 
 LOG_TAIL_LINES = 200
 

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from libs.replay.records import RequestRecord, Run
+from kvserve.replay.records import RequestRecord, Run
 
 PERCENTILES = (50, 90, 99)
 

@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from libs.cli.options import add_model_options
+from kvserve.cli.options import add_model_options
 from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine, load_model

@@ -3,7 +3,7 @@ its latency percentiles. Formatting only; the numbers come from ``metrics``."""
 
 from collections.abc import Sequence
 
-from libs.replay.metrics import Distribution, Summary, goodput_at_attainment
+from kvserve.replay.metrics import Distribution, Summary, goodput_at_attainment
 
 
 def _num(value: float | None, digits: int = 0) -> str:
