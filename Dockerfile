@@ -12,6 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 COPY pyproject.toml README.md /tmp/kvserve/
+COPY kvserve /tmp/kvserve/kvserve
 COPY libs /tmp/kvserve/libs
 COPY services /tmp/kvserve/services
 RUN pip install /tmp/kvserve && rm -rf /tmp/kvserve

@@ -37,8 +37,8 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from libs.cli.cluster import LocalCluster  # noqa: E402
-from libs.replay.streams import ChatLoad, StreamOutcome, run_streams, tally  # noqa: E402
+from kvserve.cli.cluster import LocalCluster  # noqa: E402
+from kvserve.replay.streams import ChatLoad, StreamOutcome, run_streams, tally  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 ENV = {"KVSERVE_NUM_BLOCKS": "256", "KVSERVE_STORE_CAPACITY_BYTES": str(128 << 20)}
@@ -138,7 +138,7 @@ def start(supervise: bool, log) -> LocalCluster:
 def kill_the_launcher(args) -> Row:
     env = {**os.environ, **ENV, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "libs.cli.main", "up", "--port", "0", "--prefill", "2", "--decode", "2"],
+        [sys.executable, "-m", "kvserve.cli.main", "up", "--port", "0", "--prefill", "2", "--decode", "2"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     url = None

@@ -33,16 +33,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from libs.cli.bench import load_vocab  # noqa: E402
-from libs.cli.cluster import LocalCluster  # noqa: E402
+from kvserve.cli.bench import load_vocab  # noqa: E402
+from kvserve.cli.cluster import LocalCluster  # noqa: E402
 from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path  # noqa: E402
-from libs.replay.client import Endpoint, plan, replay  # noqa: E402
-from libs.replay.metrics import SLO, Summary, goodput_at_attainment, summarize  # noqa: E402
-from libs.replay.prompts import PromptSynthesizer  # noqa: E402
-from libs.replay.records import Run  # noqa: E402
-from libs.replay.report import runs_table  # noqa: E402
-from libs.replay.sweep import SweepSettings, run_sweep, write_outputs  # noqa: E402
-from libs.replay.trace import load_trace  # noqa: E402
+from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
+from kvserve.replay.metrics import SLO, Summary, goodput_at_attainment, summarize  # noqa: E402
+from kvserve.replay.prompts import PromptSynthesizer  # noqa: E402
+from kvserve.replay.records import Run  # noqa: E402
+from kvserve.replay.report import runs_table  # noqa: E402
+from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs  # noqa: E402
+from kvserve.replay.trace import load_trace  # noqa: E402
 
 LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
 # --no-repack: this build's AMX matmul (used for repacked weights on CPUs with AMX) crashes

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from libs.cli.cluster import LocalCluster
+from kvserve.cli.cluster import LocalCluster
 
 # float32 so outputs compare exactly with the one-process reference; small pools keep start-up quick
 CLUSTER_ENV = {

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from libs.cli.main import main as kvserve
+from kvserve.cli.main import main as kvserve
 from libs.common.nats_auth import load_credentials
 from libs.common.nats_server import find_nats_server
 
@@ -52,13 +52,13 @@ def environment(service: dict, env: dict[str, str] | None = None) -> dict[str, s
 
 
 def code_reads(name: str) -> bool:
-    """Whether code under libs/ or services/ reads KVSERVE_<name>: by its full name, or
+    """Whether code under kvserve/, libs/ or services/ reads KVSERVE_<name>: by its full name, or
     through the settings helpers (env_str("NAME"), env_int("NAME"), ...). The launcher,
     which only sets these variables, does not count."""
     short = name.removeprefix("KVSERVE_")
     read = re.compile(rf"""\b{name}\b|env_(?:str|int|float|bool)\(\s*["']{short}["']""")
-    launcher = ROOT / "libs" / "cli" / "cluster.py"
-    for folder in ("libs", "services"):
+    launcher = ROOT / "kvserve" / "cli" / "cluster.py"
+    for folder in ("kvserve", "libs", "services"):
         for path in (ROOT / folder).rglob("*.py"):
             if path != launcher and read.search(path.read_text()):
                 return True

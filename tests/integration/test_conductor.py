@@ -11,7 +11,7 @@ import urllib.request
 import nats
 import pytest
 
-from libs.cli.cluster import LocalCluster
+from kvserve.cli.cluster import LocalCluster
 from libs.common import schema, subjects
 from libs.common.cost_model import CostModel
 from libs.common.schema import MetricsReply, MetricsRequest

@@ -67,7 +67,7 @@ def test_with_no_decode_worker_alive_requests_fail_at_once_with_503():
 def test_kvserve_up_prints_its_url_serves_and_stops_on_ctrl_c():
     env = {**os.environ, **CLUSTER_ENV, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "libs.cli.main", "up", "--port", "0", "--dtype", "float32"],
+        [sys.executable, "-m", "kvserve.cli.main", "up", "--port", "0", "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     try:

@@ -21,8 +21,8 @@ import aiohttp
 import pytest
 from openai import OpenAI
 
-from libs.cli.cluster import LocalCluster
-from libs.replay.streams import ChatLoad, run_streams, tally
+from kvserve.cli.cluster import LocalCluster
+from kvserve.replay.streams import ChatLoad, run_streams, tally
 from tests.integration.conftest import CLUSTER_ENV, STARTED, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -178,7 +178,7 @@ def _alive(pid: int) -> bool:
 def test_kill_9_of_kvserve_up_leaves_no_service_running():
     env = {**os.environ, **CLUSTER_ENV, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "libs.cli.main", "up", "--port", "0", "--dtype", "auto"],
+        [sys.executable, "-m", "kvserve.cli.main", "up", "--port", "0", "--dtype", "auto"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
     try:

@@ -13,8 +13,8 @@ import tempfile
 
 import pytest
 
-from libs.cli.cluster import LocalCluster
-from libs.replay.streams import ChatLoad, run_streams
+from kvserve.cli.cluster import LocalCluster
+from kvserve.replay.streams import ChatLoad, run_streams
 from tests.integration.conftest import CLUSTER_ENV, STARTED, wait_until
 from tests.reliability import netns
 

@@ -5,7 +5,7 @@ import io
 import os
 from pathlib import Path
 
-from libs.cli.cluster import ROLES, LocalCluster
+from kvserve.cli.cluster import ROLES, LocalCluster
 
 ROOT = Path(__file__).resolve().parents[3]
 FAKE = "tests.unit.cli.fake_service"

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from libs.cli import up
-from libs.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
-from libs.cli.main import build_parser
+from kvserve.cli import up
+from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
+from kvserve.cli.main import build_parser
 from libs.common.model.default_model import DEFAULT_MODEL_ID
 from tests.unit.cli.harness import children, is_alive, make_cluster
 

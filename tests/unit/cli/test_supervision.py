@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from libs.cli.supervisor import SHM_DIR, Backoff, die_with_launcher, remove_segments_of
+from kvserve.cli.supervisor import SHM_DIR, Backoff, die_with_launcher, remove_segments_of
 from tests.integration.conftest import wait_until
 from tests.unit.cli.harness import ROOT, children, is_alive, make_cluster
 
@@ -145,7 +145,7 @@ def test_a_child_whose_launcher_is_already_gone_exits_before_exec():
     # here the real parent is a forked copy, as when the launcher died before prctl ran.
     script = """if True:
         import os, subprocess, sys
-        from libs.cli.supervisor import die_with_launcher
+        from kvserve.cli.supervisor import die_with_launcher
         preexec = die_with_launcher()
         if os.fork() == 0:
             child = subprocess.Popen([sys.executable, "-c", "print('exec ran')"], preexec_fn=preexec)

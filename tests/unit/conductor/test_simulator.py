@@ -110,8 +110,8 @@ def test_kvserve_simulate_on_a_trace_file_with_a_cost_model_file(tmp_path, capsy
 
     import msgspec
 
-    from libs.cli.main import main
-    from libs.cli.simulate import _coefficients
+    from kvserve.cli.main import main
+    from kvserve.cli.simulate import _coefficients
 
     trace = tmp_path / "trace.jsonl"
     trace.write_text("".join(json.dumps({"timestamp": int(r.arrival_s * 1000), "input_length": r.input_length,

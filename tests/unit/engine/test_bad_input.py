@@ -61,7 +61,7 @@ def test_corrupt_weights_file(tmp_path):
 
 def test_cli_reports_a_missing_model_in_one_line(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "libs.cli.main", "chat", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
+        [sys.executable, "-m", "kvserve.cli.main", "chat", "--model", str(tmp_path / "nope"), "--prompt", "hi"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert result.returncode == 1

@@ -35,7 +35,7 @@ def test_end_of_turn_is_the_stop_token(smollm):
 
 def test_chat_answers_the_capital_of_france():
     result = subprocess.run(
-        [sys.executable, "-m", "libs.cli.main", "chat", "--prompt", "What is the capital of France?"],
+        [sys.executable, "-m", "kvserve.cli.main", "chat", "--prompt", "What is the capital of France?"],
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -45,7 +45,7 @@ def test_chat_answers_the_capital_of_france():
 def test_interactive_chat_keeps_the_conversation(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "tiny")
     result = subprocess.run(
-        [sys.executable, "-m", "libs.cli.main", "chat", "--model", str(path), "--dtype", "float32",
+        [sys.executable, "-m", "kvserve.cli.main", "chat", "--model", str(path), "--dtype", "float32",
          "--max-tokens", "5"],
         input="hello\n/reset\nagain\n", capture_output=True, text=True, timeout=240,
     )  # fmt: skip

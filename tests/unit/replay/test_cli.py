@@ -6,7 +6,7 @@ import json
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from libs.cli.main import main
+from kvserve.cli.main import main
 from tests.unit.replay.fake_openai import FakeServer, Script, serving_in_thread
 
 TRACE = [

@@ -5,9 +5,9 @@ import asyncio
 
 import pytest
 
-from libs.replay.client import Endpoint, PlannedRequest, replay
-from libs.replay.metrics import SLO, summarize
-from libs.replay.records import RequestRecord
+from kvserve.replay.client import Endpoint, PlannedRequest, replay
+from kvserve.replay.metrics import SLO, summarize
+from kvserve.replay.records import RequestRecord
 from tests.unit.replay import fake_openai
 from tests.unit.replay.fake_openai import FakeServer, Script
 

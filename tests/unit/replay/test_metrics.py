@@ -2,8 +2,8 @@
 
 import pytest
 
-from libs.replay.metrics import SLO, goodput_at_attainment, summarize
-from libs.replay.records import RequestRecord, Run
+from kvserve.replay.metrics import SLO, goodput_at_attainment, summarize
+from kvserve.replay.records import RequestRecord, Run
 
 
 def ok(index, ttft, e2e, output_tokens, itl=(), cached=0, expected_blocks=0) -> RequestRecord:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from libs.replay.prompts import PromptSynthesizer
-from libs.replay.trace import TraceRequest, load_trace
+from kvserve.replay.prompts import PromptSynthesizer
+from kvserve.replay.trace import TraceRequest, load_trace
 
 TRACE = Path(__file__).resolve().parents[3].parent / "shared" / "traces" / "conversation_trace.jsonl"
 VOCAB = list(range(17, 49152))

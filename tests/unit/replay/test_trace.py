@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from libs.replay.trace import TraceError, TraceRequest, arrival_offsets_ms, load_trace
+from kvserve.replay.trace import TraceError, TraceRequest, arrival_offsets_ms, load_trace
 
 
 def write(tmp_path, rows) -> str:
