@@ -11,10 +11,9 @@ from kvserve.replay.records import RequestRecord
 from tests.unit.replay import fake_openai
 from tests.unit.replay.fake_openai import FakeServer, Script
 
-# Scheduled gaps alternate between two values 0.18 s apart; a measurement within
-# half of that of its own schedule cannot be confused with the other one.
+# The server's scheduled delays. Only what causality guarantees is asserted (a token
+# cannot reach the client before the server sent it), never a wall-clock window.
 SHORT, LONG = 0.02, 0.20
-TOLERANCE = (LONG - SHORT) / 2
 
 
 def planned(index: int, scheduled_s: float = 0.0, length: int = 4, max_tokens: int = 5) -> PlannedRequest:
@@ -37,14 +36,15 @@ async def test_latencies_reflect_the_servers_scheduled_delays():
     (record,) = run.records
     assert record.status == "ok" and record.error is None
     assert record.http_status == 200
-    assert 0.3 <= record.ttft_s < 0.3 + TOLERANCE
-    assert len(record.itl_s) == len(itls)
-    for measured, scheduled in zip(record.itl_s, itls):
-        assert abs(measured - scheduled) < TOLERANCE, (measured, scheduled)
-    assert record.e2e_s >= record.ttft_s + sum(record.itl_s)
+    assert len(record.itl_s) == len(itls)  # one gap per token after the first
+    # token k reaches the client no sooner than the server's delays up to it add up to
+    scheduled = [0.3 + sum(itls[:k]) for k in range(len(itls) + 1)]
+    measured = [record.ttft_s + sum(record.itl_s[:k]) for k in range(len(itls) + 1)]
+    assert all(m >= s for m, s in zip(measured, scheduled)), (measured, scheduled)
+    assert all(gap >= 0 for gap in record.itl_s)
+    assert record.e2e_s >= measured[-1]
     assert record.output_tokens == 5 and record.prompt_tokens == 4 and record.cached_tokens == 3
     assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 4)
-    assert abs(record.tpot_s - sum(itls) / 4) < TOLERANCE
 
 
 async def test_request_body_is_a_token_array_with_greedy_ignore_eos_streaming():
@@ -91,6 +91,6 @@ async def test_arrivals_are_open_loop():
     server.arrived[1] = request_1_arrived
     run = await run_against(server, [planned(0, scheduled_s=0.0), planned(1, scheduled_s=0.2)], timeout_s=20)
     assert [r.status for r in run.records] == ["ok", "ok"]
-    assert server.arrivals[1] - server.arrivals[0] >= 0.2  # sent on the trace's clock, not earlier
-    assert run.records[1].start_s >= 0.2
+    assert server.arrivals[1] > server.arrivals[0]
+    assert run.records[1].start_s >= 0.2  # sent on the trace's clock, not earlier
     assert run.records[0].e2e_s > run.records[1].start_s - run.records[0].start_s
