@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -140,17 +141,10 @@ class RequestRun:
         self._may_be_running = True  # from here on the conductor may have admitted it
         try:
             reply = await self.service.request(subjects.CONDUCTOR_ADMIT, admit, AdmitReply, self.control_timeout)
-        except nats.errors.NoRespondersError:
-            self._may_be_running = False
-            raise ServiceUnavailableError("conductor unavailable: no conductor is running", "no_conductor") from None
-        except nats.errors.TimeoutError:
-            raise ServiceUnavailableError(
-                f"conductor unavailable: no answer within {self.control_timeout:g}s", "no_conductor"
-            ) from None
-        except nats.errors.Error as e:
-            raise ServiceUnavailableError(f"conductor unavailable: {e}", "no_conductor") from e
-        except BadMessageError as e:
-            raise UpstreamError(f"the conductor failed to admit the request: {e}") from e
+        except NO_ANSWER as e:
+            if isinstance(e, nats.errors.NoRespondersError):
+                self._may_be_running = False  # no conductor heard of it
+            _raise_no_answer(e, _CONDUCTOR, self.control_timeout)
         if reply.error is not None:
             self._may_be_running = False
             raise _admission_error(reply)
@@ -173,20 +167,13 @@ class RequestRun:
         subject, role = subjects.prefill_submit(self.prefill_id), "prefill"
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation
             subject, role = subjects.decode_prefill(self.decode_id), "decode"
-        where = f"{role} instance {self.prefill_id}"
+        worker = _worker(self.prefill_id, role)
         try:
             ack = await self.service.request(subject, request, Ack, self.control_timeout)
-        except nats.errors.NoRespondersError:  # its process is gone; the conductor has not noticed yet
-            raise WorkerLostError(f"{where} is unavailable", self.prefill_id, role) from None
-        except nats.errors.TimeoutError:
-            message = f"{where} did not answer within {self.control_timeout:g}s"
-            raise WorkerLostError(message, self.prefill_id, role) from None
-        except nats.errors.Error as e:
-            raise ServiceUnavailableError(f"{where} is unreachable: {e}", "no_prefill") from e
-        except BadMessageError as e:
-            raise UpstreamError(f"{where} failed: {e}") from e
+        except NO_ANSWER as e:
+            _raise_no_answer(e, worker, self.control_timeout)
         if ack.error is not None:
-            raise _worker_error(ack.error, where)
+            raise _worker_error(ack.error, worker.where)
 
     # --- the tokens -------------------------------------------------------------
     async def next_chunks(self) -> list[TokenChunk]:
@@ -307,3 +294,65 @@ def _worker_error(error: ErrorInfo, where: str) -> Exception:
     if error.code == "invalid_request":
         return InvalidParameterError(error.message)
     return UpstreamError(f"{where} failed: {error.message}", error.code)
+
+
+# How a control request can get no valid answer: NATS's errors (no responders and
+# timeouts among them) and a reply that is no valid message.
+NO_ANSWER = (nats.errors.Error, BadMessageError)
+
+
+@dataclass(frozen=True)
+class _Answerer:
+    """Who answers a control request, in the words its errors use. A worker's
+    absence or silence is a WorkerLostError, so the request can move; the
+    conductor's is a ServiceUnavailableError. Each phrase is a `str.format`
+    template with ``where``, ``timeout`` and ``error``."""
+
+    where: str
+    gone: str  # no one subscribes to the subject
+    silent: str  # no answer within the timeout
+    unreachable: str  # NATS failed otherwise
+    failed: str  # the reply is no valid message
+    code: str  # the ServiceUnavailableError code when NATS failed
+    instance_id: str | None = None  # a worker: its id, and its role below
+    role: str = ""
+
+    def say(self, phrase: str, timeout: float, error: Exception) -> str:
+        return phrase.format(where=self.where, timeout=timeout, error=error)
+
+
+_CONDUCTOR = _Answerer(
+    where="the conductor",
+    gone="conductor unavailable: no conductor is running",
+    silent="conductor unavailable: no answer within {timeout:g}s",
+    unreachable="conductor unavailable: {error}",
+    failed="the conductor failed to admit the request: {error}",
+    code="no_conductor",
+)
+
+
+def _worker(instance_id: str, role: str) -> _Answerer:
+    return _Answerer(
+        where=f"{role} instance {instance_id}",
+        gone="{where} is unavailable",  # its process is gone; the conductor has not noticed yet
+        silent="{where} did not answer within {timeout:g}s",
+        unreachable="{where} is unreachable: {error}",
+        failed="{where} failed: {error}",
+        code="no_prefill",
+        instance_id=instance_id,
+        role=role,
+    )
+
+
+def _raise_no_answer(error: Exception, who: _Answerer, timeout: float) -> NoReturn:
+    """Raise the domain error for a control request to ``who`` that failed with ``error``
+    (one of NO_ANSWER); called in the ``except`` clause that caught it."""
+    if isinstance(error, BadMessageError):
+        raise UpstreamError(who.say(who.failed, timeout, error)) from error
+    if isinstance(error, (nats.errors.NoRespondersError, nats.errors.TimeoutError)):
+        phrase = who.gone if isinstance(error, nats.errors.NoRespondersError) else who.silent
+        message = who.say(phrase, timeout, error)
+        if who.instance_id is None:
+            raise ServiceUnavailableError(message, who.code) from None
+        raise WorkerLostError(message, who.instance_id, who.role) from None
+    raise ServiceUnavailableError(who.say(who.unreachable, timeout, error), who.code) from error

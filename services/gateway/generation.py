@@ -1,136 +1,90 @@
-"""Turns one request's in-order tokens into text deltas and a finish reason.
+"""The request core: one request admitted and run on the cluster, read as text.
 
-Stop strings are found here, with libs.common's StopChecker: workers stop only
-on end-of-sequence, stop token ids, max_tokens and the context window. When the
-text stops before the workers do, the delta says so and the caller cancels them.
-Knows nothing of NATS or HTTP.
+`Generations` admits a request for the served model and starts it on the
+workers; a worker that dies under it moves it (`migration.py`), each attempt
+being a `dispatch.RequestRun` watched by a `WorkerWatch`. A `Generation` is one
+such request while it runs. Domain errors leave here; nothing here knows HTTP.
 """
 
+import asyncio
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any
 
-from libs.common.model.sampling_params import SamplingParams
-from libs.common.model.sequence import FinishReason
-from libs.common.model.stopping import StopChecker
-from libs.common.model.tokenizer import Tokenizer
-from libs.common.schema import TokenChunk
+from libs.common.hashing import BlockHash, block_hashes, model_extra
+from libs.common.peers import PeerDirectory
+from libs.common.service import Service
+from services.gateway.dispatch import RequestRun, SLOOverride
+from services.gateway.errors import ModelNotServedError
+from services.gateway.migration import MigratingRun
+from services.gateway.openai_protocol import GenerateRequest, Usage
+from services.gateway.served_model import PreparedRequest, ServedModel
+from services.gateway.settings import GatewaySettings
+from services.gateway.text_stream import Delta, TextStream, stream_deltas
+from services.gateway.worker_watch import LOST_AFTER_HEARTBEATS, WorkerWatch
 
-
-@dataclass(frozen=True)
-class Delta:
-    text: str  # new text that is safe to show (may be empty)
-    finish_reason: str | None = None  # set on the last delta
-    stopped_early: bool = False  # finished here while the workers still run: cancel them
-
-
-class TextStream:
-    """The text of one request's generated tokens, released as it becomes safe to show.
-
-    Every finish (the workers', a stop here, a failure) releases all the text the
-    counted tokens make: what was held back for a stop string and the bytes of an
-    unfinished UTF-8 character, shown as a whole decode of the tokens shows them;
-    a stop string cuts the text before it.
-    """
-
-    def __init__(
-        self, tokenizer: Tokenizer, sampling: SamplingParams, max_model_len: int, num_prompt_tokens: int
-    ) -> None:
-        self.num_prompt_tokens = num_prompt_tokens
-        self.num_cached_tokens = 0
-        self.finish_reason: str | None = None
-        self._tokenizer = tokenizer
-        self._stops = list(sampling.stop)
-        self._stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(tokenizer.eos_token_ids))
-        self._checker = StopChecker(tokenizer, sampling, max_model_len, num_prompt_tokens)
-        self._text_ids: list[int] = []  # the generated tokens that make text (stop tokens do not)
-        self._cut_by_stop_string = False
-        self._final_text: str | None = None  # once finished
-        self._num_shown = 0  # characters released so far
-        self._started = False
-
-    @property
-    def num_completion_tokens(self) -> int:
-        return self._checker.num_tokens
-
-    @property
-    def text(self) -> str:
-        return self._checker.text if self._final_text is None else self._final_text
-
-    def feed(self, chunk: TokenChunk) -> Delta:
-        """Account for the next in-order chunk; return the text it adds."""
-        assert self.finish_reason is None, "chunk fed after the text finished"
-        if not self._started:  # the first chunk (from prefill) knows how much of the prompt was cached
-            self._started = True
-            self.num_cached_tokens = chunk.num_cached_tokens
-        pieces = []
-        for token_id in chunk.token_ids:
-            is_stop_token = token_id in self._stop_ids
-            if not is_stop_token:
-                self._text_ids.append(token_id)
-            pieces.append(self._checker.add(token_id))
-            if self._checker.finish_reason is not None:
-                self._cut_by_stop_string = self._checker.finish_reason == FinishReason.STOP and not is_stop_token
-                break
-        if self._checker.finish_reason is not None:
-            return self._finish(self._checker.finish_reason.value, stopped_early=chunk.finish_reason is None)
-        if chunk.finish_reason is not None:  # the worker ended it
-            return self._finish(chunk.finish_reason)
-        text = "".join(pieces)
-        self._num_shown += len(text)
-        return Delta(text)
-
-    def fail(self) -> Delta:
-        """The request failed: release the text not shown yet, with the finish reason "error"."""
-        assert self.finish_reason is None, "failed after the text finished"
-        return self._finish("error")
-
-    def _finish(self, reason: str, stopped_early: bool = False) -> Delta:
-        final = self._checker.text
-        if not self._cut_by_stop_string:
-            final += self._undecoded_tail()
-            cut = _first_stop(final, self._stops, len(self._checker.text))
-            if cut is not None:  # the unfinished character's replacement completed a stop string
-                final = final[:cut]
-                reason = "stop" if reason != "error" else reason
-        self._final_text, self.finish_reason = final, reason
-        delta = final[self._num_shown :]
-        self._num_shown = len(final)
-        return Delta(delta, reason, stopped_early)
-
-    def _undecoded_tail(self) -> str:
-        """The text of the tokens the incremental decoder still holds (the start of
-        a UTF-8 character no later token completed), as decoding every token shows it."""
-        whole = self._tokenizer.decode(self._text_ids)
-        shown = self._checker.text
-        return whole[len(shown) :] if whole.startswith(shown) else ""
+INLINE_HASH_TOKENS = 2048  # longer prompts are hashed off the event loop
 
 
-def _first_stop(text: str, stops: list[str], ends_after: int) -> int | None:
-    """Where in ``text`` the first stop string (in the order given, as StopChecker
-    looks) that ends after ``ends_after`` characters starts; None if none does."""
-    for stop in stops:
-        at = text.find(stop, max(0, ends_after - len(stop) + 1))
-        if at != -1:
-            return at
-    return None
+@dataclass
+class Generation:
+    """One admitted request: where it runs (moving when a worker dies) and the
+    text it has produced so far."""
+
+    run: MigratingRun
+    text: TextStream
+
+    def deltas(self) -> AsyncIterator[Delta]:
+        return stream_deltas(self.run, self.text)
+
+    def usage(self) -> Usage:
+        return Usage(self.text.num_prompt_tokens, self.text.num_completion_tokens, self.text.num_cached_tokens)
+
+    def served_by(self) -> dict[str, Any]:
+        """Which instances served it and how often it moved, for its last chunk or body."""
+        return self.run.served_by()
 
 
-class TokenSource(Protocol):
-    """Where in-order chunks come from (dispatch.RequestRun, or a fake in tests)."""
+class Generations:
+    """Runs requests for ``model`` on the cluster ``service`` reaches, with the
+    workers' liveness read from ``peers``; counts the requests in flight."""
 
-    async def next_chunks(self) -> list[TokenChunk]: ...
+    def __init__(self, service: Service, settings: GatewaySettings, peers: PeerDirectory, model: ServedModel) -> None:
+        self.service = service
+        self.settings = settings
+        self.peers = peers
+        self.model = model
+        self.num_in_flight = 0
 
-    async def cancel(self, reason: str) -> None: ...
+    @asynccontextmanager
+    async def generate(
+        self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None
+    ) -> AsyncIterator[Generation]:
+        """Admit ``request`` and start it on the cluster; inside the block, read its
+        text. A worker that dies under it moves it (at most ``max_attempts`` tries
+        in all); leaving the block early (an error, a disconnect) cancels it."""
+        model, s = self.model, self.settings
+        if request.model != model.model_id:
+            raise ModelNotServedError(request.model)
+        prepared = await model.prepare(request, request_id)
+        text = TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
+        silence = LOST_AFTER_HEARTBEATS * s.heartbeat_interval
 
+        def attempt(p: PreparedRequest, exclude: frozenset[str]) -> RequestRun:
+            watch = WorkerWatch(self.peers, silence)
+            return RequestRun(self.service, p, s.request_timeout, slo=slo, exclude=exclude, watch=watch)
 
-async def stream_deltas(source: TokenSource, text: TextStream) -> AsyncIterator[Delta]:
-    """The request's text deltas, up to and including the one with the finish reason."""
-    while True:
-        for chunk in await source.next_chunks():
-            delta = text.feed(chunk)
-            if delta.stopped_early:  # a stop string: the workers would go on to max_tokens
-                await source.cancel("stop")
-            yield delta
-            if delta.finish_reason is not None:
-                return
+        self.num_in_flight += 1
+        try:
+            async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts) as run:
+                yield Generation(run, text)
+        finally:
+            self.num_in_flight -= 1
+
+    async def _block_hashes(self, token_ids: list[int]) -> list[BlockHash]:
+        """The block hashes of a prompt, as the workers name its KV blocks."""
+        model = self.model
+        if len(token_ids) > INLINE_HASH_TOKENS:
+            return await asyncio.to_thread(block_hashes, token_ids, model.block_size, model_extra(model.model_id))
+        return block_hashes(token_ids, model.block_size, model_extra(model.model_id))

@@ -2,7 +2,8 @@
 
 The only place domain errors become HTTP statuses and OpenAI error bodies
 (through `errors.to_http`); everything a handler does beyond that is the
-Gateway's.
+request core's (`generation.Generations`). `Handlers` holds what the handlers
+share; routes.py binds its methods to paths.
 """
 
 import asyncio
@@ -10,16 +11,18 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import aclosing
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from libs.common.errors import KVServeError
+from libs.common.service import Service
 from services.gateway import openapi as openapi_document
 from services.gateway import sse
+from services.gateway.cluster_metrics import cluster_metrics
 from services.gateway.dispatch import SLOOverride
 from services.gateway.errors import (
     AuthenticationError,
@@ -37,13 +40,11 @@ from services.gateway.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
+from services.gateway.generation import Generation, Generations
+from services.gateway.migration import MigratingRun
 from services.gateway.request_limits import decode_body
 
-if TYPE_CHECKING:
-    from services.gateway.app import Gateway, Generation
-    from services.gateway.migration import MigratingRun
-
-GATEWAY: "web.AppKey[Gateway]" = web.AppKey("gateway")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 log = logging.getLogger("kvserve.gateway.http")
 
@@ -52,39 +53,109 @@ READY_ROLES = ("conductor", "prefill", "decode")  # a request needs a live insta
 INLINE_DECODE_BYTES = 64 * 1024  # larger bodies are decoded off the event loop
 
 
-# --- generation ---------------------------------------------------------------------
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_chat_request, "chatcmpl")
+class Handlers:
+    """The route handlers and the auth middleware of one gateway: ``service`` is its
+    NATS side (its instance, its connection), ``generations`` its request core."""
+
+    def __init__(self, service: Service, generations: Generations) -> None:
+        self.service = service
+        self.generations = generations
+        self.settings = generations.settings
+
+    # --- generation -----------------------------------------------------------------
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat_request, "chatcmpl")
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion_request, "cmpl")
+
+    async def _generate(
+        self, request: web.Request, parse: Callable[[Any], GenerateRequest], id_prefix: str
+    ) -> web.StreamResponse:
+        parsed = parse(await _json_body(request, self.settings.body_timeout))
+        slo = _slo_override(request)
+        response_id = f"{id_prefix}-{uuid.uuid4().hex}"
+        bodies = ResponseBodies(response_id, self.generations.model.model_id, parsed.is_chat, parsed.include_usage)
+        stream: web.StreamResponse | None = None
+        try:
+            async with self.generations.generate(parsed, response_id, slo) as generation:
+                headers = {"x-request-id": response_id, **_explanation_headers(generation.run)}
+                if not parsed.stream:
+                    return await _complete(generation, bodies, headers)
+                stream = await sse.open_stream(request, headers)
+                await _write_events(stream, generation, bodies)
+                return stream
+        except ConnectionResetError:
+            if stream is None:
+                raise
+            return stream  # the client left mid-stream; leaving the run cancelled the workers
+
+    # --- models, health, metrics, the API description ------------------------------
+    async def list_models(self, request: web.Request) -> web.Response:
+        model = self.generations.model
+        return _json_response(model_list(model.model_id, int(self.service.started_at), model.max_model_len))
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        model = self.generations.model
+        if request.match_info["model"] != model.model_id:
+            raise ModelNotServedError(request.match_info["model"])
+        return _json_response(model_card(model.model_id, int(self.service.started_at), model.max_model_len))
+
+    async def health_live(self, request: web.Request) -> web.Response:
+        """200 while the process serves HTTP at all."""
+        return _json_response({"status": "ok", **self._instance_facts()})
+
+    async def health_ready(self, request: web.Request) -> web.Response:
+        """200 when a request can be served now; else 503 with the reasons it cannot."""
+        nc = self.service.nc
+        reasons = []
+        if nc is None or not nc.is_connected:
+            reasons.append("not connected to NATS")
+        reasons += [f"no live {role} instance" for role in READY_ROLES if not self.generations.peers.alive(role)]
+        if reasons:
+            body = {"status": "unavailable", "reasons": reasons, **self._instance_facts()}
+            return _json_response(body, status=503)
+        return _json_response({"status": "ok", **self._instance_facts()})
+
+    def _instance_facts(self) -> dict[str, Any]:
+        return {
+            "instance_id": self.service.instance_id,
+            "model": self.generations.model.model_id,
+            "in_flight": self.generations.num_in_flight,
+            "uptime_s": round(time.time() - self.service.started_at, 3),
+        }
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """The whole cluster's metrics in the Prometheus text format, one ``instance`` label per process."""
+        text = await cluster_metrics(self.service, self.generations.peers)
+        return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The OpenAPI 3 description of every route."""
+        model_id = self.generations.model.model_id
+        body = openapi_document.document_bytes(model_id, self.settings.api_key is not None)
+        return web.Response(body=body, content_type="application/json")
+
+    # --- the middleware that needs the settings -------------------------------------
+    @web.middleware
+    async def auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """With an API key configured, every route but the health probes and the API
+        description needs ``Authorization: Bearer <key>``."""
+        key = self.settings.api_key
+        if key is not None and request.path not in PUBLIC_PATHS:
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                raise AuthenticationError(
+                    "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
+                    "(i.e. Authorization: Bearer YOUR_KEY)."
+                )
+            if not hmac.compare_digest(token.strip().encode(), key.encode()):
+                raise AuthenticationError("Incorrect API key provided.")
+        return await handler(request)
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, parse_completion_request, "cmpl")
-
-
-async def _generate(
-    request: web.Request, parse: Callable[[Any], GenerateRequest], id_prefix: str
-) -> web.StreamResponse:
-    gateway = request.app[GATEWAY]
-    parsed = parse(await _json_body(request))
-    slo = _slo_override(request)
-    response_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    bodies = ResponseBodies(response_id, gateway.model.model_id, parsed.is_chat, parsed.include_usage)
-    stream: web.StreamResponse | None = None
-    try:
-        async with gateway.generate(parsed, response_id, slo) as generation:
-            headers = {"x-request-id": response_id, **_explanation_headers(generation.run)}
-            if not parsed.stream:
-                return await _complete(generation, bodies, headers)
-            stream = await sse.open_stream(request, headers)
-            await _write_events(stream, generation, bodies)
-            return stream
-    except ConnectionResetError:
-        if stream is None:
-            raise
-        return stream  # the client left mid-stream; leaving the run cancelled the workers
-
-
-async def _complete(generation: "Generation", bodies: ResponseBodies, headers: dict[str, str]) -> web.Response:
+# --- writing a generation --------------------------------------------------------------
+async def _complete(generation: Generation, bodies: ResponseBodies, headers: dict[str, str]) -> web.Response:
     pieces, finish_reason = [], None
     async with aclosing(generation.deltas()) as deltas:
         async for delta in deltas:
@@ -117,7 +188,7 @@ def _slo_override(request: web.Request) -> SLOOverride:
     return SLOOverride(**values)
 
 
-def _explanation_headers(run: "MigratingRun") -> dict[str, str]:
+def _explanation_headers(run: MigratingRun) -> dict[str, str]:
     """Which instances serve the request and what the conductor predicted for it."""
     headers = {
         "x-kvserve-prefill-instance": run.prefill_id or "",
@@ -134,7 +205,7 @@ def _explanation_headers(run: "MigratingRun") -> dict[str, str]:
     return headers
 
 
-async def _write_events(stream: web.StreamResponse, generation: "Generation", bodies: ResponseBodies) -> None:
+async def _write_events(stream: web.StreamResponse, generation: Generation, bodies: ResponseBodies) -> None:
     """Write the request's chunks as they come. A failure after the first byte
     (the status line has gone out) releases the text not shown yet, then becomes
     an error event and a last chunk with finish_reason "error"; whatever happens
@@ -168,13 +239,12 @@ async def _write_events(stream: web.StreamResponse, generation: "Generation", bo
     await stream.write_eof()
 
 
-def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: "Generation") -> dict[str, Any]:
+def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation) -> dict[str, Any]:
     """The chunk with the finish reason, saying which instances served the request."""
     return {**bodies.finish_chunk(finish_reason), "kvserve": generation.served_by()}
 
 
-async def _json_body(request: web.Request) -> Any:
-    seconds = request.app[GATEWAY].settings.body_timeout
+async def _json_body(request: web.Request, seconds: float) -> Any:
     try:
         async with asyncio.timeout(seconds):
             data = await request.read()
@@ -185,64 +255,9 @@ async def _json_body(request: web.Request) -> Any:
     return decode_body(data)
 
 
-# --- models, health, metrics, the API description --------------------------------
-async def list_models(request: web.Request) -> web.Response:
-    gateway = request.app[GATEWAY]
-    model = gateway.model
-    return _json_response(model_list(model.model_id, int(gateway.started_at), model.max_model_len))
-
-
-async def get_model(request: web.Request) -> web.Response:
-    gateway = request.app[GATEWAY]
-    model = gateway.model
-    if request.match_info["model"] != model.model_id:
-        raise ModelNotServedError(request.match_info["model"])
-    return _json_response(model_card(model.model_id, int(gateway.started_at), model.max_model_len))
-
-
-async def health_live(request: web.Request) -> web.Response:
-    """200 while the process serves HTTP at all."""
-    return _json_response({"status": "ok", **_instance_facts(request.app[GATEWAY])})
-
-
-async def health_ready(request: web.Request) -> web.Response:
-    """200 when a request can be served now; else 503 with the reasons it cannot."""
-    gateway = request.app[GATEWAY]
-    reasons = []
-    if gateway.nc is None or not gateway.nc.is_connected:
-        reasons.append("not connected to NATS")
-    reasons += [f"no live {role} instance" for role in READY_ROLES if not gateway.peers.alive(role)]
-    if reasons:
-        body = {"status": "unavailable", "reasons": reasons, **_instance_facts(gateway)}
-        return _json_response(body, status=503)
-    return _json_response({"status": "ok", **_instance_facts(gateway)})
-
-
-def _instance_facts(gateway: "Gateway") -> dict[str, Any]:
-    return {
-        "instance_id": gateway.instance_id,
-        "model": gateway.model.model_id,
-        "in_flight": gateway.num_in_flight,
-        "uptime_s": round(time.time() - gateway.started_at, 3),
-    }
-
-
-async def metrics(request: web.Request) -> web.Response:
-    """The whole cluster's metrics in the Prometheus text format, one ``instance`` label per process."""
-    text = await request.app[GATEWAY].cluster_metrics()
-    return web.Response(body=text.encode(), headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-
-async def openapi(request: web.Request) -> web.Response:
-    """The OpenAPI 3 description of every route."""
-    gateway = request.app[GATEWAY]
-    body = openapi_document.document_bytes(gateway.model.model_id, gateway.settings.api_key is not None)
-    return web.Response(body=body, content_type="application/json")
-
-
 # --- middlewares ----------------------------------------------------------------------
 @web.middleware
-async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every error a handler raises leaves as an OpenAI error body."""
     try:
         return await handler(request)
@@ -264,23 +279,6 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
         log.exception("%s %s failed", request.method, request.path)
         body = error_body("internal server error", "server_error", None, "internal_error")
         return _json_response(body, status=500)
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """With an API key configured, every route but the health probes and the API
-    description needs ``Authorization: Bearer <key>``."""
-    key = request.app[GATEWAY].settings.api_key
-    if key is not None and request.path not in PUBLIC_PATHS:
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not token.strip():
-            raise AuthenticationError(
-                "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
-                "(i.e. Authorization: Bearer YOUR_KEY)."
-            )
-        if not hmac.compare_digest(token.strip().encode(), key.encode()):
-            raise AuthenticationError("Incorrect API key provided.")
-    return await handler(request)
 
 
 async def _answer_and_hang_up(request: web.Request, response: web.Response) -> web.Response:

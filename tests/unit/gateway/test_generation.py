@@ -1,9 +1,9 @@
 """In-order tokens become text: stop strings end it here (and cancel the workers),
 a worker's finish flushes what was held back, usage counts what was generated."""
 
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.sampling_params import SamplingParams
 from libs.common.schema import TokenChunk
-from services.gateway.generation import Delta, TextStream, stream_deltas
+from services.gateway.text_stream import Delta, TextStream, stream_deltas
 
 EOS = 257  # the tiny checkpoint's </s>
 

@@ -4,7 +4,7 @@ OpenAI error body before anything reaches NATS; auth, models and health."""
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from services.gateway.app import Gateway, init_app
+from services.gateway.app import Gateway
 from services.gateway.errors import (
     RateLimitedError,
     RequestTimeoutError,
@@ -12,6 +12,7 @@ from services.gateway.errors import (
     UpstreamError,
     to_http,
 )
+from services.gateway.routes import init_app
 from tests.unit.gateway.conftest import gateway_settings
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
@@ -20,7 +21,7 @@ MESSAGES = [{"role": "user", "content": "Hi"}]
 @pytest.fixture
 async def client(served_model, request):
     gateway = Gateway(gateway_settings(**getattr(request, "param", {})), model=served_model)
-    async with TestClient(TestServer(init_app(gateway))) as client:
+    async with TestClient(TestServer(init_app(gateway, gateway.generations))) as client:
         yield client
 
 

@@ -10,9 +10,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from libs.common.schema import Heartbeat
-from services.gateway.app import Gateway, init_app
-from services.gateway.handlers import GATEWAY
+from services.gateway.app import Gateway
 from services.gateway.listener import ConnectionGuard, serve
+from services.gateway.routes import GATEWAY, init_app
 from tests.integration.conftest import wait_until_async
 from tests.unit.gateway.conftest import gateway_settings
 
@@ -24,7 +24,7 @@ WAIT = 20.0  # seconds any single expected event may take
 @pytest.fixture
 async def client(served_model, request):
     gateway = Gateway(gateway_settings(**getattr(request, "param", {})), model=served_model)
-    async with TestClient(TestServer(init_app(gateway))) as client:
+    async with TestClient(TestServer(init_app(gateway, gateway.generations))) as client:
         yield client
 
 
@@ -161,7 +161,7 @@ async def listening(served_model, **limits):
     settings = gateway_settings(**{"header_timeout": 60.0, "body_timeout": 60.0, "keepalive_timeout": 60.0, **limits})
     gateway = Gateway(settings, model=served_model)
     guard = ConnectionGuard(settings.header_timeout, settings.keepalive_timeout, settings.max_connections)
-    runner = await serve(init_app(gateway, guard), "127.0.0.1", 0, guard, shutdown_timeout=1.0)
+    runner = await serve(init_app(gateway, gateway.generations, guard), "127.0.0.1", 0, guard, shutdown_timeout=1.0)
     try:
         yield runner.addresses[0][1], guard
     finally:

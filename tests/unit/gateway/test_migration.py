@@ -4,10 +4,10 @@ the stream, and when it gives up."""
 
 import pytest
 
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.sampling_params import SamplingParams
 from libs.common.schema import TokenChunk
 from services.gateway.dispatch import WorkerLostError
-from services.gateway.generation import TextStream, stream_deltas
+from services.gateway.text_stream import TextStream, stream_deltas
 from services.gateway.migration import MigratingRun
 from services.gateway.served_model import PreparedRequest
 
@@ -183,13 +183,13 @@ async def test_the_text_of_a_migrated_stream_counts_from_the_original_prompt(ser
 
 
 def test_the_number_of_attempts_comes_from_the_environment_and_is_checked(monkeypatch):
-    from services.gateway.__main__ import settings_from_env
+    from services.gateway.settings import GatewaySettings
 
     monkeypatch.setenv("KVSERVE_GATEWAY_MAX_ATTEMPTS", "5")
-    assert settings_from_env().max_attempts == 5
+    assert GatewaySettings.from_env().max_attempts == 5
     monkeypatch.setenv("KVSERVE_GATEWAY_MAX_ATTEMPTS", "0")
-    with pytest.raises(SystemExit, match="at least one attempt"):
-        settings_from_env()
+    with pytest.raises(ValueError, match="KVSERVE_GATEWAY_MAX_ATTEMPTS: a request needs at least one attempt"):
+        GatewaySettings.from_env()
 
 
 

@@ -1,0 +1,31 @@
+"""The whole cluster's metrics, as /metrics serves them: this process's own and
+every live instance's, asked over NATS, each labelled by its instance."""
+
+import asyncio
+
+from libs.common import subjects
+from libs.common.metrics import REGISTRY, merge_by_instance
+from libs.common.peers import PeerDirectory
+from libs.common.schema import MetricsReply, MetricsRequest
+from libs.common.service import Service
+
+ROLES = ("conductor", "store", "prefill", "decode", "gateway")
+METRICS_TIMEOUT = 2.0  # seconds an instance has to answer
+
+
+async def cluster_metrics(service: Service, peers: PeerDirectory) -> str:
+    """Every live instance's metrics (asked in parallel) in the Prometheus text format."""
+    others = [hb.instance_id for role in ROLES for hb in peers.alive(role) if hb.instance_id != service.instance_id]
+
+    async def ask(instance_id: str) -> str:
+        try:
+            reply = await service.request(
+                subjects.metrics(instance_id), MetricsRequest(), MetricsReply, timeout=METRICS_TIMEOUT
+            )
+            return reply.text
+        except Exception as e:  # one silent instance must not hide the others
+            service.log.warning("no metrics from %s: %s", instance_id, e)
+            return ""
+
+    texts = dict(zip(others, await asyncio.gather(*(ask(i) for i in others))))
+    return merge_by_instance({service.instance_id: REGISTRY.render(), **texts})

@@ -1,0 +1,136 @@
+"""Turns one request's in-order tokens into text deltas and a finish reason.
+
+Stop strings are found here, with libs.common's StopChecker: workers stop only
+on end-of-sequence, stop token ids, max_tokens and the context window. When the
+text stops before the workers do, the delta says so and the caller cancels them.
+Knows nothing of NATS or HTTP.
+"""
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from libs.common.vocabulary import FinishReason
+from libs.common.model.stopping import StopChecker
+from libs.common.model.tokenizer import Tokenizer
+from libs.common.sampling_params import SamplingParams
+from libs.common.schema import TokenChunk
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str  # new text that is safe to show (may be empty)
+    finish_reason: str | None = None  # set on the last delta
+    stopped_early: bool = False  # finished here while the workers still run: cancel them
+
+
+class TextStream:
+    """The text of one request's generated tokens, released as it becomes safe to show.
+
+    Every finish (the workers', a stop here, a failure) releases all the text the
+    counted tokens make: what was held back for a stop string and the bytes of an
+    unfinished UTF-8 character, shown as a whole decode of the tokens shows them;
+    a stop string cuts the text before it.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, sampling: SamplingParams, max_model_len: int, num_prompt_tokens: int
+    ) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self._tokenizer = tokenizer
+        self._stops = list(sampling.stop)
+        self._stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(tokenizer.eos_token_ids))
+        self._checker = StopChecker(tokenizer, sampling, max_model_len, num_prompt_tokens)
+        self._text_ids: list[int] = []  # the generated tokens that make text (stop tokens do not)
+        self._cut_by_stop_string = False
+        self._final_text: str | None = None  # once finished
+        self._num_shown = 0  # characters released so far
+        self._started = False
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self._checker.num_tokens
+
+    @property
+    def text(self) -> str:
+        return self._checker.text if self._final_text is None else self._final_text
+
+    def feed(self, chunk: TokenChunk) -> Delta:
+        """Account for the next in-order chunk; return the text it adds."""
+        assert self.finish_reason is None, "chunk fed after the text finished"
+        if not self._started:  # the first chunk (from prefill) knows how much of the prompt was cached
+            self._started = True
+            self.num_cached_tokens = chunk.num_cached_tokens
+        pieces = []
+        for token_id in chunk.token_ids:
+            is_stop_token = token_id in self._stop_ids
+            if not is_stop_token:
+                self._text_ids.append(token_id)
+            pieces.append(self._checker.add(token_id))
+            if self._checker.finish_reason is not None:
+                self._cut_by_stop_string = self._checker.finish_reason == FinishReason.STOP and not is_stop_token
+                break
+        if self._checker.finish_reason is not None:
+            return self._finish(self._checker.finish_reason.value, stopped_early=chunk.finish_reason is None)
+        if chunk.finish_reason is not None:  # the worker ended it
+            return self._finish(chunk.finish_reason)
+        text = "".join(pieces)
+        self._num_shown += len(text)
+        return Delta(text)
+
+    def fail(self) -> Delta:
+        """The request failed: release the text not shown yet, with the finish reason "error"."""
+        assert self.finish_reason is None, "failed after the text finished"
+        return self._finish("error")
+
+    def _finish(self, reason: str, stopped_early: bool = False) -> Delta:
+        final = self._checker.text
+        if not self._cut_by_stop_string:
+            final += self._undecoded_tail()
+            cut = _first_stop(final, self._stops, len(self._checker.text))
+            if cut is not None:  # the unfinished character's replacement completed a stop string
+                final = final[:cut]
+                reason = "stop" if reason != "error" else reason
+        self._final_text, self.finish_reason = final, reason
+        delta = final[self._num_shown :]
+        self._num_shown = len(final)
+        return Delta(delta, reason, stopped_early)
+
+    def _undecoded_tail(self) -> str:
+        """The text of the tokens the incremental decoder still holds (the start of
+        a UTF-8 character no later token completed), as decoding every token shows it."""
+        whole = self._tokenizer.decode(self._text_ids)
+        shown = self._checker.text
+        return whole[len(shown) :] if whole.startswith(shown) else ""
+
+
+def _first_stop(text: str, stops: list[str], ends_after: int) -> int | None:
+    """Where in ``text`` the first stop string (in the order given, as StopChecker
+    looks) that ends after ``ends_after`` characters starts; None if none does."""
+    for stop in stops:
+        at = text.find(stop, max(0, ends_after - len(stop) + 1))
+        if at != -1:
+            return at
+    return None
+
+
+class TokenSource(Protocol):
+    """Where in-order chunks come from (dispatch.RequestRun, or a fake in tests)."""
+
+    async def next_chunks(self) -> list[TokenChunk]: ...
+
+    async def cancel(self, reason: str) -> None: ...
+
+
+async def stream_deltas(source: TokenSource, text: TextStream) -> AsyncIterator[Delta]:
+    """The request's text deltas, up to and including the one with the finish reason."""
+    while True:
+        for chunk in await source.next_chunks():
+            delta = text.feed(chunk)
+            if delta.stopped_early:  # a stop string: the workers would go on to max_tokens
+                await source.cancel("stop")
+            yield delta
+            if delta.finish_reason is not None:
+                return
