@@ -32,6 +32,8 @@ from services.gateway.errors import (
     error_body,
     to_http,
 )
+from services.gateway.generation import Generation, Generations
+from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import (
     GenerateRequest,
     ResponseBodies,
@@ -40,8 +42,6 @@ from services.gateway.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from services.gateway.generation import Generation, Generations
-from services.gateway.migration import MigratingRun
 from services.gateway.request_limits import decode_body
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]

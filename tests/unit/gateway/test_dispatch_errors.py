@@ -1,0 +1,85 @@
+"""A control request that gets no valid answer becomes the gateway's domain error:
+the conductor's silence is a 503 no_conductor, a worker's absence or silence a
+WorkerLostError (so the request can move), NATS failing otherwise a 503, and a
+reply that is no valid message an upstream error. Whom nobody heard is not cancelled."""
+
+import nats.errors
+import pytest
+
+from libs.common.sampling_params import SamplingParams
+from libs.common.schema import AdmitReply, BadMessageError, Cancel
+from services.gateway.dispatch import RequestRun, WorkerLostError
+from services.gateway.errors import ServiceUnavailableError, UpstreamError
+from services.gateway.served_model import PreparedRequest
+
+PREPARED = PreparedRequest("req", [1, 2, 3], SamplingParams(max_tokens=4), [])
+
+
+class FakeSubscription:
+    async def unsubscribe(self) -> None:
+        pass
+
+
+class FakeNATS:
+    async def subscribe(self, subject: str) -> FakeSubscription:
+        return FakeSubscription()
+
+
+class FakeService:
+    """The conductor admits to p0 and d0 unless ``admit_error``; the worker fails with ``submit_error``."""
+
+    def __init__(self, admit_error: Exception | None = None, submit_error: Exception | None = None) -> None:
+        self.nc = FakeNATS()
+        self.admit_error, self.submit_error = admit_error, submit_error
+        self.published: list[object] = []
+
+    async def request(self, subject: str, message: object, kind: type, timeout: float = 5.0) -> object:
+        if kind is AdmitReply:
+            if self.admit_error is not None:
+                raise self.admit_error
+            return AdmitReply(prefill_id="p0", decode_id="d0")
+        raise self.submit_error
+
+    async def publish(self, subject: str, message: object) -> None:
+        self.published.append(message)
+
+
+async def enter(service: FakeService) -> None:
+    async with RequestRun(service, PREPARED, token_timeout=1.0, control_timeout=2.5):
+        pass
+
+
+@pytest.mark.parametrize("error, kind, code, message", [
+    (nats.errors.NoRespondersError(), ServiceUnavailableError, "no_conductor",
+     "conductor unavailable: no conductor is running"),
+    (nats.errors.TimeoutError(), ServiceUnavailableError, "no_conductor",
+     "conductor unavailable: no answer within 2.5s"),
+    (nats.errors.ConnectionClosedError(), ServiceUnavailableError, "no_conductor",
+     "conductor unavailable: nats: connection closed"),
+    (BadMessageError("not an AdmitReply"), UpstreamError, "internal_error",
+     "the conductor failed to admit the request: not an AdmitReply"),
+])  # fmt: skip
+async def test_a_conductor_that_gives_no_valid_answer(error, kind, code, message):
+    service = FakeService(admit_error=error)
+    with pytest.raises(kind) as raised:
+        await enter(service)
+    assert type(raised.value) is kind and (raised.value.code, str(raised.value)) == (code, message)
+    no_one_heard = isinstance(error, nats.errors.NoRespondersError)
+    assert [c.reason for c in service.published if isinstance(c, Cancel)] == ([] if no_one_heard else ["error"])
+
+
+@pytest.mark.parametrize("error, kind, code, message", [
+    (nats.errors.NoRespondersError(), WorkerLostError, "worker_lost", "prefill instance p0 is unavailable"),
+    (nats.errors.TimeoutError(), WorkerLostError, "worker_lost", "prefill instance p0 did not answer within 2.5s"),
+    (nats.errors.ConnectionClosedError(), ServiceUnavailableError, "no_prefill",
+     "prefill instance p0 is unreachable: nats: connection closed"),
+    (BadMessageError("not an Ack"), UpstreamError, "internal_error", "prefill instance p0 failed: not an Ack"),
+])  # fmt: skip
+async def test_a_worker_that_gives_no_valid_answer(error, kind, code, message):
+    service = FakeService(submit_error=error)
+    with pytest.raises(kind) as raised:
+        await enter(service)
+    assert type(raised.value) is kind and (raised.value.code, str(raised.value)) == (code, message)
+    if kind is WorkerLostError:
+        assert (raised.value.instance_id, raised.value.role) == ("p0", "prefill")
+    assert [c.reason for c in service.published if isinstance(c, Cancel)] == ["error"]
