@@ -1,17 +1,23 @@
 """Settings every service shares, and the helpers that read ``KVSERVE_*`` variables.
 
-Only a service's ``__main__`` reads the environment; everything below it gets
-a frozen, validated settings object.
+Only a service's ``__main__`` reads the environment (through its settings class's
+``from_env()``); everything below it gets a frozen settings object, validated when
+built: a bad value raises ``ValueError`` naming the ``KVSERVE_*`` variable.
 """
 
 import os
 import secrets
 import socket
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Self, TypeVar
 
 from libs.common.nats_auth import NatsAuthError, load_credentials
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+S = TypeVar("S")
 
 
 def env_str(name: str, default: str) -> str:
@@ -25,7 +31,7 @@ def env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise SystemExit(f"KVSERVE_{name} must be an integer, got {raw!r}") from None
+        raise ValueError(f"KVSERVE_{name} must be an integer, got {raw!r}") from None
 
 
 def env_float(name: str, default: float) -> float:
@@ -35,7 +41,7 @@ def env_float(name: str, default: float) -> float:
     try:
         return float(raw)
     except ValueError:
-        raise SystemExit(f"KVSERVE_{name} must be a number, got {raw!r}") from None
+        raise ValueError(f"KVSERVE_{name} must be a number, got {raw!r}") from None
 
 
 def env_bool(name: str, default: bool) -> bool:
@@ -45,31 +51,52 @@ def env_bool(name: str, default: bool) -> bool:
     return raw.lower() in ("1", "true", "yes", "on")
 
 
+def settings_or_exit(service: str, from_env: Callable[[], S]) -> S:
+    """``from_env()``; on a bad value, one line on stderr naming the variable and exit status 2."""
+    try:
+        return from_env()
+    except ValueError as e:
+        print(f"{service}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def service_env(role: str) -> dict[str, Any]:
+    """The fields of :class:`ServiceSettings` for ``role``, from ``KVSERVE_*`` variables."""
+    credentials = env_str("NATS_CREDENTIALS", "") or None
+    if credentials is not None:
+        try:
+            load_credentials(credentials)  # fail now, with the reason, rather than at every reconnect
+        except NatsAuthError as e:
+            raise ValueError(f"KVSERVE_NATS_CREDENTIALS: {e}") from None
+    return dict(
+        role=role,
+        nats_url=env_str("NATS_URL", DEFAULT_NATS_URL),
+        instance_id=env_str("INSTANCE_ID", f"{role}-{secrets.token_hex(3)}"),
+        host_id=env_str("HOST_ID", socket.gethostname()),
+        heartbeat_interval=env_float("HEARTBEAT_INTERVAL", 1.0),
+        nats_credentials=credentials,
+        log_level=env_str("LOG_LEVEL", "INFO"),
+    )
+
+
 @dataclass(frozen=True)
 class ServiceSettings:
+    """What every service has: its role and identity, where NATS is, how often it beats.
+
+    Each service's own settings class derives from this one (``services/<name>/settings.py``).
+    """
+
     role: str
     nats_url: str
     instance_id: str
     host_id: str
     heartbeat_interval: float = 1.0
     nats_credentials: str | None = None  # a 0600 JSON file: {"user", "password"} or {"token"}
+    log_level: str = "INFO"
 
     @classmethod
-    def from_env(cls, role: str) -> "ServiceSettings":
-        credentials = env_str("NATS_CREDENTIALS", "") or None
-        if credentials is not None:
-            try:
-                load_credentials(credentials)  # fail now, with the reason, rather than at every reconnect
-            except NatsAuthError as e:
-                raise SystemExit(f"KVSERVE_NATS_CREDENTIALS: {e}") from None
-        return cls(
-            role=role,
-            nats_url=env_str("NATS_URL", DEFAULT_NATS_URL),
-            instance_id=env_str("INSTANCE_ID", f"{role}-{secrets.token_hex(3)}"),
-            host_id=env_str("HOST_ID", socket.gethostname()),
-            heartbeat_interval=env_float("HEARTBEAT_INTERVAL", 1.0),
-            nats_credentials=credentials,
-        )
+    def from_env(cls, role: str) -> Self:
+        return cls(**service_env(role))
 
 
 @dataclass(frozen=True)
@@ -85,22 +112,22 @@ class ModelSettings:
     calibrate: bool = False  # time the engine at start and report the fitted cost model (KVSERVE_CALIBRATE, on)
     calibration_file: str | None = None  # where a restart finds this instance's calibration (KVSERVE_CALIBRATION_FILE)
 
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.num_blocks < 1:
+            raise ValueError("KVSERVE_BLOCK_SIZE and KVSERVE_NUM_BLOCKS must be positive")
+
     @classmethod
-    def from_env(cls, default_blocks: int = 512) -> "ModelSettings":
-        max_len = env_int("MAX_MODEL_LEN", 0)
-        settings = cls(
+    def from_env(cls, default_blocks: int = 512) -> Self:
+        return cls(
             model=env_str("MODEL", "") or None,
             device=env_str("DEVICE", "cpu"),
             dtype=env_str("DTYPE", "auto"),
             block_size=env_int("BLOCK_SIZE", 16),
             num_blocks=env_int("NUM_BLOCKS", default_blocks),
-            max_model_len=max_len or None,
+            max_model_len=env_int("MAX_MODEL_LEN", 0) or None,
             calibrate=env_bool("CALIBRATE", True),
             calibration_file=env_str("CALIBRATION_FILE", "") or None,
         )
-        if settings.block_size < 1 or settings.num_blocks < 1:
-            raise SystemExit("KVSERVE_BLOCK_SIZE and KVSERVE_NUM_BLOCKS must be positive")
-        return settings
 
 
 @dataclass(frozen=True)
@@ -116,14 +143,14 @@ class TransferSettings:
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):
-            raise SystemExit(f"KVSERVE_TRANSPORT must be auto, shm or tcp, got {self.transport!r}")
+            raise ValueError(f"KVSERVE_TRANSPORT must be auto, shm or tcp, got {self.transport!r}")
         if self.timeout <= 0 or self.connections < 1:
-            raise SystemExit("KVSERVE_TRANSFER_TIMEOUT and KVSERVE_TRANSFER_CONNECTIONS must be positive")
+            raise ValueError("KVSERVE_TRANSFER_TIMEOUT and KVSERVE_TRANSFER_CONNECTIONS must be positive")
         if self.max_connections < 1 or self.idle_timeout <= 0:
-            raise SystemExit("KVSERVE_TRANSFER_MAX_CONNECTIONS and KVSERVE_TRANSFER_IDLE_TIMEOUT must be positive")
+            raise ValueError("KVSERVE_TRANSFER_MAX_CONNECTIONS and KVSERVE_TRANSFER_IDLE_TIMEOUT must be positive")
 
     @classmethod
-    def from_env(cls) -> "TransferSettings":
+    def from_env(cls) -> Self:
         return cls(
             listen_host=env_str("TRANSFER_HOST", "127.0.0.1"),
             transport=env_str("TRANSPORT", "auto"),

@@ -1,14 +1,16 @@
 """The gateway's settings: one frozen dataclass, validated when built.
 
-Only `__main__` reads the environment; tests and launchers build this directly.
+Only ``__main__`` reads the environment (``GatewaySettings.from_env()``); tests and
+launchers build this directly.
 """
 
 from dataclasses import dataclass
+from typing import Self
 
-from libs.common.settings import ServiceSettings
+from libs.common.settings import ServiceSettings, env_float, env_int, env_str, service_env
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GatewaySettings(ServiceSettings):
     host: str = "127.0.0.1"
     port: int = 8000  # 0: the OS picks a free port (the heartbeat reports the real one)
@@ -26,20 +28,38 @@ class GatewaySettings(ServiceSettings):
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
-            raise ValueError(f"the gateway port must be in [0, 65535], got {self.port}")
+            raise ValueError(f"KVSERVE_GATEWAY_PORT must be in [0, 65535], got {self.port}")
         if self.block_size < 1:
-            raise ValueError(f"the block size must be at least 1, got {self.block_size}")
+            raise ValueError(f"KVSERVE_BLOCK_SIZE must be at least 1, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"the maximum model length must be at least 2 tokens, got {self.max_model_len}")
+            raise ValueError(f"KVSERVE_MAX_MODEL_LEN must be at least 2 tokens, got {self.max_model_len}")
         if self.max_attempts < 1:
-            raise ValueError(f"a request needs at least one attempt, got {self.max_attempts}")
+            raise ValueError(f"KVSERVE_GATEWAY_MAX_ATTEMPTS: a request needs at least one attempt, got {self.max_attempts}")
         if not self.request_timeout > 0:
-            raise ValueError(f"the request timeout must be positive, got {self.request_timeout}")
+            raise ValueError(f"KVSERVE_REQUEST_TIMEOUT must be positive, got {self.request_timeout}")
         for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
             seconds = getattr(self, name)
             if not 0 < seconds < float("inf"):
-                raise ValueError(f"the {name.replace('_', ' ')} must be a positive number of seconds, got {seconds}")
+                raise ValueError(f"KVSERVE_GATEWAY_{name.upper()} must be a positive number of seconds, got {seconds}")
         if self.max_connections < 1:
-            raise ValueError(f"the connection cap must be at least 1, got {self.max_connections}")
+            raise ValueError(f"KVSERVE_GATEWAY_MAX_CONNECTIONS must be at least 1, got {self.max_connections}")
         if self.api_key == "":
-            raise ValueError("the API key must not be empty (leave it unset to serve without one)")
+            raise ValueError("KVSERVE_API_KEY must not be empty (leave it unset to serve without one)")
+
+    @classmethod
+    def from_env(cls, role: str = "gateway") -> Self:
+        return cls(
+            **service_env(role),
+            host=env_str("GATEWAY_HOST", "127.0.0.1"),
+            port=env_int("GATEWAY_PORT", 8000),
+            api_key=env_str("API_KEY", "") or None,
+            model=env_str("MODEL", "") or None,
+            block_size=env_int("BLOCK_SIZE", 16),
+            max_model_len=env_int("MAX_MODEL_LEN", 0) or None,
+            max_attempts=env_int("GATEWAY_MAX_ATTEMPTS", 3),
+            request_timeout=env_float("REQUEST_TIMEOUT", 120.0),
+            header_timeout=env_float("GATEWAY_HEADER_TIMEOUT", 10.0),
+            body_timeout=env_float("GATEWAY_BODY_TIMEOUT", 30.0),
+            keepalive_timeout=env_float("GATEWAY_KEEPALIVE_TIMEOUT", 5.0),
+            max_connections=env_int("GATEWAY_MAX_CONNECTIONS", 1024),
+        )

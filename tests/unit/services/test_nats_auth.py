@@ -56,7 +56,7 @@ def test_a_credentials_file_others_can_read_is_used_with_a_warning(tmp_path, cap
 
 def test_a_service_refuses_to_start_with_a_credentials_file_it_cannot_use(tmp_path, monkeypatch):
     monkeypatch.setenv("KVSERVE_NATS_CREDENTIALS", str(tmp_path / "missing.json"))
-    with pytest.raises(SystemExit, match="KVSERVE_NATS_CREDENTIALS: cannot read"):
+    with pytest.raises(ValueError, match="KVSERVE_NATS_CREDENTIALS: cannot read"):
         ServiceSettings.from_env("prefill")
     path = private_file(tmp_path / "ok.json", '{"user": "prefill", "password": "pw"}')
     monkeypatch.setenv("KVSERVE_NATS_CREDENTIALS", str(path))
