@@ -43,14 +43,13 @@ MASTER_PORT = 50051
 def serve_kvserve(args) -> None:
     from libs.common.schema import KVContract
     from libs.common.service import configure_logging, run_service
-    from libs.common.settings import ServiceSettings, TransferSettings
-    from services.store.app import StoreService, StoreSettings
+    from services.store.app import StoreService
+    from services.store.settings import StoreSettings
 
-    service = ServiceSettings(role="store", nats_url=args.nats, instance_id=args.instance, host_id="bench-host",
-                              heartbeat_interval=0.2, nats_credentials=os.environ["KVSERVE_NATS_CREDENTIALS"])  # fmt: skip
     configure_logging(args.instance, "WARNING")
-    settings = StoreSettings(service=service, directory=Path(args.dir), transfer=TransferSettings(),
-                             capacity_bytes=args.capacity, disk_bytes=args.disk)  # fmt: skip
+    settings = StoreSettings(role="store", nats_url=args.nats, instance_id=args.instance, host_id="bench-host",
+                             heartbeat_interval=0.2, nats_credentials=os.environ["KVSERVE_NATS_CREDENTIALS"],
+                             directory=Path(args.dir), capacity_bytes=args.capacity, disk_bytes=args.disk)  # fmt: skip
     run_service(StoreService(settings, bench_contract(args.block_bytes), args.block_bytes))
 
 

@@ -6,7 +6,6 @@ progress reports. Every decision is `scheduler.py`'s; this is the NATS side.
 
 import asyncio
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
@@ -27,49 +26,21 @@ from libs.common.schema import (
     RequestProgress,
 )
 from libs.common.service import Service
-from libs.common.settings import ServiceSettings
 from services.conductor.admission import build_policy
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.index import KVIndex
-from services.conductor.predict import SLO, PredictConfig
-from services.conductor.scheduler import Scheduler, SchedulerConfig
+from services.conductor.scheduler import Scheduler
+from services.conductor.settings import ConductorSettings
 
-DEFAULT_POLICY = "cache_aware"
 SNAPSHOT_TIMEOUT = 5.0
 ADMITTED_MAX_AGE = 900.0  # seconds after which a request never reported finished is forgotten
 
 
-@dataclass(frozen=True)
-class ConductorSettings:
-    service: ServiceSettings
-    instance_timeout: float = 3.0
-    policy: str = DEFAULT_POLICY
-    slo_ttft_s: float = 2.0
-    slo_tbt_s: float = 0.15
-    block_size: int = 16  # tokens per hashed block, as the gateway hashes prompts
-    balancing_threshold: float = 2.0
-    expected_output_tokens: int = 512
-
-    def __post_init__(self) -> None:
-        if self.instance_timeout <= 0:
-            raise ValueError("instance timeout must be positive")
-        if self.slo_ttft_s <= 0 or self.slo_tbt_s <= 0:
-            raise ValueError("SLOs must be positive")
-        if self.block_size < 1 or self.balancing_threshold < 1 or self.expected_output_tokens < 1:
-            raise ValueError("block size, balancing threshold and expected output tokens must be at least 1")
-        build_policy(self.policy)  # raises ValueError naming what is wrong
-
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
-            slo=SLO(self.slo_ttft_s, self.slo_tbt_s),
-            predict=PredictConfig(self.block_size, self.balancing_threshold, self.expected_output_tokens),
-        )
-
-
 class Conductor(Service):
+    settings: ConductorSettings
+
     def __init__(self, settings: ConductorSettings) -> None:
-        super().__init__(settings.service)
-        self.config = settings
+        super().__init__(settings)
         self.view = ClusterView(timeout=settings.instance_timeout, block_size=settings.block_size)
         self.index = KVIndex()
         self.tracker = KVEventTracker(apply=self.index.apply_event, reset=self.index.replace)
@@ -78,7 +49,7 @@ class Conductor(Service):
         self._snapshots: set[str] = set()  # instances whose snapshot is being fetched
 
     async def start(self, stack: AsyncExitStack) -> None:
-        c = self.config
+        c = self.settings
         self.log.info("policy %s; SLO TTFT %.0f ms, TBT %.0f ms", c.policy, c.slo_ttft_s * 1e3, c.slo_tbt_s * 1e3)
         await self.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.subscribe(subjects.KV_EVENTS_ALL, KVEventBatch, self.on_kv_events)

@@ -26,7 +26,7 @@ class LocalPrefill:
     async def start(self, stack) -> None:
         w = self.worker
         if self.calibrate_at_start:
-            self.cost = await w.host.run(calibrate_once, w.engine, w.config.model.calibration_file)
+            self.cost = await w.host.run(calibrate_once, w.engine, w.settings.model.calibration_file)
             w.log.info("cost model: %s", CostModel(self.cost).describe())
         await w.subscribe(subjects.decode_prefill(w.instance_id), PrefillRequest, self.on_prefill)
 

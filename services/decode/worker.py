@@ -7,7 +7,6 @@ finish or are cancelled; their blocks go back to the pool at once.
 
 import asyncio
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
@@ -30,32 +29,18 @@ from libs.common.schema import (
     TokenChunk,
 )
 from libs.common.service import Service
-from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings
 from services.decode.leases import LeaseTable
 from services.decode.local_prefill import LocalPrefill
-
-
-@dataclass(frozen=True)
-class DecodeSettings:
-    service: ServiceSettings
-    model: ModelSettings
-    transfer: TransferSettings = TransferSettings()
-    max_batch_size: int = 64
-    lease_seconds: float = 30.0
-    enable_prefix_cache: bool = False  # decode only recomputes preempted sequences; off by default
-    reserve_wait_seconds: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.max_batch_size < 1 or self.lease_seconds <= 0 or self.reserve_wait_seconds < 0:
-            raise ValueError("max_batch_size, lease_seconds must be positive")
+from services.decode.settings import DecodeSettings
 
 
 class DecodeWorker(Service):
+    settings: DecodeSettings
+
     def __init__(self, settings: DecodeSettings) -> None:
-        super().__init__(settings.service)
-        self.config = settings
+        super().__init__(settings)
         self.host = EngineHost.create(
-            settings.model, self.instance_id, settings.service.host_id, settings.transfer, enable_prefix_cache=settings.enable_prefix_cache
+            settings.model, self.instance_id, settings.host_id, settings.transfer, enable_prefix_cache=settings.enable_prefix_cache
         )
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
@@ -89,7 +74,7 @@ class DecodeWorker(Service):
             return ReserveReply(error=ErrorInfo(code="no_capacity", message="the prompt is larger than this worker's KV pool"))
         pool = self.engine.cache.block_pool
         try:
-            async with asyncio.timeout(self.config.reserve_wait_seconds), self._blocks_freed:
+            async with asyncio.timeout(self.settings.reserve_wait_seconds), self._blocks_freed:
                 while True:
                     await self._blocks_freed.wait_for(lambda: pool.can_allocate(needed))
                     try:
@@ -178,7 +163,7 @@ class DecodeWorker(Service):
                 else:
                     self._work.clear()
                 continue
-            batch = self.running[: self.config.max_batch_size]
+            batch = self.running[: self.settings.max_batch_size]
             try:
                 tokens = await self.host.run(self._decode, batch)
             except OutOfKVBlocksError:

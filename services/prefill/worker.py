@@ -25,28 +25,10 @@ from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
 from libs.common.schema import Ack, Cancel, ErrorInfo, Heartbeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
-from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings
 from services.prefill.handoff import Handoff, HandoffError, Transfer
 from services.prefill.kv_reports import KVReports
+from services.prefill.settings import PrefillSettings
 from services.prefill.store_client import StoreClient
-
-
-@dataclass(frozen=True)
-class PrefillSettings:
-    service: ServiceSettings
-    model: ModelSettings
-    transfer: TransferSettings = TransferSettings()
-    max_chunk_tokens: int = 512
-    max_batch_tokens: int = 2048
-    use_store: bool = True
-    store_replicas: int = 1  # writes go to this many store instances per block; reads try them in turn
-    enable_prefix_cache: bool = True  # off: every prompt is computed in full (a baseline)
-
-    def __post_init__(self) -> None:
-        if self.max_chunk_tokens < 1 or self.max_batch_tokens < 1:
-            raise ValueError("max_chunk_tokens and max_batch_tokens must be positive")
-        if self.store_replicas < 1:
-            raise SystemExit("KVSERVE_STORE_REPLICAS must be at least 1")
 
 
 @dataclass
@@ -57,11 +39,12 @@ class Job:
 
 
 class PrefillWorker(Service):
+    settings: PrefillSettings
+
     def __init__(self, settings: PrefillSettings) -> None:
-        super().__init__(settings.service)
-        self.config = settings
+        super().__init__(settings)
         self.host = EngineHost.create(
-            settings.model, self.instance_id, settings.service.host_id, settings.transfer,
+            settings.model, self.instance_id, settings.host_id, settings.transfer,
             max_chunk_tokens=settings.max_chunk_tokens, enable_prefix_cache=settings.enable_prefix_cache,
         )  # fmt: skip
         self.engine = self.host.engine
@@ -109,7 +92,7 @@ class PrefillWorker(Service):
     async def _prefill_loop(self) -> None:
         while True:
             jobs = [await self.queue.get()]
-            budget = self.config.max_batch_tokens - jobs[0].seq.num_tokens
+            budget = self.settings.max_batch_tokens - jobs[0].seq.num_tokens
             while not self.queue.empty() and budget > 0:
                 job = self.queue.get_nowait()
                 jobs.append(job)

@@ -4,9 +4,11 @@ The KV contract (and so the block size a slot holds) comes from the model the
 cluster serves: its config, block size and dtype; the weights are not loaded.
 The default disk directory is per instance and per contract, so a cluster
 restarted with another model or dtype starts an empty disk tier beside the old
-one; an explicit KVSERVE_STORE_DIR of another contract is refused (exit 2).
+one; an explicit KVSERVE_STORE_DIR of another contract is refused (exit 2), and so is
+a bad value of any variable (one line on stderr naming it; see settings.py).
 """
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -19,10 +21,11 @@ from libs.common.model.default_model import cache_dir, resolve_model_path
 from libs.common.model.loader import resolve_dtype
 from libs.common.schema import KVContract
 from libs.common.service import configure_logging, run_service
-from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings, env_float, env_int, env_str
-from services.store.app import WRITE_BEHIND_S, StoreService, StoreSettings
+from libs.common.settings import ModelSettings, settings_or_exit
+from services.store.app import StoreService
 from services.store.block_files import contract_digest
 from services.store.manifest import StoreDirectoryError
+from services.store.settings import StoreSettings
 
 
 def model_contract(model: ModelSettings) -> tuple[KVContract, int]:
@@ -40,21 +43,19 @@ def default_directory(instance_id: str, contract: KVContract) -> Path:
 
 
 def main() -> None:
-    service = ServiceSettings.from_env("store")
-    configure_logging(service.instance_id, env_str("LOG_LEVEL", "INFO"))
-    contract, block_nbytes = model_contract(ModelSettings.from_env())
-    settings = StoreSettings(
-        service=service,
-        directory=Path(env_str("STORE_DIR", "") or default_directory(service.instance_id, contract)).expanduser(),
-        transfer=TransferSettings.from_env(),
-        capacity_bytes=env_int("STORE_CAPACITY_BYTES", 1 << 30),
-        disk_bytes=env_int("STORE_DISK_BYTES", 16 << 30),
-        write_behind_s=env_float("STORE_WRITE_BEHIND_S", WRITE_BEHIND_S),
-    )
+    settings = settings_or_exit("store", StoreSettings.from_env)
+    configure_logging(settings.instance_id, settings.log_level)
+    assert settings.model is not None  # from_env reads it
+    contract, block_nbytes = model_contract(settings.model)
+    if settings.directory is None:
+        settings = dataclasses.replace(settings, directory=default_directory(settings.instance_id, contract))
     try:
         store = StoreService(settings, contract, block_nbytes)
     except StoreDirectoryError as e:
         logging.getLogger("kvserve.store").error("%s", e)
+        sys.exit(2)
+    except ValueError as e:  # a DRAM tier too small for one block of this contract
+        print(f"store: {e}", file=sys.stderr)
         sys.exit(2)
     run_service(store)
 

@@ -17,8 +17,6 @@ written behind to disk; a graceful stop writes whatever is still pending.
 import asyncio
 import time
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
-from pathlib import Path
 
 from nats.aio.msg import Msg
 
@@ -44,51 +42,29 @@ from libs.common.schema import (
     StoreStatsRequest,
 )
 from libs.common.service import Service
-from libs.common.settings import ServiceSettings, TransferSettings
 from libs.common.transfer import Descriptor, SharedSegment, Span, TransferEngine, TransferError
 from libs.common.transfer.segment import new_segment_name, remove_stale_segments
 from services.store.block_files import BlockFiles, contract_digest
 from services.store.disk import DiskTier
 from services.store.manifest import claim_directory
 from services.store.puts import PendingPut, PendingPuts
+from services.store.settings import StoreSettings
 from services.store.tiers import TieredStore
 
-PUT_TTL_S = 30.0  # a put not committed by then gives its slots back
 INLINE_COPY_BYTES = 256 << 10  # shm copies up to this size run on the event loop (a thread costs more)
 LOAD_EWMA = 0.2  # weight of the newest sample in the measured per-block load times
-WRITE_BEHIND_S = 1.0  # a committed block reaches disk within about this long
-
-
-@dataclass(frozen=True)
-class StoreSettings:
-    service: ServiceSettings
-    directory: Path  # the disk tier's files
-    transfer: TransferSettings = TransferSettings()
-    capacity_bytes: int = 1 << 30  # DRAM tier
-    disk_bytes: int = 16 << 30  # disk tier; 0: no disk tier
-    put_ttl_s: float = PUT_TTL_S
-    write_behind_s: float = WRITE_BEHIND_S
-
-    def __post_init__(self) -> None:
-        if self.capacity_bytes <= 0:
-            raise SystemExit("KVSERVE_STORE_CAPACITY_BYTES must be positive")
-        if self.disk_bytes < 0:
-            raise SystemExit("KVSERVE_STORE_DISK_BYTES must be 0 (no disk tier) or positive")
-        if self.put_ttl_s <= 0:
-            raise SystemExit("the put TTL must be positive")
-        if not 0 <= self.write_behind_s < float("inf"):
-            raise SystemExit(f"KVSERVE_STORE_WRITE_BEHIND_S must be 0 or more seconds, got {self.write_behind_s}")
 
 
 class StoreService(Service):
+    settings: StoreSettings
+
     def __init__(self, settings: StoreSettings, contract: KVContract, block_nbytes: int) -> None:
-        super().__init__(settings.service)
-        self.config = settings
+        super().__init__(settings)
         self.contract = contract
         self.block_nbytes = block_nbytes
         num_slots = settings.capacity_bytes // block_nbytes
         if num_slots < 1:
-            raise SystemExit(f"KVSERVE_STORE_CAPACITY_BYTES={settings.capacity_bytes} holds no block of "
+            raise ValueError(f"KVSERVE_STORE_CAPACITY_BYTES={settings.capacity_bytes} holds no block of "
                              f"{block_nbytes} bytes")  # fmt: skip
         digest = contract_digest(contract)
         if settings.disk_bytes and claim_directory(settings.directory, contract, digest, block_nbytes):
@@ -98,7 +74,7 @@ class StoreService(Service):
             self.log.info("removed %d shared-memory segments left by dead processes", len(removed))
         self.segment = SharedSegment.create(new_segment_name(self.instance_id, "dram"), num_slots * block_nbytes)
         t = settings.transfer
-        self.transfers = TransferEngine(settings.service.host_id, listen=f"{t.listen_host}:0", transport=t.transport,
+        self.transfers = TransferEngine(settings.host_id, listen=f"{t.listen_host}:0", transport=t.transport,
                                         connections=t.connections, timeout=t.timeout,
                                         max_connections=t.max_connections, idle_timeout=t.idle_timeout)  # fmt: skip
         self.transfers.register(self.segment)
@@ -133,7 +109,7 @@ class StoreService(Service):
         )  # fmt: skip
         await KVEventPublisher(self, self.events).start(stack)
         if disk is not None:
-            self._write_behind = self.spawn(self.tiers.write_behind(self.config.write_behind_s))
+            self._write_behind = self.spawn(self.tiers.write_behind(self.settings.write_behind_s))
         self._ops_subscription = await self.nc.subscribe(subjects.store_ops(self.instance_id), cb=self._dispatch)
 
     async def stop(self) -> None:
@@ -244,7 +220,7 @@ class StoreService(Service):
                              len(missing))  # fmt: skip
         if not placed:
             return StorePutReply(no_room=no_room)
-        ttl = self.config.put_ttl_s
+        ttl = self.settings.put_ttl_s
         offsets = [self.tiers.slot_offset(s) for s in slots]
         ticket = self.transfers.expect(self.segment.name, [(o, self.block_nbytes) for o in offsets], ttl,
                                        sender_host=request.host_id)  # fmt: skip

@@ -1,0 +1,63 @@
+"""The conductor's settings: one frozen dataclass, validated when built.
+
+Only ``__main__`` reads the environment (``ConductorSettings.from_env()``); tests and
+launchers build this directly.
+"""
+
+from dataclasses import dataclass
+from typing import Self
+
+from libs.common.settings import ServiceSettings, env_float, env_int, env_str, service_env
+from services.conductor.admission import build_policy
+from services.conductor.predict import SLO, PredictConfig
+from services.conductor.scheduler import SchedulerConfig
+
+DEFAULT_POLICY = "cache_aware"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ConductorSettings(ServiceSettings):
+    instance_timeout: float = 3.0  # seconds without a heartbeat before an instance is presumed dead
+    policy: str = DEFAULT_POLICY  # add +early_rejection or +predictive_rejection to refuse early
+    slo_ttft_s: float = 2.0
+    slo_tbt_s: float = 0.15
+    block_size: int = 16  # tokens per hashed block, as the gateway hashes prompts
+    balancing_threshold: float = 2.0
+    expected_output_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.instance_timeout <= 0:
+            raise ValueError(f"KVSERVE_INSTANCE_TIMEOUT must be positive, got {self.instance_timeout}")
+        if self.slo_ttft_s <= 0:
+            raise ValueError(f"KVSERVE_SLO_TTFT_MS must be positive, got {self.slo_ttft_s * 1e3}")
+        if self.slo_tbt_s <= 0:
+            raise ValueError(f"KVSERVE_SLO_TBT_MS must be positive, got {self.slo_tbt_s * 1e3}")
+        if self.block_size < 1:
+            raise ValueError(f"KVSERVE_BLOCK_SIZE must be at least 1, got {self.block_size}")
+        if self.balancing_threshold < 1:
+            raise ValueError(f"KVSERVE_BALANCING_THRESHOLD must be at least 1, got {self.balancing_threshold}")
+        if self.expected_output_tokens < 1:
+            raise ValueError(f"KVSERVE_EXPECTED_OUTPUT_TOKENS must be at least 1, got {self.expected_output_tokens}")
+        try:
+            build_policy(self.policy)
+        except ValueError as e:
+            raise ValueError(f"KVSERVE_POLICY: {e}") from None
+
+    @classmethod
+    def from_env(cls, role: str = "conductor") -> Self:
+        return cls(
+            **service_env(role),
+            instance_timeout=env_float("INSTANCE_TIMEOUT", 3.0),
+            policy=env_str("POLICY", DEFAULT_POLICY),
+            slo_ttft_s=env_float("SLO_TTFT_MS", 2000.0) / 1e3,
+            slo_tbt_s=env_float("SLO_TBT_MS", 150.0) / 1e3,
+            block_size=env_int("BLOCK_SIZE", 16),
+            balancing_threshold=env_float("BALANCING_THRESHOLD", 2.0),
+            expected_output_tokens=env_int("EXPECTED_OUTPUT_TOKENS", 512),
+        )
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            slo=SLO(self.slo_ttft_s, self.slo_tbt_s),
+            predict=PredictConfig(self.block_size, self.balancing_threshold, self.expected_output_tokens),
+        )

@@ -1,0 +1,39 @@
+"""The decode worker's settings: one frozen dataclass, validated when built.
+
+Only ``__main__`` reads the environment (``DecodeSettings.from_env()``); tests and
+launchers build this directly.
+"""
+
+from dataclasses import dataclass
+from typing import Self
+
+from libs.common.settings import ModelSettings, ServiceSettings, TransferSettings, env_bool, env_float, env_int, service_env
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecodeSettings(ServiceSettings):
+    model: ModelSettings
+    transfer: TransferSettings = TransferSettings()
+    max_batch_size: int = 64
+    lease_seconds: float = 30.0
+    enable_prefix_cache: bool = False  # decode only recomputes preempted sequences; off by default
+    reserve_wait_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_batch_size < 1:
+            raise ValueError(f"KVSERVE_MAX_BATCH_SIZE must be at least 1, got {self.max_batch_size}")
+        if self.lease_seconds <= 0:
+            raise ValueError(f"KVSERVE_LEASE_SECONDS must be positive, got {self.lease_seconds}")
+        if self.reserve_wait_seconds < 0:
+            raise ValueError(f"the reserve wait must be 0 or more seconds, got {self.reserve_wait_seconds}")
+
+    @classmethod
+    def from_env(cls, role: str = "decode") -> Self:
+        return cls(
+            **service_env(role),
+            model=ModelSettings.from_env(),
+            transfer=TransferSettings.from_env(),
+            max_batch_size=env_int("MAX_BATCH_SIZE", 64),
+            lease_seconds=env_float("LEASE_SECONDS", 30.0),
+            enable_prefix_cache=env_bool("ENABLE_PREFIX_CACHE", False),
+        )
