@@ -13,16 +13,18 @@ import asyncio
 import statistics
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import torch
 
 from libs.common.schema import WriteTicket
 from libs.common.transfer import SharedSegment, Span
-from libs.common.transfer.tcp import IdleConnections, TcpConnection
-from libs.common.transfer.writers import _POOL
+from libs.common.transfer.tcp.connection import IdleConnections, TcpConnection
+from libs.common.transfer.writers import MAX_LANE_THREADS
 
 SMALL = 64 << 10
+_POOL = ThreadPoolExecutor(max_workers=MAX_LANE_THREADS, thread_name_prefix="kv-writer")  # as a TransferEngine's
 
 
 def _median_us(samples: list[float]) -> float:

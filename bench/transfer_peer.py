@@ -83,7 +83,7 @@ def run_kvserve(size: int) -> None:
         return {"tickets": [msgspec.to_builtins(t) for t in fresh]}
 
     try:
-        reply({"segment": segment.name, "address": engine.listener.address})
+        reply({"segment": segment.name, "address": engine.transports["tcp"].listener.address})
         serve(segment.view, lambda n: segment.tensor[:n].zero_(), {"tickets": tickets})
     finally:
         engine.close()  # closes (and, as owner, unlinks) the segment too

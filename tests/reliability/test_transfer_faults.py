@@ -17,7 +17,7 @@ import pytest
 from libs.common.schema import WriteTicket
 from libs.common.transfer import SharedSegment, Span, TransferEngine, TransferError
 from libs.common.transfer.segment import new_segment_name
-from libs.common.transfer.tcp import FRAME, SHORT, greeting
+from libs.common.transfer.tcp.wire import FRAME, Status, greeting
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 128 << 20
@@ -98,7 +98,7 @@ def test_a_truncated_stream_is_detected_and_reported():
             assert sock.recv(1) == b"\x00"  # accepted
             sock.sendall(FRAME.pack(0, 1000) + b"x" * 100)  # a frame promising 1000 bytes, then only 100
             sock.shutdown(socket.SHUT_WR)
-            assert sock.recv(1) == bytes([SHORT])  # the sender is told: truncated
+            assert sock.recv(1) == bytes([Status.SHORT])  # the sender is told: truncated
         record = receiver.close_ticket(ticket.token)
         assert record.failed == "truncated"
         assert record.bytes_received == 0  # the partial frame is not counted as delivered

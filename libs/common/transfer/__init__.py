@@ -1,7 +1,8 @@
 """The data plane: registered memory segments and byte transfers between them."""
 
-from libs.common.transfer.descriptors import Descriptor, Span, TransferError
+from libs.common.transfer.descriptors import Cause, Descriptor, Span, TransferError
 from libs.common.transfer.engine import TransferEngine
 from libs.common.transfer.segment import SharedSegment
+from libs.common.transfer.transport import Transport
 
-__all__ = ["Descriptor", "SharedSegment", "Span", "TransferEngine", "TransferError"]
+__all__ = ["Cause", "Descriptor", "SharedSegment", "Span", "TransferEngine", "TransferError", "Transport"]

@@ -7,21 +7,25 @@ the control plane): where to write and a one-time token; the sender writes
 """
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-# Why a transfer ended badly; also the label of the failure metric.
-TIMEOUT = "timeout"
-PEER_GONE = "peer_gone"
-BAD_TOKEN = "bad_token"
-BAD_RANGE = "bad_range"
-TRUNCATED = "truncated"
-CANCELLED = "cancelled"
-CAUSES = (TIMEOUT, PEER_GONE, BAD_TOKEN, BAD_RANGE, TRUNCATED, CANCELLED)
+
+class Cause(StrEnum):
+    """Why a transfer ended badly; the value is the label of the failure metric."""
+
+    TIMEOUT = "timeout"
+    PEER_GONE = "peer_gone"
+    BAD_TOKEN = "bad_token"
+    BAD_RANGE = "bad_range"
+    TRUNCATED = "truncated"
+    CANCELLED = "cancelled"
+    INTERNAL = "internal"  # a bug in the engine, not the peer's doing
 
 
 class TransferError(Exception):
-    """A transfer that did not complete; ``cause`` is one of CAUSES."""
+    """A transfer that did not complete, and why."""
 
-    def __init__(self, cause: str, message: str) -> None:
+    def __init__(self, cause: Cause, message: str) -> None:
         super().__init__(f"{cause}: {message}")
         self.cause = cause
 

@@ -2,37 +2,34 @@
 
 A receiver registers its segments and, per transfer, issues a `WriteTicket`
 for the ranges a sender may fill (``expect``). A sender opens a writer on that
-ticket (``writer`` / ``write``): shared memory when the receiver is on this
-host, TCP otherwise (or as forced by ``transport``), the same interface
-either way — the design of Mooncake's Transfer Engine, so an RDMA transport
-could sit behind it too. Every transfer has a deadline and ends in success or
-a TransferError with a cause; the engine counts bytes, transfers, durations
-and failures per transport.
-
-The TCP listener opens only when a ticket is issued for a sender that may be on
-another host (or when ``transport`` is "tcp"): a process whose peers are all on
-its host listens on no port.
+ticket (``writer`` / ``write``) through the first transport of `registry.py`
+that reaches the receiver — shared memory when it is on this host, TCP otherwise —
+or the one ``transport`` names; the same interface either way, the design of
+Mooncake's Transfer Engine. The engine knows transports only as `Transport`s, and
+owns what they share: the tickets and the threads that run writers. Every
+transfer has a deadline and ends in success or a TransferError with a cause; the
+engine counts bytes, transfers, durations and failures per transport.
 """
 
-import logging
 import secrets
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from libs.common.metrics import REGISTRY
 from libs.common.schema import WriteTicket
-from libs.common.transfer.descriptors import BAD_TOKEN, PEER_GONE, Descriptor, Span, TransferError
-from libs.common.transfer.listener import TcpListener
+from libs.common.transfer.descriptors import Cause, Descriptor, Span, TransferError
 from libs.common.transfer.ranges import RangeSet
+from libs.common.transfer.registry import TRANSPORTS
 from libs.common.transfer.segment import SHM_DIR, SharedSegment
+from libs.common.transfer.shm import ShmTransport, copy_spans
 from libs.common.transfer.tickets import OpenTicket, TicketBook, claim, ticket_id
-from libs.common.transfer.writers import ShmWriter, TcpWriter, Writer, copy_spans
+from libs.common.transfer.transport import Transport
+from libs.common.transfer.writers import MAX_LANE_THREADS, Writer
 
-log = logging.getLogger(__name__)
-
-TRANSPORTS = ("auto", "shm", "tcp")
+AUTO = "auto"  # the first transport that reaches the receiver
 _BYTES = REGISTRY.counter("kvserve_transfer_bytes_total", "Bytes moved by the transfer engine", ["transport"])
 _COUNT = REGISTRY.counter("kvserve_transfers_total", "Transfers completed", ["transport"])
 _FAILURES = REGISTRY.counter("kvserve_transfer_failures_total", "Transfers failed, by cause", ["cause"])
@@ -40,7 +37,6 @@ _SECONDS = REGISTRY.histogram(
     "kvserve_transfer_seconds", "Transfer duration", [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                                                       1, 2.5, 5, 10], ["transport"]
 )  # fmt: skip
-_RECEIVED = REGISTRY.counter("kvserve_transfer_received_bytes_total", "Bytes received over TCP")
 
 
 class TransferEngine:
@@ -49,7 +45,7 @@ class TransferEngine:
         host_id: str = "",
         *,
         listen: str | None = None,
-        transport: str = "auto",
+        transport: str = AUTO,
         connections: int = 4,
         slice_bytes: int = 4 << 20,
         timeout: float = 30.0,
@@ -57,11 +53,12 @@ class TransferEngine:
         idle_timeout: float = 60.0,
     ) -> None:
         """``listen`` ("host:port", port 0 for any): where a TCP listener binds, so peers on
-        other hosts can write here, once one may (see `expect`); ``transport`` forces shm
-        or tcp for sending, and "tcp" opens the listener at once. The listener serves at
-        most ``max_connections`` connections and closes those idle ``idle_timeout`` seconds."""
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        other hosts can write here, once one may (see `expect`); ``transport`` forces one
+        transport (a name in `registry.TRANSPORTS`) for sending, and one that reaches other
+        hosts is opened for receiving at once. The listener serves at most
+        ``max_connections`` connections and closes those idle ``idle_timeout`` seconds."""
+        if transport != AUTO and transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {(AUTO, *TRANSPORTS)}, got {transport!r}")
         self.host_id = host_id
         self.transport = transport
         self.connections = connections
@@ -69,29 +66,31 @@ class TransferEngine:
         self.timeout = timeout
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
+        self.listen = listen
         self.tickets = TicketBook()
+        self.pool = ThreadPoolExecutor(max_workers=MAX_LANE_THREADS, thread_name_prefix="kv-writer")
         self._segments: dict[str, SharedSegment] = {}
         self._local: set[str] = set()
         self._lock = threading.Lock()
-        self._listen = listen
-        self.listener: TcpListener | None = None
-        if listen is not None and transport == "tcp":
-            self._open_listener()
+        self.transports: dict[str, Transport] = {name: kind(self) for name, kind in TRANSPORTS.items()}
+        forced = self.transports.get(transport)
+        # forced to a transport that reaches other hosts: receivers must be reachable by it too
+        self._sends_off_host = forced is not None and not forced.same_host_only
+        if self._sends_off_host:
+            forced.open_receiver()
 
     @property
     def writer_host_id(self) -> str:
         """What to tell a receiver about to issue us a ticket: our host id, or "" when we
-        send only over TCP (so the receiver listens)."""
-        return "" if self.transport == "tcp" else self.host_id
+        send only through a transport that reaches other hosts (so the receiver listens)."""
+        return "" if self._sends_off_host else self.host_id
 
-    def _open_listener(self) -> TcpListener | None:
-        with self._lock:
-            if self.listener is None and self._listen is not None:
-                host, port = self._listen.rsplit(":", 1)
-                self.listener = TcpListener(host, int(port), self.tickets, lambda n: _RECEIVED.inc(amount=n),
-                                            max_connections=self.max_connections, idle_timeout=self.idle_timeout)  # fmt: skip
-                log.info("transfer listener on %s", self.listener.address)
-            return self.listener
+    def _open_receivers(self) -> str | None:
+        """The address a ticket gives a sender that may be on another host, if any."""
+        for transport in self.transports.values():
+            if not transport.same_host_only and (address := transport.open_receiver()) is not None:
+                return address
+        return None
 
     # --- segments ------------------------------------------------------------
     def register(self, segment: SharedSegment) -> None:
@@ -108,7 +107,7 @@ class TransferEngine:
             try:
                 segment = SharedSegment.attach(name)
             except (OSError, ValueError) as e:
-                raise TransferError(PEER_GONE, f"cannot open segment {name}: {e}") from e
+                raise TransferError(Cause.PEER_GONE, f"cannot open segment {name}: {e}") from e
             with self._lock:
                 segment = self._segments.setdefault(name, segment)
         return segment
@@ -127,12 +126,11 @@ class TransferEngine:
         """Issue a one-time ticket letting one sender write ``ranges`` of ``segment`` (each
         byte once) for ``ttl`` seconds. ``sender_host``: the sender's host id, if known
         (its `writer_host_id`); a sender on this host writes through shared memory, so
-        its ticket has no TCP address and the listener is not opened for it."""
+        its ticket has no address and no listener is opened for it."""
         local = self._segments[segment]
         token = secrets.token_hex(16)
-        on_this_host = bool(sender_host) and sender_host == self.host_id and self.transport != "tcp"
-        listener = None if on_this_host else self._open_listener()
-        address = listener.address if listener is not None else None
+        on_this_host = bool(sender_host) and sender_host == self.host_id and not self._sends_off_host
+        address = None if on_this_host else self._open_receivers()
         ticket = OpenTicket(token, segment, local.view, RangeSet(list(ranges)), time.monotonic() + ttl,
                             tcp=address is not None)  # fmt: skip
         self.tickets.open(ticket)
@@ -144,20 +142,19 @@ class TransferEngine:
 
     # --- sending ---------------------------------------------------------------
     def choose_transport(self, ticket: WriteTicket) -> str:
-        if self.transport != "auto":
+        """The name of the transport a writer on ``ticket`` goes through."""
+        if self.transport != AUTO:
             return self.transport
-        same_host = ticket.host_id == self.host_id and (SHM_DIR / ticket.segment).exists()
-        return "shm" if same_host else "tcp"
+        for transport in self.transports.values():
+            if transport.can_reach(ticket):
+                return transport.name
+        raise TransferError(Cause.PEER_GONE, f"no transport reaches host {ticket.host_id!r}")
 
     def writer(self, ticket: WriteTicket, source: str, timeout: float | None = None) -> Writer:
         """Open a streaming writer from our segment ``source`` to the ticket's destination."""
         timeout = self.timeout if timeout is None else timeout
         src = self.segment(source)
-        if self.choose_transport(ticket) == "shm":
-            destination = self.segment(ticket.segment)
-            self.claim(ticket)
-            return ShmWriter(src, destination, timeout)
-        return TcpWriter(src, ticket, timeout, self.connections, self.slice_bytes)
+        return self.transports[self.choose_transport(ticket)].make_writer(ticket, src, timeout)
 
     def claim(self, ticket: WriteTicket) -> None:
         """Take ``ticket`` for a shared-memory write (``writer`` does; call it before a
@@ -167,10 +164,10 @@ class TransferEngine:
         try:
             taken = claim(ticket.segment, ticket_id(ticket.token))
         except OSError as e:
-            raise TransferError(PEER_GONE, f"cannot claim a ticket of {ticket.segment}: {e}") from e
+            raise TransferError(Cause.PEER_GONE, f"cannot claim a ticket of {ticket.segment}: {e}") from e
         if not taken:
-            _FAILURES.inc(BAD_TOKEN)
-            raise TransferError(BAD_TOKEN, f"a ticket of {ticket.segment} was already used by another writer")
+            _FAILURES.inc(Cause.BAD_TOKEN)
+            raise TransferError(Cause.BAD_TOKEN, f"a ticket of {ticket.segment} was already used by another writer")
 
     async def finish(self, writer: Writer) -> None:
         """Wait until every byte ``writer`` was given is at its destination; count it."""
@@ -216,19 +213,20 @@ class TransferEngine:
             for name, offset in ((d.src_segment, d.src_offset), (d.dst_segment, d.dst_offset)):
                 segment = self.segment(name)
                 if offset < 0 or d.length < 0 or offset + d.length > segment.nbytes:
-                    raise TransferError("bad_range", f"[{offset}, {offset + d.length}) is outside {name}")
+                    raise TransferError(Cause.BAD_RANGE, f"[{offset}, {offset + d.length}) is outside {name}")
             by_pair.setdefault((d.src_segment, d.dst_segment), []).append(Span(d.src_offset, d.dst_offset, d.length))
         start = time.perf_counter()
         for (src, dst), spans in by_pair.items():
             copy_spans(self.segment(src).tensor, self.segment(dst).tensor, spans)
         if batch:
-            _BYTES.inc("shm", amount=sum(d.length for d in batch))
-            _COUNT.inc("shm")
-            _SECONDS.observe(time.perf_counter() - start, "shm")
+            _BYTES.inc(ShmTransport.name, amount=sum(d.length for d in batch))
+            _COUNT.inc(ShmTransport.name)
+            _SECONDS.observe(time.perf_counter() - start, ShmTransport.name)
 
     def close(self) -> None:
-        if self.listener is not None:
-            self.listener.close()
+        for transport in self.transports.values():
+            transport.close()
+        self.pool.shutdown(wait=False)  # a lane still running ends at its transfer's deadline
         self.tickets.close_all()
         with self._lock:
             segments, self._segments = list(self._segments.values()), {}

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from libs.common.transfer.descriptors import Cause
 from libs.common.transfer.ranges import RangeSet, WrittenRanges
 from libs.common.transfer.segment import SHM_DIR
 
@@ -84,7 +85,7 @@ class OpenTicket:
     tcp: bool = True  # a TCP greeting may use it (it was issued with the listener's address)
     bytes_received: int = 0
     arrivals: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) per frame, in order
-    failed: str | None = None  # a cause, once a connection broke mid-transfer
+    failed: Cause | None = None  # once a connection broke mid-transfer
     id: bytes = b""
     claimed: bool = False  # a TCP greeting has taken it
     nonces: set[int] = field(default_factory=set)

@@ -6,8 +6,8 @@ import socket
 import pytest
 import torch
 
-from libs.common.transfer import Span, TransferError, tcp
-from libs.common.transfer.tcp import END_OFFSET, FRAME, GREETING, MAGIC, OK, REFUSED, greeting
+from libs.common.transfer import Span, TransferError
+from libs.common.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status, greeting
 from libs.common.transfer.tickets import greeting_proof, ticket_id
 from tests.integration.conftest import wait_until
 
@@ -25,9 +25,7 @@ def make_link(segments, **receiver_settings):
 
 @pytest.fixture
 def link(segments):
-    tcp.IDLE.clear()  # no connection left over from another test
-    yield make_link(segments)
-    tcp.IDLE.clear()
+    return make_link(segments)  # a new sender engine: no connection left over from another test
 
 
 async def send(receiver, dst, sender, src, offset: int, size: int = 64 * KiB) -> None:
@@ -42,16 +40,15 @@ async def test_transfers_to_one_receiver_share_one_connection(link):
     for i in range(5):
         await send(receiver, dst, sender, src, offset=i * 64 * KiB)
     # one connection, although each writer may use up to 4: a 64 KiB transfer is one slice
-    assert receiver.listener.accepted == 1
+    assert receiver.transports["tcp"].listener.accepted == 1
 
 
 async def test_a_connection_the_receiver_closed_while_idle_is_replaced(segments):
-    tcp.IDLE.clear()
     receiver, dst, sender, src = make_link(segments, idle_timeout=0.2)  # gives up on idle connections at once
     await send(receiver, dst, sender, src, offset=0)
-    wait_until(lambda: receiver.listener.open_connections == 0, timeout=10)
+    wait_until(lambda: receiver.transports["tcp"].listener.open_connections == 0, timeout=10)
     await send(receiver, dst, sender, src, offset=64 * KiB)  # the pooled one is dead: a new one
-    assert receiver.listener.accepted == 2
+    assert receiver.transports["tcp"].listener.accepted == 2
 
 
 def test_a_reused_connection_still_needs_a_valid_token_for_each_transfer(segments):
@@ -62,16 +59,16 @@ def test_a_reused_connection_still_needs_a_valid_token_for_each_transfer(segment
     host, port = first.address.rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(greeting(first.token, nonce=1))
-        assert sock.recv(1) == bytes([OK])
+        assert sock.recv(1) == bytes([Status.OK])
         sock.sendall(FRAME.pack(0, 16) + b"a" * 16 + FRAME.pack(END_OFFSET, 0))
-        assert sock.recv(1) == bytes([OK])
+        assert sock.recv(1) == bytes([Status.OK])
         sock.sendall(greeting(second.token, nonce=1))  # the next transfer, with its own ticket
-        assert sock.recv(1) == bytes([OK])
+        assert sock.recv(1) == bytes([Status.OK])
         sock.sendall(FRAME.pack(16, 16) + b"b" * 16 + FRAME.pack(END_OFFSET, 0))
-        assert sock.recv(1) == bytes([OK])
+        assert sock.recv(1) == bytes([Status.OK])
         # a ticket's id with a proof made from another token: refused, and the connection closed
         sock.sendall(MAGIC + GREETING.pack(ticket_id(first.token), 2, greeting_proof(second.token, 2)))
-        assert sock.recv(1) == bytes([REFUSED])
+        assert sock.recv(1) == bytes([Status.REFUSED])
         assert sock.recv(1) == b""
     assert bytes(dst.tensor[:32].tolist()) == b"a" * 16 + b"b" * 16
 

@@ -8,19 +8,16 @@ from contextlib import ExitStack
 
 import pytest
 
-from libs.common.transfer import Span, TransferError, tcp
-from libs.common.transfer.listener import _IDLE_CLOSED, _REFUSED
-from libs.common.transfer.tcp import BUSY, FAILED, FRAME, OK, greeting
+from libs.common.transfer import Span, TransferEngine, TransferError
+from libs.common.transfer.tcp.listener import _IDLE_CLOSED, _REFUSED, TcpListener
+from libs.common.transfer.tcp.wire import FRAME, Status, greeting
 from tests.integration.conftest import wait_until
 
 KiB = 1 << 10
 
 
-@pytest.fixture(autouse=True)
-def no_pooled_connections():
-    tcp.IDLE.clear()
-    yield
-    tcp.IDLE.clear()
+def listener_of(engine: TransferEngine) -> TcpListener:
+    return engine.transports["tcp"].listener
 
 
 def listening(segments, **settings):
@@ -46,12 +43,12 @@ async def test_connections_over_the_cap_are_closed_at_once_and_counted(segments)
     src.tensor.fill_(5)
     refused = _REFUSED.value("too_many_connections")
     with ExitStack() as stack:
-        socks = connections(stack, engine.listener.address, 10)
+        socks = connections(stack, listener_of(engine).address, 10)
         wait_until(lambda: sum(map(readable, socks)) == 6, timeout=10)
         turned_away = [s for s in socks if readable(s)]
-        assert all(s.recv(2) == bytes([BUSY]) for s in turned_away)  # told why, then closed
+        assert all(s.recv(2) == bytes([Status.BUSY]) for s in turned_away)  # told why, then closed
         assert all(s.recv(1) == b"" for s in turned_away)
-        assert engine.listener.open_connections == 4 and engine.listener.refused_connections == 6
+        assert listener_of(engine).open_connections == 4 and listener_of(engine).refused_connections == 6
         assert _REFUSED.value("too_many_connections") == refused + 6
 
         ticket = engine.expect(dst.name, [(0, KiB)], ttl=30)
@@ -59,7 +56,7 @@ async def test_connections_over_the_cap_are_closed_at_once_and_counted(segments)
             await sender.write(ticket, src.name, [Span(0, 0, KiB)], timeout=10)
         assert caught.value.cause == "peer_gone"
         assert dst.tensor.count_nonzero() == 0
-    wait_until(lambda: engine.listener.open_connections == 0, timeout=10)  # ours are closed: places free again
+    wait_until(lambda: listener_of(engine).open_connections == 0, timeout=10)  # ours are closed: places free again
     ticket = engine.expect(dst.name, [(0, KiB)], ttl=30)
     await sender.write(ticket, src.name, [Span(0, 0, KiB)], timeout=10)
     assert dst.tensor[:KiB].eq(5).all()
@@ -69,15 +66,15 @@ def test_idle_connections_are_closed(segments):
     engine, dst = listening(segments, idle_timeout=0.2)
     closed = _IDLE_CLOSED.value()
     with ExitStack() as stack:
-        silent = connections(stack, engine.listener.address, 3)
-        stalled = connections(stack, engine.listener.address, 1)[0]  # greets, starts a frame, then stops
+        silent = connections(stack, listener_of(engine).address, 3)
+        stalled = connections(stack, listener_of(engine).address, 1)[0]  # greets, starts a frame, then stops
         ticket = engine.expect(dst.name, [(0, KiB)], ttl=60)
         stalled.sendall(greeting(ticket.token, nonce=1))
-        assert stalled.recv(1) == bytes([OK])
+        assert stalled.recv(1) == bytes([Status.OK])
         stalled.sendall(FRAME.pack(0, KiB) + b"s" * 10)
-        wait_until(lambda: engine.listener.open_connections == 0, timeout=30)
+        wait_until(lambda: listener_of(engine).open_connections == 0, timeout=30)
         assert all(s.recv(1) == b"" for s in silent)
-        assert stalled.recv(1) == bytes([FAILED])
+        assert stalled.recv(1) == bytes([Status.FAILED])
     assert _IDLE_CLOSED.value() == closed + 3
     assert engine.close_ticket(ticket.token).failed == "timeout"
 
@@ -86,6 +83,6 @@ def test_many_idle_connections_take_no_threads(segments):
     engine, _ = listening(segments, max_connections=500)
     before = threading.active_count()
     with ExitStack() as stack:
-        connections(stack, engine.listener.address, 200)
-        wait_until(lambda: engine.listener.open_connections == 200, timeout=30)
+        connections(stack, listener_of(engine).address, 200)
+        wait_until(lambda: listener_of(engine).open_connections == 200, timeout=30)
         assert threading.active_count() <= before + 2  # not one per connection

@@ -8,9 +8,9 @@ import socket
 import pytest
 import torch
 
-from libs.common.transfer import Span, TransferError, tcp
-from libs.common.transfer.listener import _REFUSED
-from libs.common.transfer.tcp import BAD_FRAME, END_OFFSET, FRAME, OK, REFUSED, greeting
+from libs.common.transfer import Span, TransferError
+from libs.common.transfer.tcp.listener import _REFUSED
+from libs.common.transfer.tcp.wire import END_OFFSET, FRAME, Status, greeting
 from tests.unit.transfer.proc_net import listening_ports
 
 KiB = 1 << 10
@@ -18,10 +18,8 @@ KiB = 1 << 10
 
 @pytest.fixture
 def receiver(segments):
-    tcp.IDLE.clear()
     engine = segments.engine("host-a", listen="127.0.0.1:0")
-    yield engine, segments.segment(engine, 64 * KiB)
-    tcp.IDLE.clear()
+    return engine, segments.segment(engine, 64 * KiB)
 
 
 def sender(segments, host: str = "host-b", transport: str = "tcp", fill: int = 7, **settings):
@@ -50,13 +48,13 @@ def test_a_replayed_greeting_is_refused_logged_and_writes_nothing(receiver, capl
     sniffed = greeting(ticket.token, nonce=41)
     with connect(ticket.address) as sock:  # the sender's transfer, as seen on the wire
         sock.sendall(sniffed)
-        assert sock.recv(1) == bytes([OK])
+        assert sock.recv(1) == bytes([Status.OK])
         sock.sendall(FRAME.pack(0, KiB) + b"a" * KiB + FRAME.pack(END_OFFSET, 0))
-        assert sock.recv(1) == bytes([OK])
+        assert sock.recv(1) == bytes([Status.OK])
     replays = _REFUSED.value("replayed")
-    with caplog.at_level(logging.WARNING, logger="libs.common.transfer.listener"), connect(ticket.address) as sock:
+    with caplog.at_level(logging.WARNING, logger="libs.common.transfer.tcp.listener"), connect(ticket.address) as sock:
         sock.sendall(sniffed + FRAME.pack(KiB, KiB) + b"x" * KiB)  # the same greeting, then bytes for the rest
-        assert sock.recv(1) == bytes([REFUSED])
+        assert sock.recv(1) == bytes([Status.REFUSED])
         assert closed(sock)
     record = engine.close_ticket(ticket.token)
     assert record.bytes_received == KiB
@@ -87,9 +85,9 @@ def test_a_frame_over_bytes_its_own_connection_wrote_is_refused(receiver):
     ticket = engine.expect(dst.name, [(0, 4 * KiB)], ttl=30)
     with connect(ticket.address) as sock:
         sock.sendall(greeting(ticket.token, nonce=1))
-        assert sock.recv(1) == bytes([OK])
+        assert sock.recv(1) == bytes([Status.OK])
         sock.sendall(FRAME.pack(0, KiB) + b"a" * KiB + FRAME.pack(KiB // 2, KiB) + b"x" * KiB)
-        assert sock.recv(1) == bytes([BAD_FRAME])
+        assert sock.recv(1) == bytes([Status.BAD_FRAME])
         assert closed(sock)
     assert bytes(dst.tensor[:KiB].tolist()) == b"a" * KiB and dst.tensor[KiB:].count_nonzero() == 0
 
@@ -99,7 +97,7 @@ async def test_slices_of_one_ticket_still_go_over_several_connections(receiver, 
     tx, src = sender(segments, connections=4, slice_bytes=8 * KiB)
     ticket = engine.expect(dst.name, [(0, 32 * KiB)], ttl=30)
     await tx.write(ticket, src.name, [Span(0, 0, 32 * KiB)])
-    assert engine.listener.accepted == 4  # one greeting each, each with its own nonce
+    assert engine.transports["tcp"].listener.accepted == 4  # one greeting each, each with its own nonce
     assert dst.tensor[: 32 * KiB].eq(7).all()
 
 
@@ -130,7 +128,7 @@ async def test_an_engine_whose_peers_are_all_local_listens_on_no_port(segments):
     local, src = sender(segments, host="host-a", transport="auto")
     ticket = engine.expect(dst.name, [(0, KiB)], ttl=30, sender_host=local.writer_host_id)
     await local.write(ticket, src.name, [Span(0, 0, KiB)])
-    assert ticket.address is None and engine.listener is None
+    assert ticket.address is None and engine.transports["tcp"].listener is None
     assert listening_ports() == before
     assert dst.tensor[:KiB].eq(7).all()
 
@@ -138,10 +136,10 @@ async def test_an_engine_whose_peers_are_all_local_listens_on_no_port(segments):
     assert listening_ports() - before == {int(remote.address.rsplit(":", 1)[1])}
     with connect(remote.address) as sock:  # and the local ticket is still no good over TCP
         sock.sendall(greeting(ticket.token, nonce=1))
-        assert sock.recv(1) == bytes([REFUSED])
+        assert sock.recv(1) == bytes([Status.REFUSED])
 
 
 def test_forced_tcp_listens_from_the_start_and_says_so_to_receivers(segments):
     engine = segments.engine("host-a", listen="127.0.0.1:0", transport="tcp")
-    assert engine.listener is not None and engine.writer_host_id == ""
+    assert engine.transports["tcp"].listener is not None and engine.writer_host_id == ""
     assert segments.engine("host-a").writer_host_id == "host-a"

@@ -22,8 +22,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from libs.common import failpoints
 from libs.common.metrics import REGISTRY
-from libs.common.transfer.descriptors import PEER_GONE, TIMEOUT, TRUNCATED
-from libs.common.transfer.tcp import BAD_FRAME, BUSY, END_OFFSET, FAILED, FRAME, GREETING, MAGIC, OK, REFUSED, SHORT
+from libs.common.transfer.descriptors import Cause
+from libs.common.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status
 from libs.common.transfer.tickets import REASONS, UNKNOWN, OpenTicket, TicketBook
 
 log = logging.getLogger(__name__)
@@ -130,7 +130,7 @@ class TcpListener:
             log.warning("TCP transfer listener %s: %d connections open, closed one from %s (%d so far)",
                         self.address, len(self._conns), peer[0], self.refused_connections)  # fmt: skip
         try:
-            conn.send(bytes([BUSY]))
+            conn.send(bytes([Status.BUSY]))
         except OSError:
             pass
         conn.close()
@@ -146,9 +146,9 @@ class TcpListener:
                 ticket = await self._greeting(conn, peer, first)
                 if ticket is None:
                     return
-                await loop.sock_sendall(conn, bytes([OK]))
+                await loop.sock_sendall(conn, bytes([Status.OK]))
                 status = await loop.run_in_executor(self._receivers, self._receive, conn, ticket, peer)
-                if status != OK:
+                if status != Status.OK:
                     return
                 first = False
         except OSError as e:
@@ -186,25 +186,25 @@ class TcpListener:
         log.warning("refused a TCP transfer from %s:%s: %s", peer[0], peer[1], what)
         _REFUSED.inc(reason)
         try:
-            await asyncio.get_running_loop().sock_sendall(conn, bytes([REFUSED]))
+            await asyncio.get_running_loop().sock_sendall(conn, bytes([Status.REFUSED]))
         except OSError:
             pass
         return None
 
     # --- a receiving thread --------------------------------------------------------
-    def _receive(self, conn: socket.socket, ticket: OpenTicket, peer) -> int:
+    def _receive(self, conn: socket.socket, ticket: OpenTicket, peer) -> Status:
         """One greeted transfer's frames, then its status; blocking, on a pooled thread."""
         try:
             if failpoints.active("transfer.stall_receive") or failpoints.first_time("transfer.stall_first_receive"):
                 log.warning("failpoint: not reading from %s", peer[0])
                 self._closing.wait(ticket.expires_at - self.tickets.clock())
-                return FAILED
+                return Status.FAILED
             status = self._receive_frames(conn, ticket, peer)
             try:
                 conn.settimeout(self.idle_timeout)
                 conn.sendall(bytes([status]))
             except OSError:
-                return FAILED
+                return Status.FAILED
             return status
         finally:
             try:
@@ -212,7 +212,7 @@ class TcpListener:
             except OSError:
                 pass
 
-    def _receive_frames(self, conn: socket.socket, ticket: OpenTicket, peer) -> int:
+    def _receive_frames(self, conn: socket.socket, ticket: OpenTicket, peer) -> Status:
         header = bytearray(FRAME.size)
         try:
             while True:
@@ -222,26 +222,26 @@ class TcpListener:
                 _recv_exact_blocking(conn, memoryview(header))
                 offset, length = FRAME.unpack(header)
                 if offset == END_OFFSET:
-                    return OK
+                    return Status.OK
                 reason = ticket.reserve(offset, length)
                 if reason is not None:
                     log.warning("refused a frame from %s: [%d, +%d) %s", peer[0], offset, length, REASONS[reason])
                     _REFUSED.inc(reason)
-                    return BAD_FRAME
+                    return Status.BAD_FRAME
                 _recv_exact_blocking(conn, ticket.view[offset : offset + length])
                 ticket.arrived(offset, length)
                 self._on_bytes(length)
         except EOFError as e:
-            ticket.failed = TRUNCATED
+            ticket.failed = Cause.TRUNCATED
             log.warning("TCP transfer from %s truncated: %s", peer[0], e)
-            return SHORT
+            return Status.SHORT
         except TimeoutError:
-            ticket.failed = TIMEOUT
-            return FAILED
+            ticket.failed = Cause.TIMEOUT
+            return Status.FAILED
         except OSError as e:
-            ticket.failed = PEER_GONE
+            ticket.failed = Cause.PEER_GONE
             log.warning("TCP transfer from %s broke: %s", peer[0], e)
-            return FAILED
+            return Status.FAILED
 
 
 async def _recv_exact(conn: socket.socket, view: memoryview) -> None:

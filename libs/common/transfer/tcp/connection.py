@@ -1,63 +1,28 @@
-"""The TCP transport's wire format, and its sending side: a connection that sends
-spans of a source segment as frames (``sendmsg``, no copies). The receiving side
-is `listener.py`.
+"""The TCP transport's sending side: a connection that sends spans of a source segment
+as frames (``sendmsg``, no copies), in the wire format of `wire.py`. The receiving
+side is `listener.py`.
 
-Wire format, per connection::
-
-    sender:   greeting: b"KVT2", ticket id (16 bytes), nonce (u64), proof (16 bytes)
-    receiver: 1 status byte (OK, or REFUSED for a ticket it did not issue, has closed,
-              or that this greeting may not use)
-    sender:   frames: u64 dst_offset, u64 length (little-endian), then `length` bytes; ...
-              then the end frame (END_OFFSET, 0)
-    receiver: 1 status byte: OK once every byte is in the segment, else why not
-
-The token itself never crosses the wire: the greeting names the ticket by a hash of
-its token and proves the sender holds the token with an HMAC of a fresh nonce
-(`tickets.py`), so each greeting is good once. A transfer sliced over several
-connections greets on each with a new nonce. After an OK the connection may carry
-another transfer, greeted for that transfer's own ticket. Senders keep such idle
-connections in a small per-peer pool (`IdleConnections`), so a small transfer costs
-one round trip for the greeting and one for the final status, not a TCP handshake
-and a thread; one the receiver has closed meanwhile is replaced without a word.
+Senders keep connections whose last transfer ended well in a small per-peer pool
+(`IdleConnections`, one per engine), so a small transfer costs one round trip for
+the greeting and one for the final status, not a TCP handshake and a thread; one the
+receiver has closed meanwhile is replaced without a word.
 
 Blocking sockets on pooled threads: the GIL is released in every send/recv, and the
 event loop never waits on the wire.
 """
 
-import itertools
-import logging
 import select
-import secrets
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-from libs.common.transfer.descriptors import BAD_RANGE, BAD_TOKEN, PEER_GONE, TIMEOUT, TRUNCATED, Span, TransferError
-from libs.common.transfer.tickets import PROOF_LEN, TICKET_ID_LEN, greeting_proof, ticket_id
+from libs.common.transfer.descriptors import Cause, Span, TransferError
+from libs.common.transfer.tcp.wire import END_OFFSET, FRAME, STATUS_CAUSE, Status, greeting, new_nonces
 
-log = logging.getLogger(__name__)
-
-MAGIC = b"KVT2"
-GREETING = struct.Struct(f"<{TICKET_ID_LEN}sQ{PROOF_LEN}s")  # after MAGIC: ticket id, nonce, proof
-FRAME = struct.Struct("<QQ")
-END_OFFSET = (1 << 64) - 1
-OK, REFUSED, BAD_FRAME, SHORT, FAILED, BUSY = range(6)
 REUSE_SECONDS = 30.0  # the sender reuses an idle connection only this long
 IDLE_PER_PEER = 8
-_STATUS_CAUSE = {REFUSED: BAD_TOKEN, BAD_FRAME: BAD_RANGE, SHORT: TRUNCATED, FAILED: PEER_GONE, BUSY: PEER_GONE}
-_STATUS_TEXT = {BUSY: "has too many connections"}
-
-
-def greeting(token: str, nonce: int) -> bytes:
-    """What a sender says first for one transfer on a connection; good for one use."""
-    return MAGIC + GREETING.pack(ticket_id(token), nonce, greeting_proof(token, nonce))
-
-
-def new_nonces() -> Iterator[int]:
-    """Greeting nonces for one transfer's connections: a random start, then counting up."""
-    return itertools.count(secrets.randbits(62))
+_STATUS_TEXT = {Status.BUSY: "has too many connections"}
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -108,17 +73,15 @@ class IdleConnections:
                 sock.close()
 
 
-IDLE = IdleConnections()
-
 
 class TcpConnection:
-    """One sending connection of a transfer: a pooled idle one to the same receiver when
-    there is one, else a new one. ``nonces``: where each greeting takes its nonce (one
+    """One sending connection of a transfer: an idle one from ``pool`` to the same receiver
+    when there is one, else a new one. ``nonces``: where each greeting takes its nonce (one
     shared by a transfer's connections; by default a fresh random run). Not thread-safe:
     one thread drives it."""
 
     def __init__(
-        self, address: str, token: str, deadline: float, pool: IdleConnections = IDLE,
+        self, address: str, token: str, deadline: float, pool: IdleConnections,
         nonces: Iterator[int] | None = None,
     ) -> None:  # fmt: skip
         self.address = address
@@ -132,7 +95,7 @@ class TcpConnection:
                 return
             except TransferError as e:
                 self.close()
-                if e.cause != PEER_GONE:
+                if e.cause != Cause.PEER_GONE:
                     raise
                 # the receiver closed it just now: a new connection, with a nonce the
                 # receiver has not seen (it may have taken the last greeting before closing)
@@ -144,9 +107,9 @@ class TcpConnection:
         try:
             sock = socket.create_connection((host, int(port)), timeout=self._remaining())
         except TimeoutError:
-            raise TransferError(TIMEOUT, f"connecting to {address} timed out") from None
+            raise TransferError(Cause.TIMEOUT, f"connecting to {address} timed out") from None
         except OSError as e:
-            raise TransferError(PEER_GONE, f"cannot connect to {address}: {e}") from None
+            raise TransferError(Cause.PEER_GONE, f"cannot connect to {address}: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
@@ -158,7 +121,7 @@ class TcpConnection:
     def _remaining(self) -> float:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise TransferError(TIMEOUT, "transfer deadline passed")
+            raise TransferError(Cause.TIMEOUT, "transfer deadline passed")
         return remaining
 
     def send(self, source: memoryview, spans: list[Span]) -> None:
@@ -189,32 +152,32 @@ class TcpConnection:
         try:
             action()
         except TimeoutError:
-            raise TransferError(TIMEOUT, "the receiver stopped taking bytes") from None
+            raise TransferError(Cause.TIMEOUT, "the receiver stopped taking bytes") from None
         except OSError as e:
             # the receiver may have said why before closing: prefer its reason
-            raise TransferError(self._status_after_error() or PEER_GONE, f"connection lost: {e}") from None
+            raise TransferError(self._status_after_error() or Cause.PEER_GONE, f"connection lost: {e}") from None
 
     def _expect_ok(self, what: str) -> None:
         self.sock.settimeout(self._remaining())
         try:
             status = self.sock.recv(1)
         except TimeoutError:
-            raise TransferError(TIMEOUT, f"no answer to the {what}") from None
+            raise TransferError(Cause.TIMEOUT, f"no answer to the {what}") from None
         except OSError as e:
-            raise TransferError(PEER_GONE, f"connection lost waiting for the {what}: {e}") from None
+            raise TransferError(Cause.PEER_GONE, f"connection lost waiting for the {what}: {e}") from None
         if not status:
-            raise TransferError(PEER_GONE, f"the receiver closed the connection at the {what}")
-        if status[0] != OK:
+            raise TransferError(Cause.PEER_GONE, f"the receiver closed the connection at the {what}")
+        if status[0] != Status.OK:
             why = _STATUS_TEXT.get(status[0], f"refused the {what}")
-            raise TransferError(_STATUS_CAUSE.get(status[0], PEER_GONE), f"the receiver {why}")
+            raise TransferError(STATUS_CAUSE.get(status[0], Cause.PEER_GONE), f"the receiver {why}")
 
-    def _status_after_error(self) -> str | None:
+    def _status_after_error(self) -> Cause | None:
         try:
             self.sock.settimeout(0.2)
             status = self.sock.recv(1)
         except OSError:
             return None
-        return _STATUS_CAUSE.get(status[0]) if status else None
+        return STATUS_CAUSE.get(status[0]) if status else None
 
 
 def _sendmsg_all(sock: socket.socket, buffers: list) -> None:
