@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from libs.common.transfer.descriptors import Cause
@@ -28,24 +29,37 @@ from libs.common.transfer.segment import SHM_DIR
 TICKET_ID_LEN = 16
 PROOF_LEN = 16
 
-# Why a greeting or a frame was refused: the `reason` label of kvserve_transfer_refused_total.
-UNKNOWN = "unknown_ticket"  # never issued here, closed or expired
-FORGED = "bad_proof"  # the id of a live ticket without proof of its token
-REPLAYED = "replayed"  # a greeting already used (a sniffed one, sent again)
-NOT_TCP = "not_tcp"  # issued for a writer on this host: shared memory only
-CLAIMED = "claimed"  # already being written over shared memory
-SPENT = "spent"  # every byte it allows is written
-OUTSIDE = "outside_ticket"  # a frame for bytes the ticket does not allow
-REWRITE = "already_written"  # a frame for bytes (some of) which were written before
-REASONS = {
-    UNKNOWN: "unknown, closed or expired ticket",
-    FORGED: "no proof of the ticket's token",
-    REPLAYED: "a greeting used before (replayed)",
-    NOT_TCP: "the ticket was issued for a shared-memory writer",
-    CLAIMED: "the ticket was used over shared memory",
-    SPENT: "every byte of the ticket is written",
-    OUTSIDE: "outside its ticket",
-    REWRITE: "already written",
+class Refusal(StrEnum):
+    """Why a connection, a greeting or a frame was refused: the ``reason`` label of
+    kvserve_transfer_refused_total."""
+
+    TOO_MANY = "too_many_connections"  # the listener holds as many connections as it may
+    BAD_GREETING = "bad_greeting"  # not a kvserve transfer greeting
+    UNKNOWN = "unknown_ticket"  # never issued here, closed or expired
+    FORGED = "bad_proof"  # the id of a live ticket without proof of its token
+    REPLAYED = "replayed"  # a greeting already used (a sniffed one, sent again)
+    NOT_TCP = "not_tcp"  # issued for a writer on this host: shared memory only
+    CLAIMED = "claimed"  # already being written over shared memory
+    SPENT = "spent"  # every byte it allows is written
+    OUTSIDE = "outside_ticket"  # a frame for bytes the ticket does not allow
+    REWRITE = "already_written"  # a frame for bytes (some of) which were written before
+
+    @property
+    def text(self) -> str:
+        return _REFUSAL_TEXT[self]
+
+
+_REFUSAL_TEXT = {
+    Refusal.TOO_MANY: "too many connections",
+    Refusal.BAD_GREETING: "not a kvserve transfer greeting",
+    Refusal.UNKNOWN: "unknown, closed or expired ticket",
+    Refusal.FORGED: "no proof of the ticket's token",
+    Refusal.REPLAYED: "a greeting used before (replayed)",
+    Refusal.NOT_TCP: "the ticket was issued for a shared-memory writer",
+    Refusal.CLAIMED: "the ticket was used over shared memory",
+    Refusal.SPENT: "every byte of the ticket is written",
+    Refusal.OUTSIDE: "outside its ticket",
+    Refusal.REWRITE: "already written",
 }
 
 
@@ -95,30 +109,30 @@ class OpenTicket:
     def __post_init__(self) -> None:
         self.id = ticket_id(self.token)
 
-    def admit(self, nonce: int, proof: bytes) -> str | None:
+    def admit(self, nonce: int, proof: bytes) -> Refusal | None:
         """Check one TCP greeting; None if it may write, else the reason it may not."""
         if not hmac.compare_digest(proof, greeting_proof(self.token, nonce)):
-            return FORGED  # checked first: without the token no nonce is spent
+            return Refusal.FORGED  # checked first: without the token no nonce is spent
         with self.lock:
             if not self.tcp:
-                return NOT_TCP
+                return Refusal.NOT_TCP
             if nonce in self.nonces:
-                return REPLAYED
+                return Refusal.REPLAYED
             if self.written.total >= self.allowed.total:
-                return SPENT
+                return Refusal.SPENT
             if not self.claimed:
                 if not claim(self.segment, self.id):
-                    return CLAIMED
+                    return Refusal.CLAIMED
                 self.claimed = True
             self.nonces.add(nonce)
         return None
 
-    def reserve(self, offset: int, length: int) -> str | None:
+    def reserve(self, offset: int, length: int) -> Refusal | None:
         """Take ``[offset, +length)`` for one frame before a byte of it is read; else why not."""
         if not self.allowed.contains(offset, length):
-            return OUTSIDE
+            return Refusal.OUTSIDE
         with self.lock:
-            return None if self.written.add(offset, length) else REWRITE
+            return None if self.written.add(offset, length) else Refusal.REWRITE
 
     def arrived(self, offset: int, length: int) -> None:
         with self.lock:

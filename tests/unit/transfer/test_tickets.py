@@ -5,10 +5,7 @@ import pytest
 
 from libs.common.transfer.ranges import RangeSet, WrittenRanges
 from libs.common.transfer.segment import SHM_DIR, new_segment_name
-from libs.common.transfer.tickets import (
-    CLAIMED, FORGED, NOT_TCP, OUTSIDE, REPLAYED, REWRITE, SPENT, OpenTicket, TicketBook, claim, claim_path,
-    greeting_proof, ticket_id,
-)  # fmt: skip
+from libs.common.transfer.tickets import OpenTicket, Refusal, TicketBook, claim, claim_path, greeting_proof, ticket_id
 
 
 @pytest.fixture
@@ -35,29 +32,29 @@ def test_written_ranges_merge_and_refuse_any_overlap():
 
 def test_a_greeting_needs_the_token_and_is_good_once(segment_name):
     ticket = open_ticket(segment_name)
-    assert ticket.admit(1, greeting_proof("b" * 32, 1)) == FORGED  # the id alone proves nothing
+    assert ticket.admit(1, greeting_proof("b" * 32, 1)) == Refusal.FORGED  # the id alone proves nothing
     assert ticket.nonces == set()  # and spends nothing
     assert ticket.admit(1, greeting_proof(ticket.token, 1)) is None
-    assert ticket.admit(1, greeting_proof(ticket.token, 1)) == REPLAYED
+    assert ticket.admit(1, greeting_proof(ticket.token, 1)) == Refusal.REPLAYED
     assert ticket.admit(2, greeting_proof(ticket.token, 2)) is None  # another connection of the same transfer
 
 
 def test_each_byte_is_written_once_and_a_spent_ticket_takes_no_greeting(segment_name):
     ticket = open_ticket(segment_name, ranges=[(0, 100)])
     assert ticket.reserve(0, 60) is None
-    assert ticket.reserve(50, 10) == REWRITE
-    assert ticket.reserve(90, 20) == OUTSIDE
+    assert ticket.reserve(50, 10) == Refusal.REWRITE
+    assert ticket.reserve(90, 20) == Refusal.OUTSIDE
     assert ticket.reserve(60, 40) is None
-    assert ticket.admit(5, greeting_proof(ticket.token, 5)) == SPENT
+    assert ticket.admit(5, greeting_proof(ticket.token, 5)) == Refusal.SPENT
 
 
 def test_a_ticket_is_claimed_by_one_transport(segment_name):
     local = open_ticket(segment_name, tcp=False)
-    assert local.admit(1, greeting_proof(local.token, 1)) == NOT_TCP
+    assert local.admit(1, greeting_proof(local.token, 1)) == Refusal.NOT_TCP
 
     by_shm = open_ticket(segment_name, token="c" * 32)
     assert claim(segment_name, by_shm.id)  # a shared-memory writer took it first
-    assert by_shm.admit(1, greeting_proof(by_shm.token, 1)) == CLAIMED
+    assert by_shm.admit(1, greeting_proof(by_shm.token, 1)) == Refusal.CLAIMED
 
     by_tcp = open_ticket(segment_name, token="d" * 32)
     assert by_tcp.admit(1, greeting_proof(by_tcp.token, 1)) is None

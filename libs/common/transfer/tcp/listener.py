@@ -24,12 +24,10 @@ from libs.common import failpoints
 from libs.common.metrics import REGISTRY
 from libs.common.transfer.descriptors import Cause
 from libs.common.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status
-from libs.common.transfer.tickets import REASONS, UNKNOWN, OpenTicket, TicketBook
+from libs.common.transfer.tickets import OpenTicket, Refusal, TicketBook
 
 log = logging.getLogger(__name__)
 
-TOO_MANY = "too_many_connections"
-BAD_GREETING = "bad_greeting"
 CLOSE_WAIT_SECONDS = 5.0  # at close, how long connections get to end before they are dropped
 _REFUSED = REGISTRY.counter(
     "kvserve_transfer_refused_total", "TCP transfer connections and frames refused, by reason", ["reason"]
@@ -125,7 +123,7 @@ class TcpListener:
 
     def _refuse_connection(self, conn: socket.socket, peer) -> None:
         self.refused_connections += 1
-        _REFUSED.inc(TOO_MANY)
+        _REFUSED.inc(Refusal.TOO_MANY)
         if self.refused_connections == 1 or self.refused_connections % 100 == 0:
             log.warning("TCP transfer listener %s: %d connections open, closed one from %s (%d so far)",
                         self.address, len(self._conns), peer[0], self.refused_connections)  # fmt: skip
@@ -165,7 +163,7 @@ class TcpListener:
             async with asyncio.timeout(self.idle_timeout):
                 await _recv_exact(conn, view[: len(MAGIC)])
                 if hello[: len(MAGIC)] != MAGIC:
-                    return await self._refuse(conn, peer, BAD_GREETING, "not a kvserve transfer greeting")
+                    return await self._refuse(conn, peer, Refusal.BAD_GREETING, Refusal.BAD_GREETING.text)
                 await _recv_exact(conn, view[len(MAGIC) :])
         except TimeoutError:
             _IDLE_CLOSED.inc()
@@ -177,12 +175,12 @@ class TcpListener:
             return None  # a reused connection the sender closed: nothing to report
         tid, nonce, proof = GREETING.unpack_from(hello, len(MAGIC))
         ticket = self.tickets.get(tid)
-        reason = UNKNOWN if ticket is None else ticket.admit(nonce, proof)
+        reason = Refusal.UNKNOWN if ticket is None else ticket.admit(nonce, proof)
         if reason is not None:
-            return await self._refuse(conn, peer, reason, f"ticket {tid.hex()[:8]}: {REASONS[reason]}")
+            return await self._refuse(conn, peer, reason, f"ticket {tid.hex()[:8]}: {reason.text}")
         return ticket
 
-    async def _refuse(self, conn: socket.socket, peer, reason: str, what: str) -> None:
+    async def _refuse(self, conn: socket.socket, peer, reason: Refusal, what: str) -> None:
         log.warning("refused a TCP transfer from %s:%s: %s", peer[0], peer[1], what)
         _REFUSED.inc(reason)
         try:
@@ -225,7 +223,7 @@ class TcpListener:
                     return Status.OK
                 reason = ticket.reserve(offset, length)
                 if reason is not None:
-                    log.warning("refused a frame from %s: [%d, +%d) %s", peer[0], offset, length, REASONS[reason])
+                    log.warning("refused a frame from %s: [%d, +%d) %s", peer[0], offset, length, reason.text)
                     _REFUSED.inc(reason)
                     return Status.BAD_FRAME
                 _recv_exact_blocking(conn, ticket.view[offset : offset + length])
