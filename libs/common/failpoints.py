@@ -14,24 +14,26 @@ then blocks forever (a crash mid-write, once the process is killed).
 never computes them (a hung worker that still sends heartbeats).
 """
 
-import os
 import threading
 
+from libs.common.settings import ProcessSettings
 
-def _parse() -> frozenset[str]:
-    instance = os.environ.get("KVSERVE_INSTANCE_ID", "")
+
+def parse(spec: str, instance_id: str) -> frozenset[str]:
+    """The failpoints ``spec`` arms in the process ``instance_id``."""
     active = set()
-    for entry in os.environ.get("KVSERVE_FAILPOINTS", "").split(","):
+    for entry in spec.split(","):
         entry = entry.strip()
         if not entry:
             continue
         target, _, name = entry.rpartition(":")
-        if not target or target == instance:
+        if not target or target == instance_id:
             active.add(name)
     return frozenset(active)
 
 
-_ACTIVE = _parse()
+_SETTINGS = ProcessSettings.from_env()
+_ACTIVE = parse(_SETTINGS.failpoints, _SETTINGS.instance_id)
 
 
 _FIRED: set[str] = set()

@@ -11,11 +11,13 @@ import socket
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from libs.common.nats_auth import NatsAuthError, load_credentials
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_CACHE_DIR = "~/.cache/kvserve"
 
 S = TypeVar("S")
 
@@ -158,4 +160,28 @@ class TransferSettings:
             connections=env_int("TRANSFER_CONNECTIONS", 4),
             max_connections=env_int("TRANSFER_MAX_CONNECTIONS", 64),
             idle_timeout=env_float("TRANSFER_IDLE_TIMEOUT", 60.0),
+        )
+
+
+@dataclass(frozen=True)
+class ProcessSettings:
+    """What every kvserve process reads alike, a service or not (the CLI, a test's peer):
+    where the cache lives, whether native kernels are built and by which compiler, and
+    which failpoints are armed. The modules that use them (default_model, native,
+    failpoints) take them from here and read no variable themselves."""
+
+    cache_dir: Path  # the prepared default model, compiled kernels, the store's default folders
+    native_kernels: bool = True  # KVSERVE_NATIVE_KERNELS=0: every kernel uses its PyTorch path
+    compiler: str = "cc"  # the C compiler native kernels are built with (CC)
+    failpoints: str = ""  # KVSERVE_FAILPOINTS: ``name`` or ``instance_id:name`` entries, comma separated
+    instance_id: str = ""  # KVSERVE_INSTANCE_ID as set (unset: ""), which ``instance_id:name`` failpoints match
+
+    @classmethod
+    def from_env(cls) -> Self:
+        return cls(
+            cache_dir=Path(env_str("CACHE_DIR", DEFAULT_CACHE_DIR)).expanduser(),
+            native_kernels=env_str("NATIVE_KERNELS", "1") != "0",
+            compiler=os.environ.get("CC", "cc"),
+            failpoints=env_str("FAILPOINTS", ""),
+            instance_id=env_str("INSTANCE_ID", ""),
         )

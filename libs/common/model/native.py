@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from libs.common.model.default_model import cache_dir
+from libs.common.settings import ProcessSettings
 
 log = logging.getLogger(__name__)
 SOURCES = Path(__file__).parent / "kernels"
@@ -31,15 +31,16 @@ FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fass
 @functools.cache
 def load(name: str) -> ctypes.CDLL | None:
     """The compiled library for ``kernels/<name>.c``, or None when it cannot be had."""
-    if os.environ.get("KVSERVE_NATIVE_KERNELS", "1") == "0":
+    settings = ProcessSettings.from_env()
+    if not settings.native_kernels:
         return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler = shutil.which(settings.compiler)
     if compiler is None:
         log.info("no C compiler: native %s kernel disabled, using PyTorch", name)
         return None
     source = (SOURCES / f"{name}.c").read_bytes()
     digest = hashlib.blake2b(source + " ".join(FLAGS).encode(), digest_size=8).hexdigest()
-    target = cache_dir() / "kernels" / f"{name}-{digest}.so"
+    target = settings.cache_dir / "kernels" / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with open(target.parent / ".lock", "w") as lock:
