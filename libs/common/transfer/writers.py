@@ -42,7 +42,14 @@ class Lane:
             self.running = True
             self.writer._busy += 1
             self.writer._idle.clear()
-        self.writer.pool.submit(self._drain)
+        try:
+            self.writer.pool.submit(self._drain)
+        except RuntimeError:  # the engine closed its pool: nothing of this transfer runs again
+            self.writer._fail(TransferError(Cause.CANCELLED, "the transfer engine is closed"))
+            with self.writer._lock:
+                self.pending.clear()
+                self.running = False
+                self.writer._lane_idle()
 
     def _drain(self) -> None:
         while True:

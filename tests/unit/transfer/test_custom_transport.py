@@ -11,7 +11,7 @@ from libs.common.model.loader import build_engine
 from libs.common.model.sampling import sample
 from libs.common.model.sequence import Sequence
 from libs.common.schema import WriteTicket
-from libs.common.transfer import Span, TransferEngine, Transport
+from libs.common.transfer import Cause, Span, TransferEngine, TransferError, Transport
 from libs.common.transfer.engine import _COUNT
 from libs.common.transfer.registry import TRANSPORTS
 from libs.common.transfer.segment import SharedSegment
@@ -109,3 +109,17 @@ async def test_a_layerwise_hand_off_through_the_registered_transport_decodes_as_
     while resumed.num_output_tokens < GREEDY.max_tokens:
         resumed.append_token(sample(decode.decode_step([resumed]), [GREEDY], [resumed.num_output_tokens])[0])
     assert resumed.output_token_ids == expected.token_ids
+
+
+async def test_a_writer_of_a_closed_engine_fails_instead_of_waiting(segments):
+    receiver = segments.engine("host-a")
+    dst = segments.segment(receiver, 4 * KiB)
+    sender = segments.engine("host-a", transport="memcpy")
+    src = segments.segment(sender, 4 * KiB)
+    ticket = receiver.expect(dst.name, [(0, KiB)], ttl=30, sender_host=sender.writer_host_id)
+    writer = sender.writer(ticket, src.name)
+    sender.close()  # its pool takes no more work
+    writer.submit([Span(0, 0, KiB)])
+    with pytest.raises(TransferError) as caught:
+        await sender.finish(writer)
+    assert caught.value.cause == Cause.CANCELLED
