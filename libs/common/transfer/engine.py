@@ -74,7 +74,7 @@ class TransferEngine:
         self._lock = threading.Lock()
         self.transports: dict[str, Transport] = {name: kind(self) for name, kind in TRANSPORTS.items()}
         forced = self.transports.get(transport)
-        # forced to a transport that reaches other hosts: receivers must be reachable by it too
+        # sending only through a transport that reaches other hosts: receive through it from the start
         self._sends_off_host = forced is not None and not forced.same_host_only
         if self._sends_off_host:
             forced.open_receiver()
