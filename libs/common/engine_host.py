@@ -53,8 +53,7 @@ class EngineHost:
         removed = remove_stale_segments()
         if removed:
             log.info("removed %d shared-memory segments left by dead processes", len(removed))
-        if torch.device(settings.device).type != "cpu":
-            raise SystemExit("cluster workers keep their KV pool in shared memory and run on the CPU for now")
+        settings.require_cpu()
         loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, progress=False)
         config = EngineConfig(
             block_size=settings.block_size,

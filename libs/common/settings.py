@@ -118,6 +118,12 @@ class ModelSettings:
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError("KVSERVE_BLOCK_SIZE and KVSERVE_NUM_BLOCKS must be positive")
 
+    def require_cpu(self) -> None:
+        """A cluster worker keeps its KV pool in shared memory: it runs on the CPU for now."""
+        if self.device.partition(":")[0] != "cpu":
+            raise ValueError(f"KVSERVE_DEVICE must be cpu: cluster workers keep their KV pool in shared memory "
+                             f"and run on the CPU for now, got {self.device!r}")  # fmt: skip
+
     @classmethod
     def from_env(cls, default_blocks: int = 512) -> Self:
         return cls(

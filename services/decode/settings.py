@@ -20,6 +20,7 @@ class DecodeSettings(ServiceSettings):
     reserve_wait_seconds: float = 10.0
 
     def __post_init__(self) -> None:
+        self.model.require_cpu()
         if self.max_batch_size < 1:
             raise ValueError(f"KVSERVE_MAX_BATCH_SIZE must be at least 1, got {self.max_batch_size}")
         if self.lease_seconds <= 0:

@@ -21,6 +21,7 @@ class PrefillSettings(ServiceSettings):
     enable_prefix_cache: bool = True  # off: every prompt is computed in full (a baseline)
 
     def __post_init__(self) -> None:
+        self.model.require_cpu()
         if self.max_chunk_tokens < 1:
             raise ValueError(f"KVSERVE_MAX_CHUNK_TOKENS must be at least 1, got {self.max_chunk_tokens}")
         if self.max_batch_tokens < 1:

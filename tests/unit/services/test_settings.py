@@ -90,6 +90,8 @@ def test_variables_reach_the_settings(clean_env):
     ("prefill", "KVSERVE_NUM_BLOCKS", "0"),
     ("decode", "KVSERVE_LEASE_SECONDS", "0"),
     ("decode", "KVSERVE_TRANSPORT", "pigeon"),
+    ("decode", "KVSERVE_DEVICE", "cuda:0"),
+    ("prefill", "KVSERVE_DEVICE", "mps"),
     ("store", "KVSERVE_STORE_CAPACITY_BYTES", "0"),
     ("store", "KVSERVE_STORE_WRITE_BEHIND_S", "soon"),
 ])  # fmt: skip
