@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from libs.common.model.engine import EngineConfig  # noqa: E402
 from libs.common.model.generator import Generator  # noqa: E402
 from libs.common.model.loader import build_engine, load_model  # noqa: E402
-from libs.common.model.sampling_params import SamplingParams  # noqa: E402
 from libs.common.model.sequence import Sequence  # noqa: E402
+from libs.common.sampling_params import SamplingParams  # noqa: E402
 
 PREFILL_LENGTHS = (512, 2048)
 BATCHES = (1, 8, 32)

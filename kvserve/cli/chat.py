@@ -7,7 +7,7 @@ from kvserve.cli.options import add_model_options
 from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine, load_model
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.sampling_params import SamplingParams
 
 HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) quits"
 

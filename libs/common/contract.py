@@ -7,8 +7,8 @@ mismatch can never show up as a silent 0% cache hit rate.
 
 import torch
 
+from libs.common.hashing import HASH_SCHEME
 from libs.common.model.config import ModelConfig
-from libs.common.model.hashing import HASH_SCHEME
 from libs.common.model.kv_pool import KVLayout
 from libs.common.schema import KVContract
 

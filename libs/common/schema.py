@@ -10,7 +10,7 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.sampling_params import SamplingParams
 
 PROTOCOL_VERSION = 1
 

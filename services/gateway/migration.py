@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from libs.common.model.hashing import BlockHash
+from libs.common.hashing import BlockHash
 from libs.common.schema import AdmitReply, TokenChunk
 from services.gateway.dispatch import RequestRun, WorkerLostError
 from services.gateway.errors import ServiceUnavailableError

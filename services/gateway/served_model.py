@@ -8,11 +8,11 @@ import logging
 from dataclasses import dataclass
 
 from libs.common.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
+from libs.common.hashing import BlockHash, block_hashes, model_extra
 from libs.common.model.checkpoint import open_checkpoint
 from libs.common.model.default_model import resolve_model_path
-from libs.common.model.hashing import BlockHash, block_hashes, model_extra
-from libs.common.model.sampling_params import SamplingParams
 from libs.common.model.tokenizer import Tokenizer
+from libs.common.sampling_params import SamplingParams
 from services.gateway.errors import InvalidParameterError
 from services.gateway.openai_protocol import GenerateRequest
 

@@ -6,8 +6,8 @@ the block pool's listener is set here, so the worker's loop knows nothing of it.
 
 from libs.common.cost_model import CostModel, calibrate_once
 from libs.common.engine_host import EngineHost
+from libs.common.hashing import BlockHash
 from libs.common.kv_events import KVEventLog, KVEventPublisher
-from libs.common.model.hashing import BlockHash
 from libs.common.schema import CostCoefficients, Heartbeat
 
 

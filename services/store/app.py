@@ -21,8 +21,8 @@ from contextlib import AsyncExitStack
 from nats.aio.msg import Msg
 
 from libs.common import schema, subjects
+from libs.common.hashing import BlockHash
 from libs.common.kv_events import KVEventLog, KVEventPublisher
-from libs.common.model.hashing import BlockHash
 from libs.common.schema import (
     CostCoefficients,
     ErrorInfo,

@@ -30,7 +30,7 @@ import msgspec
 import xxhash
 
 from libs.common import failpoints
-from libs.common.model.hashing import BlockHash
+from libs.common.hashing import BlockHash
 from libs.common.schema import KVContract
 
 log = logging.getLogger(__name__)

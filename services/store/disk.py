@@ -15,7 +15,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from libs.common.model.hashing import BlockHash
+from libs.common.hashing import BlockHash
 from services.store.block_files import BlockFiles
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ caller (`tiers.py`) moves the data; it runs on one thread (the event loop).
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
-from libs.common.model.hashing import BlockHash
+from libs.common.hashing import BlockHash
 
 
 class DramTier:

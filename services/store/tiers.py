@@ -20,8 +20,8 @@ import logging
 from collections import Counter
 from collections.abc import Sequence
 
+from libs.common.hashing import BlockHash
 from libs.common.kv_events import KVEventLog
-from libs.common.model.hashing import BlockHash
 from libs.common.transfer import SharedSegment
 from services.store.disk import DiskTier
 from services.store.dram import DramTier

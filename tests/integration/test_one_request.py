@@ -8,7 +8,7 @@ import pytest
 from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.sampling_params import SamplingParams
 
 from tests.integration.conftest import wait_until
 

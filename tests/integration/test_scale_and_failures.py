@@ -13,7 +13,7 @@ from openai import APIStatusError, OpenAI
 from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.sampling_params import SamplingParams
 from tests.integration.conftest import CLUSTER_ENV, start_cluster, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -10,7 +10,7 @@ from libs.common import schema, subjects
 from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.sampling_params import SamplingParams
 from tests.integration.conftest import start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"

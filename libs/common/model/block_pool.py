@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from libs.common.errors import OutOfKVBlocksError
-from libs.common.model.hashing import BlockHash
+from libs.common.hashing import BlockHash
 
 
 @dataclass

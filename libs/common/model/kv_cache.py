@@ -5,8 +5,8 @@ Ties `block_pool.py` (who owns which block) to `hashing.py` (what a block is
 called); it touches no tensors.
 """
 
+from libs.common.hashing import block_hashes, hash_block, ROOT
 from libs.common.model.block_pool import BlockPool
-from libs.common.model.hashing import block_hashes, hash_block, ROOT
 from libs.common.model.sequence import Sequence
 
 

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from libs.common.errors import ModelCorruptError
+from libs.common.hashing import model_extra
 from libs.common.model.checkpoint import Checkpoint, open_checkpoint
 from libs.common.model.default_model import DEFAULT_MODEL_ID, check_default_intact, resolve_model_path
 from libs.common.model.engine import Engine, EngineConfig
-from libs.common.model.hashing import model_extra
 from libs.common.model.kv_cache import KVCacheManager
 from libs.common.model.kv_pool import KVLayout, KVPool
 from libs.common.model.llama import LlamaModel

@@ -7,7 +7,7 @@ the rest from a decode worker, or all of them from one process.
 
 import torch
 
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads nearby seeds apart
 _MASK63 = (1 << 63) - 1

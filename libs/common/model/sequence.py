@@ -3,8 +3,8 @@
 from dataclasses import dataclass, field
 from enum import Enum
 
-from libs.common.model.hashing import BlockHash
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.hashing import BlockHash
+from libs.common.sampling_params import SamplingParams
 
 
 class FinishReason(str, Enum):

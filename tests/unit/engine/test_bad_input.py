@@ -15,8 +15,8 @@ from libs.common.errors import (
 from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine, load_model
-from libs.common.model.sampling_params import SamplingParams
 from libs.common.model.sequence import Sequence
+from libs.common.sampling_params import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 
 

@@ -3,7 +3,7 @@
 from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine
-from libs.common.model.sampling_params import SamplingParams
+from libs.common.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

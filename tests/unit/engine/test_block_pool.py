@@ -3,8 +3,8 @@
 import pytest
 
 from libs.common.errors import OutOfKVBlocksError
+from libs.common.hashing import BlockHash
 from libs.common.model.block_pool import BlockPool
-from libs.common.model.hashing import BlockHash
 
 
 def h(i: int) -> BlockHash:

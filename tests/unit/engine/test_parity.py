@@ -56,7 +56,7 @@ def test_smollm_logits_match_transformers(smollm, hf_smollm):
 
 def test_smollm_greedy_64_tokens_match_transformers(smollm, hf_smollm):
     from libs.common.model.generator import Generator
-    from libs.common.model.sampling_params import SamplingParams
+    from libs.common.sampling_params import SamplingParams
 
     ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "Tell me a story about a lighthouse."}])
     generator = Generator(build_engine(smollm, EngineConfig(num_blocks=64)), smollm.tokenizer)

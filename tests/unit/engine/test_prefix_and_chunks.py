@@ -5,8 +5,8 @@ import torch
 from libs.common.model.engine import EngineConfig
 from libs.common.model.loader import build_engine
 from libs.common.model.sampling import sample
-from libs.common.model.sampling_params import SamplingParams
 from libs.common.model.sequence import Sequence
+from libs.common.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -3,9 +3,9 @@
 import torch
 
 from libs.common.model.sampling import sample
-from libs.common.model.sampling_params import SamplingParams
 from libs.common.model.sequence import FinishReason
 from libs.common.model.stopping import StopChecker
+from libs.common.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[0.0, 3.0, 2.9, 1.0, -5.0]])
 

@@ -7,8 +7,8 @@ from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine
 from libs.common.model.sampling import sample
-from libs.common.model.sampling_params import SamplingParams
 from libs.common.model.sequence import Sequence
+from libs.common.sampling_params import SamplingParams
 from libs.common.transfer import Span
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
