@@ -22,12 +22,13 @@ import msgspec
 import numpy as np
 
 from libs.common.schema import CostCoefficients
+from libs.common.vocabulary import KVTier
 
 log = logging.getLogger(__name__)
 
 # A store tier without a measured load cost is assumed this many times slower than a
 # shared-memory block copy (disk reads: ~2 GB/s against ~19 GB/s, MEASURED.md).
-_TIER_FACTOR = {"device": 0.0, "dram": 1.0, "disk": 10.0}
+_TIER_FACTOR = {KVTier.DEVICE: 0.0, KVTier.DRAM: 1.0, KVTier.DISK: 10.0}
 
 
 @dataclass(frozen=True)
@@ -265,7 +266,7 @@ def reference_coefficients(block_size: int = 512) -> CostCoefficients:
         prefill_base=0.02, prefill_per_token=1 / 15000, prefill_per_token_context=1 / 15000 / 32768,
         decode_base=0.025, decode_per_seq=0.0002, decode_per_context_token=8e-8,
         transfer_per_block=block_size * 327_680 / 25e9,
-        load_per_block={"dram": block_size * 327_680 / 25e9, "disk": block_size * 327_680 / 5e9},
+        load_per_block={KVTier.DRAM: block_size * 327_680 / 25e9, KVTier.DISK: block_size * 327_680 / 5e9},
     )  # fmt: skip
 
 def uncalibrated_coefficients(block_size: int) -> CostCoefficients:

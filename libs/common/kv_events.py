@@ -21,9 +21,10 @@ from nats.aio.msg import Msg
 
 from libs.common import subjects
 from libs.common.schema import KVEvent, KVEventBatch, KVSnapshotReply, KVSnapshotRequest
+from libs.common.vocabulary import KVEventKind, KVTier
 
-TIERS = ("device", "dram", "disk")  # fastest first
-_ADDS = ("stored", "promoted", "demoted")  # kinds after which the blocks are in `tier`
+TIERS = (KVTier.DEVICE, KVTier.DRAM, KVTier.DISK)  # fastest first
+_ADDS = (KVEventKind.STORED, KVEventKind.PROMOTED, KVEventKind.DEMOTED)  # kinds after which the blocks are in `tier`
 MAX_BATCH_EVENTS = 256
 FLUSH_DELAY = 0.005  # seconds a flush waits for more events to join the batch
 
@@ -52,7 +53,9 @@ class KVEventLog:
         """The last sequence number handed out in a batch."""
         return self._published_seq
 
-    def record(self, kind: str, tier: str, hashes: Iterable[bytes], source_tier: str | None = None) -> KVEvent | None:
+    def record(
+        self, kind: KVEventKind, tier: KVTier, hashes: Iterable[bytes], source_tier: KVTier | None = None
+    ) -> KVEvent | None:
         """Apply one change; only blocks whose state really changes are in the event.
         Returns the event, or None when nothing changed."""
         with self._lock:
@@ -60,7 +63,7 @@ class KVEventLog:
             if kind in _ADDS:
                 changed = [h for h in dict.fromkeys(hashes) if h not in held]
                 held.update(changed)
-                if kind == "demoted":  # a move down: the blocks leave their source tier
+                if kind == KVEventKind.DEMOTED:  # a move down: the blocks leave their source tier
                     self._holdings[source_tier].difference_update(changed)
             else:
                 changed = [h for h in dict.fromkeys(hashes) if h in held]

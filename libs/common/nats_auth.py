@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from libs.common import subjects as s
+from libs.common.vocabulary import Role
 
 log = logging.getLogger("kvserve.nats")
 
-SERVICE_ROLES = ("gateway", "conductor", "prefill", "decode", "store")
+SERVICE_ROLES = tuple(Role)
 # observer: watches heartbeats and reads metrics (`kvserve up`'s own watcher);
 # admin: every subject, for an operator's tools and tests, never given to a service.
 USERS = SERVICE_ROLES + ("observer", "admin")

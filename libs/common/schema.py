@@ -10,7 +10,10 @@ from typing import Any, Literal, TypeVar
 
 import msgspec
 
+from libs.common.hashing import BlockHash
+from libs.common.ids import BlockId, InstanceId, RequestId
 from libs.common.sampling_params import SamplingParams
+from libs.common.vocabulary import ErrorCode, FinishReason, KVEventKind, KVTier, Role, StoreTier
 
 PROTOCOL_VERSION = 1
 
@@ -28,7 +31,7 @@ class Message(msgspec.Struct, tag=True, kw_only=True):
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
-    code: str  # no_prefill, no_decode, no_capacity, invalid_request, contract_mismatch, internal, ...
+    code: ErrorCode
     message: str
 
 
@@ -83,15 +86,15 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
     decode_per_seq: float
     decode_per_context_token: float
     transfer_per_block: float  # one KV block copied between shared-memory segments
-    load_per_block: dict[str, float] = msgspec.field(default_factory=dict)  # a store's tiers: dram, disk
+    load_per_block: dict[StoreTier, float] = msgspec.field(default_factory=dict)  # a store's tiers
 
 
 # --- membership ------------------------------------------------------------------
 class Heartbeat(Message):
-    instance_id: str
-    role: str  # gateway, conductor, prefill, decode, store
+    instance_id: InstanceId
+    role: Role
     host_id: str
-    address: str = ""  # gateway: its base URL
+    address: str | None = None  # gateway: its base URL, once it listens
     load: int = 0  # requests running or queued
     capacity: int = 0  # KV blocks (workers, store)
     free_blocks: int = 0
@@ -109,7 +112,7 @@ class Heartbeat(Message):
 class RollCall(Message):
     """Asks every instance to publish its heartbeat now."""
 
-    instance_id: str  # who asks (for logs)
+    instance_id: InstanceId  # who asks (for logs)
 
 
 class MetricsRequest(Message):
@@ -122,22 +125,22 @@ class MetricsReply(Message):
 
 # --- conductor -----------------------------------------------------------------
 class AdmitRequest(Message):
-    request_id: str
+    request_id: RequestId
     num_prompt_tokens: int
     max_tokens: int
-    block_hashes: list[bytes] = msgspec.field(default_factory=list)
+    block_hashes: list[BlockHash] = msgspec.field(default_factory=list)
     slo_ttft_s: float | None = None  # None: the conductor's default
     slo_tbt_s: float | None = None
-    exclude: list[str] = msgspec.field(default_factory=list)  # instances not to route to (seen dead by the gateway)
+    exclude: list[InstanceId] = msgspec.field(default_factory=list)  # instances not to route to (seen dead by the gateway)
 
 
 class AdmitReply(Message):
-    prefill_id: str | None = None
-    decode_id: str | None = None
+    prefill_id: InstanceId | None = None
+    decode_id: InstanceId | None = None
     prefill_on_decode: bool = False  # conditional disaggregation: the decode worker prefills it itself
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
-    cached_tokens: dict[str, int] = msgspec.field(default_factory=dict)  # predicted reuse, by tier
+    cached_tokens: dict[KVTier, int] = msgspec.field(default_factory=dict)  # predicted reuse, by tier
     retry_after_s: float | None = None  # rejected: when the conductor predicts it could be admitted
     error: ErrorInfo | None = None  # code "rejected": the SLO cannot be met now
 
@@ -146,7 +149,7 @@ class RequestProgress(Message):
     """Gateway -> conductor: how an admitted request went, to settle the
     conductor's predictions (queues, decode load) and measure their error."""
 
-    request_id: str
+    request_id: RequestId
     kind: Literal["first_token", "finished"]
     ttft_s: float | None = None  # first_token: measured from admission
     num_output_tokens: int = 0
@@ -164,41 +167,41 @@ class KVEvent(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     seq: int
-    kind: Literal["stored", "promoted", "demoted", "evicted", "removed"]
-    tier: Literal["device", "dram", "disk"]
-    block_hashes: list[bytes]
-    source_tier: Literal["device", "dram", "disk"] | None = None
+    kind: KVEventKind
+    tier: KVTier
+    block_hashes: list[BlockHash]
+    source_tier: KVTier | None = None
 
 
 class KVEventBatch(Message):
     """Consecutive KV events of one publisher. ``epoch`` is random per process
     start: a new epoch means the publisher restarted and its numbering with it."""
 
-    instance_id: str
+    instance_id: InstanceId
     epoch: int
     events: list[KVEvent]
 
 
 class KVSnapshotRequest(Message):
-    instance_id: str
+    instance_id: InstanceId
 
 
 class KVSnapshotReply(Message):
     """Everything the publisher holds, as of event ``seq`` of ``epoch`` included."""
 
-    instance_id: str
+    instance_id: InstanceId
     epoch: int
     seq: int
-    tiers: dict[str, list[bytes]] = msgspec.field(default_factory=dict)
+    tiers: dict[KVTier, list[BlockHash]] = msgspec.field(default_factory=dict)
     error: ErrorInfo | None = None
 
 
 # --- gateway -> prefill -> decode -------------------------------------------------
 class PrefillRequest(Message):
-    request_id: str
+    request_id: RequestId
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    decode_id: str  # on a decode worker's own prefill subject: itself
+    decode_id: InstanceId  # on a decode worker's own prefill subject: itself
 
 
 class Ack(Message):
@@ -206,15 +209,15 @@ class Ack(Message):
 
 
 class ReserveRequest(Message):
-    request_id: str
+    request_id: RequestId
     num_tokens: int  # tokens whose KV will be written into the lease
-    prefill_id: str
+    prefill_id: InstanceId
     contract: KVContract
-    host_id: str = ""  # the prefill's host for shared memory; "": it may write over TCP (the decode listens)
+    host_id: str | None = None  # the prefill's host for shared memory; None: it may write over TCP (the decode listens)
 
 
 class ReserveReply(Message):
-    block_ids: list[int] = msgspec.field(default_factory=list)
+    block_ids: list[BlockId] = msgspec.field(default_factory=list)
     ticket: WriteTicket | None = None  # where and how to write the KV into those blocks
     lease_seconds: float = 0.0
     error: ErrorInfo | None = None
@@ -223,31 +226,31 @@ class ReserveReply(Message):
 class HandoffRequest(Message):
     """The reserved blocks hold the prompt's KV: decode the rest."""
 
-    request_id: str
+    request_id: RequestId
     token_ids: list[int]  # prompt, then the first generated token
     num_prompt_tokens: int
     num_cached_tokens: int
     sampling: SamplingParams
-    block_ids: list[int]
+    block_ids: list[BlockId]
 
 
 class ReleaseRequest(Message):
-    request_id: str
+    request_id: RequestId
 
 
 class Cancel(Message):
-    request_id: str
+    request_id: RequestId
     reason: str = "cancelled"
 
 
 class TokenChunk(Message):
-    request_id: str
+    request_id: RequestId
     index: int  # position of token_ids[0] among the generated tokens
     token_ids: list[int] = msgspec.field(default_factory=list)
-    finish_reason: str | None = None  # stop, length, abort
+    finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    instance_id: str = ""
+    instance_id: InstanceId | None = None  # the worker that produced the chunk
     error: ErrorInfo | None = None
 
 
@@ -255,12 +258,9 @@ class TokenChunk(Message):
 # Each store instance answers on its own subjects (subjects.store_op). Block bytes
 # never travel here: a get writes into the caller's WriteTicket, a put hands the
 # caller a WriteTicket for fresh slots, and the blocks become visible at commit.
-StoreTier = Literal["dram", "disk"]
-
-
 class StoreExistsRequest(Message):
     contract: KVContract
-    block_hashes: list[bytes]
+    block_hashes: list[BlockHash]
 
 
 class StoreExistsReply(Message):
@@ -273,7 +273,7 @@ class StoreGetRequest(Message):
     (one per hash) of the caller's segment; each block is ``block_nbytes`` long."""
 
     contract: KVContract
-    block_hashes: list[bytes]
+    block_hashes: list[BlockHash]
     block_nbytes: int
     ticket: WriteTicket
     offsets: list[int]
@@ -289,10 +289,10 @@ class StorePutRequest(Message):
     already are a no-op (pinned if ``pin``)."""
 
     contract: KVContract
-    block_hashes: list[bytes]
+    block_hashes: list[BlockHash]
     block_nbytes: int
     pin: bool = False  # evicted only when no unpinned block can be
-    host_id: str = ""  # the writer's host for shared memory; "": it may write over TCP (the store listens)
+    host_id: str | None = None  # the writer's host for shared memory; None: it may write over TCP (the store listens)
 
 
 class StorePutReply(Message):
@@ -300,7 +300,7 @@ class StorePutReply(Message):
     then commit ``put_id`` within ``ttl_s`` seconds; ``no_room``: blocks the store
     could not place (every slot pinned or being read)."""
 
-    put_id: str = ""
+    put_id: str | None = None  # None: nothing to write (all held already, or an error)
     missing: list[int] = msgspec.field(default_factory=list)
     offsets: list[int] = msgspec.field(default_factory=list)
     ticket: WriteTicket | None = None
@@ -323,7 +323,7 @@ class StoreCommitReply(Message):
 
 class StoreRemoveRequest(Message):
     contract: KVContract
-    block_hashes: list[bytes]
+    block_hashes: list[BlockHash]
 
 
 class StoreRemoveReply(Message):
@@ -336,7 +336,7 @@ class StoreStatsRequest(Message):
 
 
 class StoreStatsReply(Message):
-    instance_id: str = ""
+    instance_id: InstanceId | None = None  # None with an error
     block_nbytes: int = 0
     dram_slots: int = 0
     dram_blocks: int = 0

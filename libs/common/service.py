@@ -22,6 +22,7 @@ from libs.common import nats_auth, schema, subjects
 from libs.common.metrics import REGISTRY
 from libs.common.schema import BadMessageError, ErrorInfo, Heartbeat, Message
 from libs.common.settings import ServiceSettings
+from libs.common.vocabulary import ErrorCode
 
 M = TypeVar("M", bound=Message)
 Handler = Callable[[M, Msg], Awaitable[Message | None]]
@@ -161,13 +162,13 @@ class Service:
             message = schema.decode(msg.data, kind)
         except BadMessageError as e:
             self.log.warning("dropped a message on %s: %s", msg.subject, e)
-            await self._reply(msg, schema.Ack(error=ErrorInfo(code="bad_message", message=str(e))))
+            await self._reply(msg, schema.Ack(error=ErrorInfo(code=ErrorCode.BAD_MESSAGE, message=str(e))))
             return
         try:
             reply = await handler(message, msg)
         except Exception as e:
             self.log.exception("handler for %s failed", msg.subject)
-            reply = schema.Ack(error=ErrorInfo(code="internal", message=f"{type(e).__name__}: {e}"))
+            reply = schema.Ack(error=ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"))
         if reply is not None:
             await self._reply(msg, reply)
 

@@ -92,7 +92,7 @@ class StoreClient:
         return reply.tiers
 
     async def put(self, store: str, block_hashes: list[bytes], block_nbytes: int, pin: bool = False,
-                  host_id: str = "") -> StorePutReply:  # fmt: skip
+                  host_id: str | None = None) -> StorePutReply:  # fmt: skip
         """Phase one of a put: which blocks the store lacks, and where to write them."""
         request = StorePutRequest(contract=self.contract, block_hashes=block_hashes, block_nbytes=block_nbytes,
                                   pin=pin, host_id=host_id)  # fmt: skip

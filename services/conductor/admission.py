@@ -18,6 +18,7 @@ import random
 from dataclasses import replace
 from typing import Protocol
 
+from libs.common.vocabulary import ErrorCode
 from services.conductor.cluster import Instance
 from services.conductor.policies import OPTIONS, ROUTERS, Decision, Route, Router, build_router, missing_roles
 from services.conductor.predict import AdmitContext, DecodeEstimate
@@ -77,7 +78,7 @@ def _reject(reason: str, message: str, wait_s: float, route: Route) -> Decision:
     return Decision(
         prefill_id=route.prefill.instance_id, decode_id=route.decode.instance_id,
         predicted_ttft_s=route.prefill.ttft_s, predicted_tbt_s=route.decode.tbt_s,
-        error_code="rejected", error_message=message, reason=reason, retry_after_s=max(wait_s, 0.0),
+        error_code=ErrorCode.REJECTED, error_message=message, reason=reason, retry_after_s=max(wait_s, 0.0),
     )  # fmt: skip
 
 

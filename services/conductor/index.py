@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from libs.common.kv_events import TIERS
 from libs.common.schema import KVEvent
+from libs.common.vocabulary import KVEventKind
 
 _TIER_BIT = {tier: i for i, tier in enumerate(TIERS)}
 _BITS = len(TIERS)
@@ -70,16 +71,16 @@ class KVIndex:
         self.apply(instance_id, event.kind, event.tier, event.block_hashes, event.source_tier)
 
     def apply(
-        self, instance_id: str, kind: str, tier: str, blocks: Iterable[Hashable], source_tier: str | None = None
+        self, instance_id: str, kind: KVEventKind, tier: str, blocks: Iterable[Hashable], source_tier: str | None = None
     ) -> None:
-        if kind in ("stored", "promoted"):  # a promotion is a copy up: the source keeps it
+        if kind in (KVEventKind.STORED, KVEventKind.PROMOTED):  # a promotion is a copy up: the source keeps it
             self.add(instance_id, tier, blocks)
-        elif kind == "demoted":
+        elif kind == KVEventKind.DEMOTED:
             blocks = list(blocks)
             self.add(instance_id, tier, blocks)
             if source_tier is not None:
                 self.discard(instance_id, source_tier, blocks)
-        elif kind in ("evicted", "removed"):
+        elif kind in (KVEventKind.EVICTED, KVEventKind.REMOVED):
             self.discard(instance_id, tier, blocks)
         else:
             raise ValueError(f"unknown KV event kind {kind!r}")

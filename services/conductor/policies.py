@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from libs.common.vocabulary import ErrorCode
 from services.conductor.cluster import Instance
 from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEstimate
 
@@ -40,7 +41,7 @@ class Decision:
     work_s: float = 0.0  # predicted seconds it adds to the prefill queue
     copy_from: str | None = None  # replication: the peer whose prefix is copied
     copy_blocks: int = 0
-    error_code: str | None = None  # no_prefill, no_decode, no_instances, rejected
+    error_code: ErrorCode | None = None
     error_message: str | None = None
     reason: str | None = None  # rejected: ttft_slo or tbt_slo
     retry_after_s: float | None = None
@@ -59,11 +60,11 @@ class Router(Protocol):
 def missing_roles(prefills: list[Instance], decodes: list[Instance]) -> Decision | None:
     """The rejection to give when a role has no live instance, else None."""
     if not prefills and not decodes:
-        return Decision(error_code="no_instances", error_message="no prefill and no decode instance is alive")
+        return Decision(error_code=ErrorCode.NO_INSTANCES, error_message="no prefill and no decode instance is alive")
     if not prefills:
-        return Decision(error_code="no_prefill", error_message="no prefill instance is alive")
+        return Decision(error_code=ErrorCode.NO_PREFILL, error_message="no prefill instance is alive")
     if not decodes:
-        return Decision(error_code="no_decode", error_message="no decode instance is alive")
+        return Decision(error_code=ErrorCode.NO_DECODE, error_message="no decode instance is alive")
     return None
 
 

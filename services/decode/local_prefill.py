@@ -14,6 +14,7 @@ from libs.common.model.sampling import sample
 from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
 from libs.common.schema import Ack, CostCoefficients, ErrorInfo, Heartbeat, PrefillRequest, TokenChunk
+from libs.common.vocabulary import ErrorCode, FinishReason
 
 
 class LocalPrefill:
@@ -36,10 +37,10 @@ class LocalPrefill:
             request.sampling.validate()
             engine.check_prompt(len(request.prompt_token_ids))
         except KVServeError as e:
-            return Ack(error=ErrorInfo(code="invalid_request", message=str(e)))
+            return Ack(error=ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=str(e)))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
         if not engine.cache.can_allocate(seq, seq.num_tokens + engine.block_size):
-            return Ack(error=ErrorInfo(code="no_capacity", message=f"{self.worker.instance_id} has no free KV blocks"))
+            return Ack(error=ErrorInfo(code=ErrorCode.NO_CAPACITY, message=f"{self.worker.instance_id} has no free KV blocks"))
         self.worker.spawn(self._prefill(seq))
         return Ack()
 
@@ -48,9 +49,9 @@ class LocalPrefill:
         try:
             token = await w.host.run(self._compute, seq)
         except KVServeError as e:
-            await self._publish(seq, TokenChunk(request_id=seq.request_id, index=0, finish_reason="abort",
+            await self._publish(seq, TokenChunk(request_id=seq.request_id, index=0, finish_reason=FinishReason.ABORT,
                                                 instance_id=w.instance_id,
-                                                error=ErrorInfo(code="no_capacity", message=str(e))))  # fmt: skip
+                                                error=ErrorInfo(code=ErrorCode.NO_CAPACITY, message=str(e))))  # fmt: skip
             await w.host.run(w.engine.cache.free, seq)
             return
         self.num_prefilled += 1

@@ -14,7 +14,7 @@ from libs.common import subjects
 from libs.common.engine_host import EngineHost
 from libs.common.errors import OutOfKVBlocksError
 from libs.common.model.sampling import sample
-from libs.common.model.sequence import FinishReason, Sequence
+from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
 from libs.common.recent import RecentIds
 from libs.common.schema import (
@@ -29,6 +29,7 @@ from libs.common.schema import (
     TokenChunk,
 )
 from libs.common.service import Service
+from libs.common.vocabulary import ErrorCode, FinishReason
 from services.decode.leases import LeaseTable
 from services.decode.local_prefill import LocalPrefill
 from services.decode.settings import DecodeSettings
@@ -68,10 +69,10 @@ class DecodeWorker(Service):
     # --- hand-off --------------------------------------------------------------
     async def on_reserve(self, request: ReserveRequest, msg: Msg) -> ReserveReply:
         if mismatch := self.host.contract.mismatch(request.contract):
-            return ReserveReply(error=ErrorInfo(code="contract_mismatch", message=f"{self.instance_id}: {mismatch}"))
+            return ReserveReply(error=ErrorInfo(code=ErrorCode.CONTRACT_MISMATCH, message=f"{self.instance_id}: {mismatch}"))
         needed = self.engine.cache.blocks_needed(request.num_tokens)
         if needed > self.engine.cache.block_pool.num_blocks:
-            return ReserveReply(error=ErrorInfo(code="no_capacity", message="the prompt is larger than this worker's KV pool"))
+            return ReserveReply(error=ErrorInfo(code=ErrorCode.NO_CAPACITY, message="the prompt is larger than this worker's KV pool"))
         pool = self.engine.cache.block_pool
         try:
             async with asyncio.timeout(self.settings.reserve_wait_seconds), self._blocks_freed:
@@ -83,10 +84,10 @@ class DecodeWorker(Service):
                     except OutOfKVBlocksError:  # a decode step took them first
                         continue
         except TimeoutError:
-            return ReserveReply(error=ErrorInfo(code="no_capacity", message=f"{self.instance_id} has no free KV blocks"))
+            return ReserveReply(error=ErrorInfo(code=ErrorCode.NO_CAPACITY, message=f"{self.instance_id} has no free KV blocks"))
         if request.request_id in self.cancelled:
             await self._free(block_ids)
-            return ReserveReply(error=ErrorInfo(code="cancelled", message="the request was cancelled"))
+            return ReserveReply(error=ErrorInfo(code=ErrorCode.CANCELLED, message="the request was cancelled"))
         ticket = self.host.transfers.expect(self.host.segment.name, self.host.block_ranges(block_ids),
                                             ttl=self.leases.lease_seconds, sender_host=request.host_id)  # fmt: skip
         lease = self.leases.grant(request.request_id, block_ids, ticket.token)
@@ -97,7 +98,7 @@ class DecodeWorker(Service):
         if lease is None or lease.block_ids != request.block_ids:
             if lease is not None:
                 await self._end_lease(lease)
-            return Ack(error=ErrorInfo(code="no_lease", message=f"no live lease for {request.request_id}"))
+            return Ack(error=ErrorInfo(code=ErrorCode.NO_LEASE, message=f"no live lease for {request.request_id}"))
         if lease.ticket_token is not None:
             self.host.transfers.close_ticket(lease.ticket_token)  # the KV is in: no more writes
         if request.request_id in self.cancelled:
@@ -227,7 +228,7 @@ class DecodeWorker(Service):
             await self.publish(subjects.tokens(seq.request_id), TokenChunk(
                 request_id=seq.request_id, index=seq.num_output_tokens, finish_reason=FinishReason.ABORT.value,
                 instance_id=self.instance_id,
-                error=ErrorInfo(code="no_capacity", message="the sequence outgrew the decode worker's KV pool")))  # fmt: skip
+                error=ErrorInfo(code=ErrorCode.NO_CAPACITY, message="the sequence outgrew the decode worker's KV pool")))  # fmt: skip
 
     def _reset(self, seq: Sequence) -> None:
         self.engine.cache.free(seq)

@@ -61,7 +61,7 @@ class Gateway(Service):
         self.log.info("OpenAI-compatible API on %s/v1 (model %s)", self.address, self.generations.model.model_id)
 
     def heartbeat(self) -> Heartbeat:
-        return msgspec.structs.replace(super().heartbeat(), address=self.address or "", load=self.num_in_flight)
+        return msgspec.structs.replace(super().heartbeat(), address=self.address, load=self.num_in_flight)
 
     async def _on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
         self.peers.observe(heartbeat)

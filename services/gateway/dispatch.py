@@ -36,6 +36,7 @@ from libs.common.schema import (
     TokenChunk,
 )
 from libs.common.service import Service
+from libs.common.vocabulary import ErrorCode
 from services.gateway.errors import (
     InvalidParameterError,
     RateLimitedError,
@@ -50,10 +51,10 @@ from services.gateway.worker_watch import WorkerWatch
 CONTROL_TIMEOUT = 5.0  # seconds the conductor and a prefill worker have to answer
 MIN_WAIT = 0.001  # seconds: a wait on the token subject that is due now still takes what is there
 RECONNECT_CHECK = 0.5  # seconds: a silent token subject is checked this often for a NATS reconnect
-_MISSING_ROLE_CODES = ("no_prefill", "no_decode", "no_instances")
+_MISSING_ROLE_CODES = (ErrorCode.NO_PREFILL, ErrorCode.NO_DECODE, ErrorCode.NO_INSTANCES)
 # A prefill worker's hand-off found no decode worker answering (one died, or NATS was
 # down a moment): the request is worth another admission, which sees the cluster anew.
-_HANDOFF_LOST_CODES = ("decode_unavailable", "no_decode")
+_HANDOFF_LOST_CODES = (ErrorCode.DECODE_UNAVAILABLE, ErrorCode.NO_DECODE)
 
 log = logging.getLogger("kvserve.gateway.dispatch")
 
@@ -279,7 +280,7 @@ def _reason(exc: BaseException | None) -> str | None:
 
 def _admission_error(reply: AdmitReply) -> Exception:
     error = reply.error
-    if error.code == "rejected":
+    if error.code == ErrorCode.REJECTED:
         details = {"retry_after_s": reply.retry_after_s, "predicted_ttft_s": reply.predicted_ttft_s,
                    "predicted_tbt_s": reply.predicted_tbt_s}  # fmt: skip
         return RateLimitedError(error.message, reply.retry_after_s, {k: v for k, v in details.items() if v is not None})
@@ -289,9 +290,9 @@ def _admission_error(reply: AdmitReply) -> Exception:
 
 
 def _worker_error(error: ErrorInfo, where: str) -> Exception:
-    if error.code == "no_capacity":
+    if error.code == ErrorCode.NO_CAPACITY:
         return ServiceUnavailableError(f"{where} has no capacity: {error.message}", error.code)
-    if error.code == "invalid_request":
+    if error.code == ErrorCode.INVALID_REQUEST:
         return InvalidParameterError(error.message)
     return UpstreamError(f"{where} failed: {error.message}", error.code)
 

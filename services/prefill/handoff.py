@@ -34,13 +34,14 @@ from libs.common.schema import (
 from libs.common.service import Service
 from libs.common.transfer import Span, TransferError
 from libs.common.transfer.writers import Writer
+from libs.common.vocabulary import ErrorCode
 
 RESERVE_TIMEOUT = 15.0  # the decode worker waits up to 10 s for blocks before saying no
 HANDOFF_TIMEOUT = 5.0
 
 
 class HandoffError(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -74,14 +75,14 @@ class Handoff:
     async def reserve(self, request: PrefillRequest, decode_id: str, num_tokens: int) -> Transfer:
         message = ReserveRequest(request_id=request.request_id, num_tokens=num_tokens,
                                  prefill_id=self.service.instance_id, contract=self.host.contract,
-                                 host_id=self.host.transfers.writer_host_id)  # fmt: skip
+                                 host_id=self.host.transfers.writer_host_id or None)  # fmt: skip
         try:
             reply = await self.service.request(subjects.decode_reserve(decode_id), message, ReserveReply,
                                                timeout=RESERVE_TIMEOUT)  # fmt: skip
         except (NoRespondersError, NatsTimeout) as e:
-            raise HandoffError("decode_unavailable", f"decode worker {decode_id} did not answer ({e})") from e
+            raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {decode_id} did not answer ({e})") from e
         except BadMessageError as e:
-            raise HandoffError("internal", str(e)) from e
+            raise HandoffError(ErrorCode.INTERNAL, str(e)) from e
         if reply.error is not None:
             raise HandoffError(reply.error.code, reply.error.message)
         return Transfer(request, decode_id, reply)
@@ -94,7 +95,7 @@ class Handoff:
                 None, self.host.transfers.writer, transfer.lease.ticket, self.host.segment.name
             )
         except TransferError as e:
-            raise HandoffError(e.cause, f"cannot reach decode worker {transfer.decode_id}: {e}") from e
+            raise HandoffError(ErrorCode(e.cause), f"cannot reach decode worker {transfer.decode_id}: {e}") from e
         transfer.state = State.STREAMING
 
     def layer_spans(self, transfer: Transfer, seq: Sequence, layer: int) -> list[Span]:
@@ -127,7 +128,7 @@ class Handoff:
             transfer.state = State.HANDED_OVER
         except TransferError as e:
             await self.release(transfer)
-            raise HandoffError(e.cause, f"KV transfer to {transfer.decode_id} failed: {e}") from e
+            raise HandoffError(ErrorCode(e.cause), f"KV transfer to {transfer.decode_id} failed: {e}") from e
         except HandoffError:
             await self.release(transfer)
             raise
@@ -145,7 +146,7 @@ class Handoff:
             ack = await self.service.request(subjects.decode_admit(transfer.decode_id), handoff, Ack,
                                              timeout=HANDOFF_TIMEOUT)  # fmt: skip
         except (NoRespondersError, NatsTimeout, BadMessageError) as e:
-            raise HandoffError("decode_unavailable", f"decode worker {transfer.decode_id} did not take the request ({e})") from e
+            raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {transfer.decode_id} did not take the request ({e})") from e
         if ack.error is not None:
             raise HandoffError(ack.error.code, ack.error.message)
 

@@ -9,6 +9,7 @@ from libs.common.engine_host import EngineHost
 from libs.common.hashing import BlockHash
 from libs.common.kv_events import KVEventLog, KVEventPublisher
 from libs.common.schema import CostCoefficients, Heartbeat
+from libs.common.vocabulary import KVEventKind, KVTier
 
 
 class KVReports:
@@ -28,8 +29,8 @@ class KVReports:
             self.service.log.info("cost model: %s", CostModel(self.cost).describe())
         await self.publisher.start(stack)
 
-    def _on_block(self, kind: str, block_hash: BlockHash) -> None:
-        self.events.record(kind, "device", [block_hash])
+    def _on_block(self, kind: KVEventKind, block_hash: BlockHash) -> None:
+        self.events.record(kind, KVTier.DEVICE, [block_hash])
 
     def fill(self, beat: Heartbeat) -> None:
         beat.cost = self.cost

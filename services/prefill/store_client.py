@@ -172,7 +172,7 @@ class StoreClient:
 
     async def _put(self, name: str, hashes: list[bytes], blocks: list[int]) -> None:
         request = StorePutRequest(contract=self.host.contract, block_hashes=hashes, block_nbytes=self.host.block_nbytes,
-                                  host_id=self.host.transfers.writer_host_id)  # fmt: skip
+                                  host_id=self.host.transfers.writer_host_id or None)  # fmt: skip
         reply = await self._call(name, "put", request, StorePutReply)
         if reply is None or not reply.missing:
             return

@@ -25,6 +25,7 @@ from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
 from libs.common.schema import Ack, Cancel, ErrorInfo, Heartbeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
+from libs.common.vocabulary import ErrorCode, FinishReason
 from services.prefill.handoff import Handoff, HandoffError, Transfer
 from services.prefill.kv_reports import KVReports
 from services.prefill.settings import PrefillSettings
@@ -75,7 +76,7 @@ class PrefillWorker(Service):
             request.sampling.validate()
             self.engine.check_prompt(len(request.prompt_token_ids))
         except KVServeError as e:
-            return Ack(error=ErrorInfo(code="invalid_request", message=str(e)))
+            return Ack(error=ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=str(e)))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
         job = Job(request, seq)
         self.in_flight[request.request_id] = job
@@ -108,7 +109,7 @@ class PrefillWorker(Service):
             except Exception as e:
                 self.log.exception("prefill of %d requests failed", len(ready))
                 for job in ready:
-                    await self._fail(job, ErrorInfo(code="internal", message=f"prefill failed: {e}"))
+                    await self._fail(job, ErrorInfo(code=ErrorCode.INTERNAL, message=f"prefill failed: {e}"))
                 continue
             for job, token in zip(ready, tokens):
                 self.spawn(self._finish(job, token))
@@ -126,7 +127,7 @@ class PrefillWorker(Service):
         try:
             await self.host.run(self._attach_local_prefix, seq)
         except KVServeError as e:
-            await self._fail(job, ErrorInfo(code="no_capacity", message=str(e)))
+            await self._fail(job, ErrorInfo(code=ErrorCode.NO_CAPACITY, message=str(e)))
             return None
         if self.store is not None:
             await self.store.fetch_prefix(seq)
@@ -153,7 +154,7 @@ class PrefillWorker(Service):
                 error = e
         others = self.decoders.alive("decode", exclude={*exclude, job.request.decode_id})
         if not others or job.request.request_id in self.cancelled:
-            raise error if first is not None else HandoffError("no_decode", "no other decode worker is alive")
+            raise error if first is not None else HandoffError(ErrorCode.NO_DECODE, "no other decode worker is alive")
         return await self.handoff.reserve(job.request, others[0].instance_id, job.seq.num_prompt_tokens)
 
     def _attach_local_prefix(self, seq: Sequence) -> None:
@@ -213,7 +214,7 @@ class PrefillWorker(Service):
                 error = e
                 self.log.warning("retry of %s failed too: %s", request_id, e)
         await self.publish(subjects.tokens(request_id), TokenChunk(
-            request_id=request_id, index=1, finish_reason="abort", instance_id=self.instance_id,
+            request_id=request_id, index=1, finish_reason=FinishReason.ABORT, instance_id=self.instance_id,
             error=ErrorInfo(code=error.code, message=str(error))))  # fmt: skip
 
     async def _fail(self, job: Job, error: ErrorInfo) -> None:
@@ -221,7 +222,7 @@ class PrefillWorker(Service):
         if job.transfer is not None:
             await self.handoff.release(job.transfer)
         await self.publish(subjects.tokens(job.request.request_id), TokenChunk(
-            request_id=job.request.request_id, index=0, finish_reason="abort", instance_id=self.instance_id,
+            request_id=job.request.request_id, index=0, finish_reason=FinishReason.ABORT, instance_id=self.instance_id,
             error=error))  # fmt: skip
         await self._drop(job)
 

@@ -44,6 +44,7 @@ from libs.common.schema import (
 from libs.common.service import Service
 from libs.common.transfer import Descriptor, SharedSegment, Span, TransferEngine, TransferError
 from libs.common.transfer.segment import new_segment_name, remove_stale_segments
+from libs.common.vocabulary import ErrorCode
 from services.store.block_files import BlockFiles, contract_digest
 from services.store.disk import DiskTier
 from services.store.manifest import claim_directory
@@ -134,7 +135,7 @@ class StoreService(Service):
         entry = self._ops.get(op)
         if entry is None:
             self.log.warning("refused unknown operation %r", op)
-            error = ErrorInfo(code="unknown_op", message=f"store {self.instance_id} has no operation {op!r}; "
+            error = ErrorInfo(code=ErrorCode.UNKNOWN_OP, message=f"store {self.instance_id} has no operation {op!r}; "
                                                          f"it answers {', '.join(subjects.STORE_OPS)}")  # fmt: skip
             self.spawn(self._reply(msg, schema.Ack(error=error)))
             return
@@ -144,10 +145,10 @@ class StoreService(Service):
         mismatch = self.contract.mismatch(contract)
         if mismatch is not None:
             self.log.warning("refused a peer: %s", mismatch)
-            return ErrorInfo(code="contract_mismatch", message=f"store {self.instance_id}: {mismatch}")
+            return ErrorInfo(code=ErrorCode.CONTRACT_MISMATCH, message=f"store {self.instance_id}: {mismatch}")
         if block_nbytes is not None and block_nbytes != self.block_nbytes:
             self.log.warning("refused blocks of %d bytes", block_nbytes)
-            return ErrorInfo(code="bad_block_size", message=(
+            return ErrorInfo(code=ErrorCode.BAD_BLOCK_SIZE, message=(
                 f"store {self.instance_id}: blocks of {block_nbytes} bytes refused; its slots hold exactly "
                 f"{self.block_nbytes} bytes (one KV block, every layer, under contract {self.contract.layout})"))  # fmt: skip
         return None
@@ -170,7 +171,7 @@ class StoreService(Service):
             if spans:
                 await self._write_out(request, spans)
         except TransferError as e:
-            return StoreGetReply(error=ErrorInfo(code=e.cause, message=f"store {self.instance_id}: {e}"))
+            return StoreGetReply(error=ErrorInfo(code=ErrorCode(e.cause), message=f"store {self.instance_id}: {e}"))
         finally:
             self.tiers.release(slots)
         tiers = [f[0] if f is not None else None for f in found]
@@ -233,12 +234,12 @@ class StoreService(Service):
             return StoreCommitReply(error=error)
         put = self.puts.take(request.put_id)
         if put is None:
-            return StoreCommitReply(error=ErrorInfo(code="unknown_put", message=(
+            return StoreCommitReply(error=ErrorInfo(code=ErrorCode.UNKNOWN_PUT, message=(
                 f"store {self.instance_id}: no put {request.put_id!r} is open (never opened, committed, or expired)")))  # fmt: skip
         record = self.transfers.close_ticket(put.token)
         if record is not None and record.failed:
             self.tiers.give_back(put.slots)
-            return StoreCommitReply(error=ErrorInfo(code=record.failed, message=(
+            return StoreCommitReply(error=ErrorInfo(code=ErrorCode(record.failed), message=(
                 f"store {self.instance_id}: the put's transfer failed ({record.failed}); nothing stored")))  # fmt: skip
         return StoreCommitReply(num_stored=self.tiers.commit(put.hashes, put.slots, put.pin))
 
@@ -287,5 +288,5 @@ class StoreService(Service):
 
 def _lengths_differ(request: StoreGetRequest) -> ErrorInfo | None:
     if len(request.block_hashes) != len(request.offsets):
-        return ErrorInfo(code="invalid_request", message="block_hashes and offsets differ in length")
+        return ErrorInfo(code=ErrorCode.INVALID_REQUEST, message="block_hashes and offsets differ in length")
     return None

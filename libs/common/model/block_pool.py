@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from libs.common.errors import OutOfKVBlocksError
 from libs.common.hashing import BlockHash
+from libs.common.vocabulary import KVEventKind
 
 
 @dataclass
@@ -24,7 +25,7 @@ class Block:
     token_ids: tuple[int, ...] = field(default=())  # kept to confirm a hash hit
 
 
-BlockListener = Callable[[str, BlockHash], None]  # ("stored" | "evicted", hash)
+BlockListener = Callable[[KVEventKind, BlockHash], None]  # (STORED or EVICTED, hash)
 
 
 class BlockPool:
@@ -101,7 +102,7 @@ class BlockPool:
         block.token_ids = tuple(token_ids)
         self._cached[block_hash] = block_id
         if self.listener is not None:
-            self.listener("stored", block_hash)
+            self.listener(KVEventKind.STORED, block_hash)
 
     def cached_hashes(self) -> list[BlockHash]:
         return list(self._cached)
@@ -110,6 +111,6 @@ class BlockPool:
         if block.block_hash is not None:
             del self._cached[block.block_hash]
             if self.listener is not None:
-                self.listener("evicted", block.block_hash)
+                self.listener(KVEventKind.EVICTED, block.block_hash)
             block.block_hash = None
             block.token_ids = ()

@@ -16,10 +16,11 @@ import torch
 from libs.common.errors import OutOfKVBlocksError
 from libs.common.model.engine import Engine
 from libs.common.model.sampling import sample
-from libs.common.model.sequence import FinishReason, Sequence
+from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import StopChecker
 from libs.common.model.tokenizer import Tokenizer
 from libs.common.sampling_params import SamplingParams
+from libs.common.vocabulary import FinishReason
 
 
 @dataclass

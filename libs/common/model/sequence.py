@@ -1,16 +1,10 @@
 """A sequence being generated: its tokens, where its KV lives, and how far it has got."""
 
 from dataclasses import dataclass, field
-from enum import Enum
 
 from libs.common.hashing import BlockHash
 from libs.common.sampling_params import SamplingParams
-
-
-class FinishReason(str, Enum):
-    STOP = "stop"  # an end-of-sequence token or a stop string
-    LENGTH = "length"  # max_tokens reached, or the context window is full
-    ABORT = "abort"  # cancelled by the client or the system
+from libs.common.vocabulary import FinishReason
 
 
 @dataclass

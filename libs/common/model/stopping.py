@@ -9,9 +9,10 @@ completes.
 
 from collections.abc import Collection
 
-from libs.common.model.sequence import FinishReason, Sequence
+from libs.common.model.sequence import Sequence
 from libs.common.model.tokenizer import Tokenizer
 from libs.common.sampling_params import SamplingParams
+from libs.common.vocabulary import FinishReason
 
 
 def check_finish(seq: Sequence, eos_token_ids: Collection[int], max_model_len: int) -> FinishReason | None:

@@ -24,7 +24,7 @@ REPORTED = ("MODEL", "DTYPE", "DEVICE", "HOST_ID", "API_KEY", "GATEWAY_HOST", "G
 
 
 class FakeService(Service):
-    address = ""
+    address: str | None = None
 
     async def start(self, stack: AsyncExitStack) -> None:
         if env_str("FAKE_SEGMENT", "") == "1":  # the name new_segment_name gives, without importing torch

@@ -3,7 +3,7 @@
 import torch
 
 from libs.common.model.sampling import sample
-from libs.common.model.sequence import FinishReason
+from libs.common.vocabulary import FinishReason
 from libs.common.model.stopping import StopChecker
 from libs.common.sampling_params import SamplingParams
 

@@ -242,7 +242,7 @@ async def test_a_prefill_worker_without_capacity_is_503_and_cancelled(start_gate
 async def test_a_worker_error_mid_stream_becomes_an_error_event(start_gateway, cluster):
     cluster.script = lambda req: [
         chunk(req, 0, ids("H")),
-        chunk(req, 1, [], "abort", error=ErrorInfo(code="kv_lost", message="decode instance died")),
+        chunk(req, 1, [], "abort", error=ErrorInfo(code="internal", message="decode instance died")),
     ]
     client = openai_client(await start_gateway())
     stream = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, stream=True)
@@ -251,7 +251,7 @@ async def test_a_worker_error_mid_stream_becomes_an_error_event(start_gateway, c
         async for c in stream:
             seen.append(c.choices[0].delta.content)
     assert seen == ["", "H"]
-    assert (await cluster.next_cancel()).reason == "error: kv_lost"
+    assert (await cluster.next_cancel()).reason == "error: internal"
 
 
 async def test_no_token_within_the_request_timeout_is_504_and_cancelled(start_gateway, cluster):
