@@ -14,7 +14,7 @@ import asyncio
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
@@ -34,13 +34,14 @@ log = logging.getLogger(__name__)
 class KVEventLog:
     """Thread-safe: `record` may be called from any thread (a worker's engine thread)."""
 
-    def __init__(self, instance_id: str, epoch: int | None = None) -> None:
+    def __init__(self, instance_id: str, epoch: int | None = None, tiers: Sequence[str] = TIERS) -> None:
+        """``tiers``: the names whose holdings it keeps (every tier its owner records)."""
         self.instance_id = instance_id
         self.epoch = epoch if epoch is not None else secrets.randbits(62) + 1
         self._lock = threading.Lock()
         self._seq = 0
         self._published_seq = 0
-        self._holdings: dict[str, set[bytes]] = {tier: set() for tier in TIERS}
+        self._holdings: dict[str, set[bytes]] = {tier: set() for tier in tiers}
         self._pending: list[KVEvent] = []
         self.on_pending: Callable[[], None] | None = None  # called (under no lock) when a batch starts
 

@@ -42,6 +42,7 @@ from libs.common.schema import (
     StoreStatsRequest,
 )
 from libs.common.service import Service
+from libs.common.store_client import STORE_CALLS
 from libs.common.transfer import Descriptor, SharedSegment, Span, TransferEngine, TransferError
 from libs.common.transfer.segment import new_segment_name, remove_stale_segments
 from libs.common.vocabulary import ErrorCode
@@ -50,6 +51,7 @@ from services.store.disk import DiskTier
 from services.store.manifest import claim_directory
 from services.store.puts import PendingPut, PendingPuts
 from services.store.settings import StoreSettings
+from services.store.tier import LowerTier, TierStats
 from services.store.tiers import TieredStore
 
 INLINE_COPY_BYTES = 256 << 10  # shm copies up to this size run on the event loop (a thread costs more)
@@ -79,25 +81,18 @@ class StoreService(Service):
                                         connections=t.connections, timeout=t.timeout,
                                         max_connections=t.max_connections, idle_timeout=t.idle_timeout)  # fmt: skip
         self.transfers.register(self.segment)
-        disk = None
+        lower: list[LowerTier] = []  # the tiers below DRAM, fastest first: a new tier is one entry here
         if settings.disk_bytes:
-            files = BlockFiles(settings.directory, digest, block_nbytes)
-            disk = DiskTier(files, settings.disk_bytes)
+            lower.append(DiskTier(BlockFiles(settings.directory, digest, block_nbytes), settings.disk_bytes))
         self.events = KVEventLog(self.instance_id)
-        self.tiers = TieredStore(self.segment, block_nbytes, disk, self.events)
+        self.tiers = TieredStore(self.segment, block_nbytes, lower, self.events)
         self.puts = PendingPuts(self._put_expired)
         self.load_per_block: dict[str, float] = {}  # measured seconds to serve one block, by tier
         self._ops_subscription = None
         self._write_behind: asyncio.Task | None = None
-        self._ops = {
-            "exists": (StoreExistsRequest, self.on_exists),
-            "get": (StoreGetRequest, self.on_get),
-            "put": (StorePutRequest, self.on_put),
-            "commit": (StoreCommitRequest, self.on_commit),
-            "remove": (StoreRemoveRequest, self.on_remove),
-            "stats": (StoreStatsRequest, self.on_stats),
-        }
-        assert set(self._ops) == set(subjects.STORE_OPS)
+        handlers = {"exists": self.on_exists, "get": self.on_get, "put": self.on_put, "commit": self.on_commit,
+                    "remove": self.on_remove, "stats": self.on_stats}  # fmt: skip
+        self._ops = {op: (request, handlers[op]) for op, (request, _) in STORE_CALLS.items()}  # op -> (request, handler)
 
     async def start(self, stack: AsyncExitStack) -> None:
         stack.callback(self._close)
@@ -109,7 +104,7 @@ class StoreService(Service):
             f"{len(disk)} blocks found in {disk.files.directory}, capacity {disk.capacity_bytes} bytes" if disk else "off",
         )  # fmt: skip
         await KVEventPublisher(self, self.events).start(stack)
-        if disk is not None:
+        if self.tiers.next_tier is not None:
             self._write_behind = self.spawn(self.tiers.write_behind(self.settings.write_behind_s))
         self._ops_subscription = await self.nc.subscribe(subjects.store_ops(self.instance_id), cb=self._dispatch)
 
@@ -126,8 +121,8 @@ class StoreService(Service):
 
     def _close(self) -> None:
         self.puts.expire_all()
-        if self.tiers.disk is not None:
-            self.tiers.disk.close()
+        for tier in self.tiers.lower:
+            tier.close()
         self.transfers.close()
 
     async def _dispatch(self, msg: Msg) -> None:
@@ -258,11 +253,12 @@ class StoreService(Service):
         if error := self._refusal(request.contract):
             return StoreStatsReply(error=error)
         dram, disk = self.tiers.dram, self.tiers.disk
+        on_disk = disk.stats() if disk is not None else TierStats(num_blocks=0, used_bytes=0, capacity_bytes=0)
         return StoreStatsReply(
             instance_id=self.instance_id, block_nbytes=self.block_nbytes,
             dram_slots=dram.num_slots, dram_blocks=len(dram), dram_pinned=dram.num_pinned, dram_leased=dram.num_leased,
-            disk_blocks=len(disk) if disk else 0, disk_bytes=disk.used_bytes if disk else 0,
-            disk_capacity_bytes=disk.capacity_bytes if disk else 0, disk_pending=self.tiers.num_unwritten,
+            disk_blocks=on_disk.num_blocks, disk_bytes=on_disk.used_bytes,
+            disk_capacity_bytes=on_disk.capacity_bytes, disk_pending=self.tiers.num_unwritten,
             counters=dict(self.tiers.counters), kv_epoch=self.events.epoch, kv_seq=self.events.seq,
         )  # fmt: skip
 

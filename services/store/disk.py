@@ -5,7 +5,8 @@ directory at start.
 A checksum that fails on read deletes the file and is reported as a miss (the
 caller reports it as removed). Every file operation runs on the tier's thread
 pool, never on the event loop; the index itself is touched only on the event
-loop. The tier keeps no KV events: `tiers.py` records them.
+loop. The tier keeps no KV events: `tiers.py` records them. A `LowerTier`
+(`tier.py`).
 """
 
 import asyncio
@@ -17,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from libs.common.hashing import BlockHash
 from services.store.block_files import BlockFiles
+from services.store.tier import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,8 @@ log = logging.getLogger(__name__)
 class DiskTier:
     """The disk index (LRU, least recent first) over `BlockFiles`, with a byte capacity
     that is never exceeded: room is made (and reserved) before a file is written."""
+
+    name = "disk"
 
     def __init__(
         self,
@@ -62,6 +66,9 @@ class DiskTier:
     def lru_order(self) -> list[BlockHash]:
         return list(self._index)
 
+    def stats(self) -> TierStats:
+        return TierStats(num_blocks=len(self._index), used_bytes=self.used_bytes, capacity_bytes=self.capacity_bytes)
+
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
@@ -86,7 +93,7 @@ class DiskTier:
         if self._leases[block_hash] == 0:
             del self._leases[block_hash]
 
-    async def read(self, block_hash: BlockHash, into: memoryview) -> bool:
+    async def get_into(self, block_hash: BlockHash, into: memoryview) -> bool:
         """Read an indexed block into ``into`` under a lease; False when it turned out
         corrupt (then it is out of the index and its file is gone)."""
         self.lease(block_hash)
@@ -102,7 +109,7 @@ class DiskTier:
         return False
 
     # --- writes --------------------------------------------------------------------------
-    async def write(self, block_hash: BlockHash, payload: memoryview) -> bool:
+    async def put(self, block_hash: BlockHash, payload: memoryview) -> bool:
         """Write a block not on disk yet, evicting least recently used files for room.
         True: the file is in place and its bytes still reserved, but not yet in the
         index; the caller makes it visible with `add` (in the same step as the event
@@ -123,9 +130,9 @@ class DiskTier:
             self._written_not_added(block_hash)
             return False
 
-    async def write_many(self, blocks: list[tuple[BlockHash, memoryview]]) -> list[bool]:
-        """`write` for a batch, as one job on one thread with one fsync of the directory
-        (the write-behind's flush). For each block: True as `write` (the caller `add`s
+    async def put_many(self, blocks: list[tuple[BlockHash, memoryview]]) -> list[bool]:
+        """`put` for a batch, as one job on one thread with one fsync of the directory
+        (the write-behind's flush). For each block: True as `put` (the caller `add`s
         or `discard`s it), False when it was not written (on disk or being written or
         deleted already, no room, an I/O error)."""
         planned: list[int] = []  # indexes into blocks
@@ -155,12 +162,12 @@ class DiskTier:
         return written
 
     def add(self, block_hash: BlockHash) -> None:
-        """Make a block `write` put on disk visible (most recently used)."""
+        """Make a block `put` wrote visible (most recently used)."""
         self._written_not_added(block_hash)
         self._index[block_hash] = None
 
     async def discard(self, block_hash: BlockHash) -> None:
-        """Drop a block `write` put on disk without ever making it visible."""
+        """Drop a block `put` wrote without ever making it visible."""
         self._written_not_added(block_hash)
         await self.delete([block_hash])
 

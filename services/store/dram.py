@@ -8,19 +8,24 @@ unpinned one can go. A slot under a lease (a copy out to a caller, a write-
 back to disk) is never chosen, and a block unmapped while leased keeps its
 slot until the last lease ends. Pure bookkeeping, no bytes and no I/O: the
 caller (`tiers.py`) moves the data; it runs on one thread (the event loop).
+The first `Tier` (`tier.py`) of every store.
 """
 
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
 from libs.common.hashing import BlockHash
+from services.store.tier import TierStats
 
 
 class DramTier:
-    def __init__(self, num_slots: int) -> None:
+    name = "dram"
+
+    def __init__(self, num_slots: int, block_nbytes: int) -> None:
         if num_slots < 1:
             raise ValueError("the DRAM tier needs at least one slot")
         self.num_slots = num_slots
+        self.block_nbytes = block_nbytes
         self._slot_of: dict[BlockHash, int] = {}
         self._lru: OrderedDict[BlockHash, None] = OrderedDict()  # unpinned, least recent first
         self._pinned: OrderedDict[BlockHash, None] = OrderedDict()  # pinned, least recent first
@@ -61,6 +66,10 @@ class DramTier:
     def lru_order(self) -> list[BlockHash]:
         """The eviction order as it stands: unpinned least recent first, then pinned."""
         return [*self._lru, *self._pinned]
+
+    def stats(self) -> TierStats:
+        return TierStats(num_blocks=len(self._slot_of), used_bytes=len(self._slot_of) * self.block_nbytes,
+                         capacity_bytes=self.num_slots * self.block_nbytes)  # fmt: skip
 
     # --- use -------------------------------------------------------------------------
     def touch(self, block_hash: BlockHash) -> None:

@@ -35,20 +35,23 @@ def events_of(log: KVEventLog) -> list[tuple]:
 def make_store(tmp_path):
     made = []
 
-    def make(slots: int, disk_blocks: int | None, directory=None) -> TieredStore:
+    def make(slots: int, disk_blocks: int | None, directory=None, compose=lambda disk: disk) -> TieredStore:
+        """``compose``: the tiers below DRAM, in order, given the disk tier's list."""
         segment = SharedSegment.create(new_segment_name("test", "store"), slots * BLOCK)
-        disk = None
+        disk = []
         if disk_blocks is not None:
             files = BlockFiles(directory or tmp_path / "blocks", contract_digest(CONTRACT), BLOCK)
-            disk = DiskTier(files, disk_blocks * (HEADER.size + BLOCK))
-        store = TieredStore(segment, BLOCK, disk, KVEventLog("store-test", epoch=1))
+            disk = [DiskTier(files, disk_blocks * (HEADER.size + BLOCK))]
+        lower = compose(disk)
+        events = KVEventLog("store-test", epoch=1, tiers=["dram", *(tier.name for tier in lower)])
+        store = TieredStore(segment, BLOCK, lower, events)
         made.append(store)
         return store
 
     yield make
     for store in made:
-        if store.disk is not None:
-            store.disk.close()
+        for tier in store.lower:
+            tier.close()
         store.segment.close()
 
 

@@ -3,11 +3,11 @@
 import pytest
 
 from services.store.dram import DramTier
-from tests.unit.store.conftest import h
+from tests.unit.store.conftest import BLOCK, h
 
 
 def filled(n: int, slots: int | None = None) -> DramTier:
-    dram = DramTier(slots or n)
+    dram = DramTier(slots or n, block_nbytes=BLOCK)
     for i in range(n):
         dram.insert(h(i), dram.take_free_slot())
     return dram
@@ -38,7 +38,7 @@ def test_a_leased_slot_is_never_a_victim_and_outlives_its_block():
 
 
 def test_slots_are_handed_out_lowest_first_and_given_back():
-    dram = DramTier(3)
+    dram = DramTier(3, block_nbytes=BLOCK)
     assert [dram.take_free_slot() for _ in range(3)] == [0, 1, 2]
     assert dram.take_free_slot() is None
     dram.give_back(1)
@@ -47,4 +47,4 @@ def test_slots_are_handed_out_lowest_first_and_given_back():
 
 def test_no_slots_is_an_error():
     with pytest.raises(ValueError):
-        DramTier(0)
+        DramTier(0, block_nbytes=BLOCK)

@@ -5,13 +5,14 @@ corruption, restart and removal."""
 import os
 
 from services.store.block_files import HEADER
+from services.store.tier import TierStats
 from tests.unit.store.conftest import BLOCK, events_of, h, payload, put, read
 
 
 def assert_log_matches(store) -> None:
     """The event log's view of the store equals the store's tiers, exactly."""
-    assert store.events.contents("dram") == set(store.dram)
-    assert store.events.contents("disk") == (set(store.disk) if store.disk is not None else set())
+    for tier in store.tiers:
+        assert store.events.contents(tier.name) == set(tier)
     store.dram.check()
     if store.disk is not None:
         assert store.disk.used_bytes <= store.disk.capacity_bytes
@@ -128,3 +129,95 @@ async def test_remove_drops_a_block_from_every_tier(make_store):
 
 def test_block_files_are_header_plus_one_block():
     assert HEADER.size == 64 and BLOCK == 256
+
+
+
+class MemoryTier:
+    """A test-only lower tier: blocks in a dict, no capacity of its own, nothing leased."""
+
+    name = "memory"
+
+    def __init__(self) -> None:
+        self.blocks: dict[bytes, bytes] = {}
+        self.written: dict[bytes, bytes] = {}  # by `put`, not visible until `add`
+        self.on_evicted = lambda hashes: None
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self.blocks
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __iter__(self):
+        return iter(list(self.blocks))
+
+    def lru_order(self) -> list[bytes]:
+        return list(self.blocks)
+
+    def stats(self) -> TierStats:
+        return TierStats(num_blocks=len(self.blocks), used_bytes=len(self.blocks) * BLOCK, capacity_bytes=1 << 20)
+
+    async def load(self) -> tuple[list[bytes], list[bytes]]:
+        return list(self.blocks), []
+
+    def lease(self, block_hash: bytes) -> None:
+        pass
+
+    def release(self, block_hash: bytes) -> None:
+        pass
+
+    async def get_into(self, block_hash: bytes, into: memoryview) -> bool:
+        into[:] = self.blocks[block_hash]
+        return True
+
+    async def put(self, block_hash: bytes, payload: memoryview) -> bool:
+        self.written[block_hash] = bytes(payload)
+        return True
+
+    async def put_many(self, blocks: list[tuple[bytes, memoryview]]) -> list[bool]:
+        return [await self.put(block_hash, payload) for block_hash, payload in blocks]
+
+    def add(self, block_hash: bytes) -> None:
+        self.blocks[block_hash] = self.written.pop(block_hash)
+
+    async def discard(self, block_hash: bytes) -> None:
+        del self.written[block_hash]
+
+    def forget(self, block_hash: bytes) -> bool:
+        return self.blocks.pop(block_hash, None) is not None
+
+    async def delete(self, block_hashes: list[bytes]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+async def test_a_tier_appended_after_disk_serves_a_get(make_store):
+    memory = MemoryTier()
+    memory.blocks[h(9)] = payload(9)
+    store = make_store(slots=2, disk_blocks=2, compose=lambda disk: [*disk, memory])
+    await store.start()
+    assert events_of(store.events) == [("stored", "memory", [9])]
+    await put(store, [1])
+    assert store.locate([h(9), h(1), h(2)]) == ["memory", "dram", None]
+    assert await read(store, [9]) == [("memory", payload(9))]  # a copy up: memory keeps it
+    assert events_of(store.events) == [("stored", "dram", [1]), ("promoted", "dram", [9])]
+    assert store.locate([h(9)]) == ["dram"] and h(9) in memory and store.counters["hits_memory"] == 1
+    assert await store.remove([h(9)]) == 1
+    assert events_of(store.events) == [("removed", "dram", [9]), ("removed", "memory", [9])]
+    assert_log_matches(store)
+
+
+async def test_a_tier_between_dram_and_disk_takes_the_write_downs(make_store):
+    memory = MemoryTier()
+    store = make_store(slots=1, disk_blocks=2, compose=lambda disk: [memory, *disk])
+    await store.start()
+    await put(store, [1])
+    await put(store, [2])  # 1 is written down to the next tier, which is memory, not disk
+    assert events_of(store.events) == [("stored", "dram", [1]), ("demoted", "memory", [1]), ("stored", "dram", [2])]
+    assert memory.blocks == {h(1): payload(1)} and len(store.disk) == 0
+    assert await store.flush() == 1  # the write-behind's target is memory too
+    assert memory.blocks == {h(1): payload(1), h(2): payload(2)} and len(store.disk) == 0
+    assert await read(store, [1]) == [("memory", payload(1))]
+    assert_log_matches(store)
