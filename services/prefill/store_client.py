@@ -13,35 +13,24 @@ computes everything.
 
 import asyncio
 import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from libs.common import subjects
+from libs.common import store_client, subjects
 from libs.common.cost_model import CostModel
 from libs.common.engine_host import EngineHost
 from libs.common.hash_ring import HashRing
 from libs.common.model.sequence import Sequence
 from libs.common.peers import PeerDirectory
-from libs.common.schema import (
-    BadMessageError,
-    CostCoefficients,
-    Heartbeat,
-    StoreCommitReply,
-    StoreCommitRequest,
-    StoreExistsReply,
-    StoreExistsRequest,
-    StoreGetReply,
-    StoreGetRequest,
-    StorePutReply,
-    StorePutRequest,
-    WriteTicket,
-)
+from libs.common.schema import CostCoefficients, Heartbeat, WriteTicket
 from libs.common.service import Service
 from libs.common.transfer import Descriptor, Span, TransferError
 from services.prefill.fetch_policy import FetchPolicy
 
 STORE_TIMEOUT = 5.0
+T = TypeVar("T")
 _TIER_RANK = {"dram": 0, "disk": 1}
 
 
@@ -53,6 +42,7 @@ class StoreClient:
         self.replicas = replicas
         self.policy = policy or FetchPolicy(host.engine.cache.block_size)
         self.stores = PeerDirectory()
+        self.calls: store_client.StoreClient | None = None  # once connected
         self._ring = HashRing()
         self._refused: set[str] = set()  # stores whose contract differs (logged once)
         self.hits = 0  # blocks fetched
@@ -62,6 +52,7 @@ class StoreClient:
         """Watch the stores' heartbeats; ``cost``: the worker's calibrated cost model, if any."""
         if cost is not None:
             self.policy.cost = CostModel(cost)
+        self.calls = store_client.StoreClient(self.service.nc, self.host.contract, STORE_TIMEOUT)
         await self.service.subscribe(subjects.heartbeat("store"), Heartbeat, self.on_heartbeat)
 
     async def on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
@@ -112,14 +103,13 @@ class StoreClient:
         for i, names in enumerate(owners):
             for name in names:
                 asks.setdefault(name, []).append(i)
-        requests = {name: StoreExistsRequest(contract=self.host.contract, block_hashes=[hashes[i] for i in idx])
-                    for name, idx in asks.items()}  # fmt: skip
-        replies = await asyncio.gather(*(self._call(n, "exists", r, StoreExistsReply) for n, r in requests.items()))
+        replies = await asyncio.gather(*(self._call(self.calls.exists(name, [hashes[i] for i in idx]))
+                                         for name, idx in asks.items()))  # fmt: skip
         best: list[tuple[str, str] | None] = [None] * len(hashes)
-        for (name, idx), reply in zip(asks.items(), replies):
-            if reply is None:
+        for (name, idx), tiers in zip(asks.items(), replies):
+            if tiers is None:
                 continue
-            for i, tier in zip(idx, reply.tiers):
+            for i, tier in zip(idx, tiers):
                 if tier is None:
                     continue
                 current = best[i]
@@ -141,14 +131,12 @@ class StoreClient:
             offsets = [self.host.block_offset(blocks[i]) for i in idx]
             ticket = self.host.transfers.expect(self.host.segment.name, [(o, nbytes) for o in offsets], STORE_TIMEOUT,
                                                 sender_host=self._host_of(name))  # fmt: skip
-            request = StoreGetRequest(contract=self.host.contract, block_hashes=[hashes[i] for i in idx],
-                                      block_nbytes=nbytes, ticket=ticket, offsets=offsets)  # fmt: skip
             try:
-                reply = await self._call(name, "get", request, StoreGetReply)
+                tiers = await self._call(self.calls.get(name, [hashes[i] for i in idx], nbytes, ticket, offsets))
             finally:
                 self.host.transfers.close_ticket(ticket.token)
-            if reply is not None:
-                for i, tier in zip(idx, reply.tiers):
+            if tiers is not None:
+                for i, tier in zip(idx, tiers):
                     found[i] = tier
 
         await asyncio.gather(*(ask(name, idx) for name, idx in by_store.items()))
@@ -171,9 +159,8 @@ class StoreClient:
                                for name, idx in by_store.items()))  # fmt: skip
 
     async def _put(self, name: str, hashes: list[bytes], blocks: list[int]) -> None:
-        request = StorePutRequest(contract=self.host.contract, block_hashes=hashes, block_nbytes=self.host.block_nbytes,
-                                  host_id=self.host.transfers.writer_host_id or None)  # fmt: skip
-        reply = await self._call(name, "put", request, StorePutReply)
+        reply = await self._call(self.calls.put(name, hashes, self.host.block_nbytes,
+                                                host_id=self.host.transfers.writer_host_id or None))  # fmt: skip
         if reply is None or not reply.missing:
             return
         spans = [Span(self.host.block_offset(blocks[i]), offset, self.host.block_nbytes)
@@ -183,10 +170,9 @@ class StoreClient:
         except TransferError as e:
             self.log.warning("put to store %s failed: %s", name, e)
             return  # uncommitted: the store frees the slots when the ticket expires
-        commit = StoreCommitRequest(contract=self.host.contract, put_id=reply.put_id)
-        done = await self._call(name, "commit", commit, StoreCommitReply)
-        if done is not None:
-            self.puts += done.num_stored
+        num_stored = await self._call(self.calls.commit(name, reply.put_id))
+        if num_stored is not None:
+            self.puts += num_stored
 
     async def _write(self, ticket: WriteTicket, spans: list[Span]) -> None:
         """Into the store's fresh slots: a plain copy between mapped segments on this
@@ -207,13 +193,10 @@ class StoreClient:
         """A store's host id, from its heartbeat: whether its writes to us can come over TCP."""
         return next((hb.host_id for hb in self.stores.alive("store") if hb.instance_id == name), None)
 
-    async def _call(self, name: str, op: str, request, kind):
+    async def _call(self, call: Awaitable[T]) -> T | None:
+        """A store call's result, or None when it failed (logged): the store is an optimisation."""
         try:
-            reply = await self.service.request(subjects.store_op(name, op), request, kind, timeout=STORE_TIMEOUT)
-        except (NoRespondersError, NatsTimeout, BadMessageError) as e:
-            self.log.warning("store %s %s failed: %s", name, op, e or type(e).__name__)
+            return await call
+        except store_client.StoreError as e:
+            self.log.warning("%s (%s)", e, "refused" if e.refused else "failed")
             return None
-        if reply.error is not None:
-            self.log.warning("store %s refused %s: %s", name, op, reply.error.message)
-            return None
-        return reply

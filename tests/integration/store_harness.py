@@ -15,24 +15,9 @@ from pathlib import Path
 import nats
 
 from libs.common import schema, subjects
-from libs.common.schema import (
-    Heartbeat,
-    KVContract,
-    KVEventBatch,
-    StoreCommitReply,
-    StoreCommitRequest,
-    StoreExistsReply,
-    StoreExistsRequest,
-    StoreGetReply,
-    StoreGetRequest,
-    StorePutReply,
-    StorePutRequest,
-    StoreRemoveReply,
-    StoreRemoveRequest,
-    StoreStatsReply,
-    StoreStatsRequest,
-)
+from libs.common.schema import Heartbeat, KVContract, KVEventBatch, StoreStatsReply
 from libs.common.settings import ModelSettings
+from libs.common.store_client import StoreClient
 from libs.common.transfer import Descriptor, SharedSegment, Span, TransferEngine
 from libs.common.transfer.segment import new_segment_name
 
@@ -106,7 +91,8 @@ class StoreProcess:
 
 
 class Caller:
-    """A worker's side of the store protocol, in the test process."""
+    """A worker's side of the store protocol, in the test process: `store` makes the
+    calls, this moves the bytes (and fails the test on any error)."""
 
     def __init__(self, nats_url: str, contract: KVContract, block_nbytes: int, num_blocks: int = 64) -> None:
         self.nats_url = nats_url
@@ -116,11 +102,13 @@ class Caller:
         self.transfers = TransferEngine("test-host", listen="127.0.0.1:0")
         self.transfers.register(self.segment)
         self.nc = None
+        self.store: StoreClient | None = None
         self.heartbeats: dict[str, Heartbeat] = {}
         self._beat = asyncio.Event()
 
     async def __aenter__(self) -> "Caller":
         self.nc = await nats.connect(self.nats_url)
+        self.store = StoreClient(self.nc, self.contract, timeout=10.0)
         await self.nc.subscribe(subjects.heartbeat("store"), cb=self._on_heartbeat)
         return self
 
@@ -148,10 +136,6 @@ class Caller:
             except asyncio.TimeoutError:
                 pass
 
-    async def call(self, instance_id: str, op: str, message, kind, timeout: float = 10.0):
-        reply = await self.nc.request(subjects.store_op(instance_id, op), schema.encode(message), timeout=timeout)
-        return schema.decode(reply.data, kind)
-
     def fill(self, slot: int, data: bytes) -> None:
         self.segment.view[slot * self.block_nbytes : (slot + 1) * self.block_nbytes] = data
 
@@ -160,9 +144,7 @@ class Caller:
 
     async def put(self, instance_id: str, hashes: list[bytes], slots: list[int], pin: bool = False) -> int:
         """Two-phase put of our ``slots`` under ``hashes``: how many the store did not have."""
-        reply = await self.call(instance_id, "put", StorePutRequest(contract=self.contract, block_hashes=hashes,
-                                block_nbytes=self.block_nbytes, pin=pin), StorePutReply)  # fmt: skip
-        assert reply.error is None, reply.error
+        reply = await self.store.put(instance_id, hashes, self.block_nbytes, pin=pin)
         if not reply.missing:
             return 0
         spans = [Span(slots[i] * self.block_nbytes, o, self.block_nbytes) for i, o in zip(reply.missing, reply.offsets)]
@@ -170,10 +152,7 @@ class Caller:
             self._write(reply.ticket, spans)  # small: a thread hop costs more than the copy
         else:
             await asyncio.get_running_loop().run_in_executor(None, self._write, reply.ticket, spans)
-        done = await self.call(instance_id, "commit", StoreCommitRequest(contract=self.contract, put_id=reply.put_id),
-                               StoreCommitReply)  # fmt: skip
-        assert done.error is None, done.error
-        return done.num_stored
+        return await self.store.commit(instance_id, reply.put_id)
 
     def _write(self, ticket, spans) -> None:
         if self.transfers.choose_transport(ticket) == "shm":
@@ -188,27 +167,18 @@ class Caller:
         offsets = [s * self.block_nbytes for s in slots]
         ticket = self.transfers.expect(self.segment.name, [(o, self.block_nbytes) for o in offsets], 10.0)
         try:
-            reply = await self.call(instance_id, "get", StoreGetRequest(contract=self.contract, block_hashes=hashes,
-                                    block_nbytes=self.block_nbytes, ticket=ticket, offsets=offsets), StoreGetReply)  # fmt: skip
+            return await self.store.get(instance_id, hashes, self.block_nbytes, ticket, offsets)
         finally:
             self.transfers.close_ticket(ticket.token)
-        assert reply.error is None, reply.error
-        return reply.tiers
 
     async def exists(self, instance_id: str, hashes: list[bytes]) -> list[str | None]:
-        reply = await self.call(instance_id, "exists", StoreExistsRequest(contract=self.contract, block_hashes=hashes),
-                                StoreExistsReply)  # fmt: skip
-        assert reply.error is None, reply.error
-        return reply.tiers
+        return await self.store.exists(instance_id, hashes)
 
     async def remove(self, instance_id: str, hashes: list[bytes]) -> int:
-        reply = await self.call(instance_id, "remove", StoreRemoveRequest(contract=self.contract, block_hashes=hashes),
-                                StoreRemoveReply)  # fmt: skip
-        assert reply.error is None, reply.error
-        return reply.num_removed
+        return await self.store.remove(instance_id, hashes)
 
     async def stats(self, instance_id: str) -> StoreStatsReply:
-        return await self.call(instance_id, "stats", StoreStatsRequest(contract=self.contract), StoreStatsReply)
+        return await self.store.stats(instance_id)
 
     async def wait_stats(self, instance_id: str, condition, timeout: float, what: str) -> StoreStatsReply:
         """Ask for a store's stats until ``condition(stats)`` holds; fail with ``what``

@@ -12,14 +12,8 @@ from libs.common import schema, subjects
 from libs.common.hash_ring import HashRing
 from libs.common.kv_events import KVEventTracker
 from libs.common.nats_server import NatsServer
-from libs.common.schema import (
-    KVEventBatch,
-    KVSnapshotReply,
-    KVSnapshotRequest,
-    StoreExistsRequest,
-    StorePutReply,
-    StorePutRequest,
-)
+from libs.common.schema import KVEventBatch, KVSnapshotReply, KVSnapshotRequest
+from libs.common.store_client import StoreClient, StoreError
 from tests.integration.conftest import wait_until_async
 from tests.integration.store_harness import Caller, StoreProcess, block_bytes, block_hash, store_contract
 
@@ -178,16 +172,16 @@ async def test_bad_input_gets_a_clear_error_and_the_store_keeps_serving(nats_url
     async with Caller(nats_url, *contract) as caller:
         await caller.wait_ready("store-b")
         nb = caller.block_nbytes
-        wrong_size = await caller.call("store-b", "put", StorePutRequest(contract=caller.contract, block_hashes=[
-            block_hash(1)], block_nbytes=nb - 4), StorePutReply)  # fmt: skip
-        assert wrong_size.error.code == "bad_block_size"
-        assert f"blocks of {nb - 4} bytes refused" in wrong_size.error.message and str(nb) in wrong_size.error.message
+        with pytest.raises(StoreError) as wrong_size:
+            await caller.store.put("store-b", [block_hash(1)], block_nbytes=nb - 4)
+        assert wrong_size.value.code == "bad_block_size" and wrong_size.value.refused
+        assert f"blocks of {nb - 4} bytes refused" in str(wrong_size.value) and str(nb) in str(wrong_size.value)
         other = schema.KVContract(model_id="another-model", block_size=caller.contract.block_size,
                                   layout=caller.contract.layout, hash_scheme=caller.contract.hash_scheme)  # fmt: skip
-        mismatch = await caller.call("store-b", "exists", StoreExistsRequest(contract=other, block_hashes=[]),
-                                     schema.StoreExistsReply)  # fmt: skip
-        assert mismatch.error.code == "contract_mismatch"
-        assert "model_id 'SmolLM2-135M-Instruct' != 'another-model'" in mismatch.error.message
+        with pytest.raises(StoreError) as mismatch:
+            await StoreClient(caller.nc, other).exists("store-b", [])
+        assert mismatch.value.code == "contract_mismatch"
+        assert "model_id 'SmolLM2-135M-Instruct' != 'another-model'" in str(mismatch.value)
         unknown = await caller.nc.request(subjects.store_op("store-b", "compact"), b"", timeout=10)
         error = schema.decode(unknown.data, schema.Ack).error
         assert error.code == "unknown_op" and "'compact'" in error.message and "exists, get, put" in error.message

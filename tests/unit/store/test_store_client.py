@@ -44,7 +44,8 @@ async def test_calls_go_to_the_operation_subject_with_the_client_contract():
     assert await client.exists("store-a", [h(1), h(2)]) == ["dram", None]
     assert (await client.put("store-a", [h(3)], 256, pin=True)).put_id == "p1"
     assert await client.commit("store-a", "p1") == 1
-    assert [subject for subject, _ in nc.sent] == [subjects.store_op("store-a", op) for op in ("exists", "put", "commit")]
+    ops = ("exists", "put", "commit")
+    assert [subject for subject, _ in nc.sent] == [subjects.store_op("store-a", op) for op in ops]
     exists, put, commit = (request for _, request in nc.sent)
     assert exists.block_hashes == [h(1), h(2)] and exists.contract == CONTRACT
     assert put.pin and put.block_nbytes == 256 and commit.put_id == "p1"
