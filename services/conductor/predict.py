@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from math import ceil
 
 from libs.common.schema import AdmitRequest
+from libs.common.vocabulary import KVTier
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.index import PrefixMatch
 
@@ -37,7 +38,7 @@ class PrefillEstimate:
     load_s: float  # store loads and peer copies
     compute_s: float
     handoff_s: float
-    cached_tokens: dict[str, int]  # tokens reused, by tier they come from ("peer": copied from another instance)
+    cached_tokens: dict[KVTier, int]  # tokens reused, by tier they come from (PEER: copied from another instance)
     copy_from: str | None = None  # replication: the peer whose cache it copies
     copy_blocks: int = 0
 
@@ -122,14 +123,14 @@ class AdmitContext:
             p, replication, best_peer if replication else None
         )
         bs = self.config.block_size
-        cached = {"device": local * bs} if local else {}
+        cached = {KVTier.DEVICE: local * bs} if local else {}
         if from_store:
             store_len, _, counts, _ = self._store
             for tier, running in counts.items():
                 if n := running[store_len] - running[local]:
                     cached[tier] = n * bs
         if copy_blocks:
-            cached["peer"] = copy_blocks * bs
+            cached[KVTier.PEER] = copy_blocks * bs
         return PrefillEstimate(p.instance_id, queue, load, compute, handoff, cached, copy_from, copy_blocks)
 
     def local_prefill_estimate(self, d: Instance) -> PrefillEstimate:

@@ -20,6 +20,7 @@ from aiohttp import web
 
 from libs.common.errors import KVServeError
 from libs.common.service import Service
+from libs.common.vocabulary import KVTier
 from services.gateway import openapi as openapi_document
 from services.gateway import sse
 from services.gateway.cluster_metrics import cluster_metrics
@@ -200,7 +201,7 @@ def _explanation_headers(run: MigratingRun) -> dict[str, str]:
             headers["x-kvserve-prefill-on-decode"] = "1"
         if admission.predicted_ttft_s is not None:
             headers["x-kvserve-predicted-ttft-ms"] = f"{admission.predicted_ttft_s * 1e3:.1f}"
-        tiers = ("device", "peer", "dram", "disk")
+        tiers = tuple(KVTier)
         headers["x-kvserve-cached-tokens"] = ",".join(f"{t}={admission.cached_tokens.get(t, 0)}" for t in tiers)
     return headers
 

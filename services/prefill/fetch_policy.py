@@ -13,9 +13,10 @@ tail), or none.
 """
 
 from libs.common.cost_model import CostModel
+from libs.common.vocabulary import KVTier
 
 EWMA = 0.2  # weight of the newest sample
-PRIOR_LOAD_S = {"dram": 1e-4, "disk": 1e-3}  # per block, until measured
+PRIOR_LOAD_S = {KVTier.DRAM: 1e-4, KVTier.DISK: 1e-3}  # per block, until measured
 PRIOR_PREFILL_S_PER_TOKEN = 1e-3  # SmolLM2-135M on two cores: ~1,000 tokens/s (MEASURED.md)
 
 

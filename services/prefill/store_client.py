@@ -27,11 +27,12 @@ from libs.common.peers import PeerDirectory
 from libs.common.schema import CostCoefficients, Heartbeat, WriteTicket
 from libs.common.service import Service
 from libs.common.transfer import Descriptor, Span, TransferError
+from libs.common.vocabulary import KVTier
 from services.prefill.fetch_policy import FetchPolicy
 
 STORE_TIMEOUT = 5.0
 T = TypeVar("T")
-_TIER_RANK = {"dram": 0, "disk": 1}
+_TIER_RANK = {KVTier.DRAM: 0, KVTier.DISK: 1}
 
 
 class StoreClient:

@@ -45,7 +45,7 @@ from libs.common.service import Service
 from libs.common.store_client import STORE_CALLS
 from libs.common.transfer import Descriptor, SharedSegment, Span, TransferEngine, TransferError
 from libs.common.transfer.segment import new_segment_name, remove_stale_segments
-from libs.common.vocabulary import ErrorCode
+from libs.common.vocabulary import ErrorCode, KVTier
 from services.store.block_files import BlockFiles, contract_digest
 from services.store.disk import DiskTier
 from services.store.manifest import claim_directory
@@ -203,7 +203,7 @@ class StoreService(Service):
         hashes = [BlockHash(h) for h in request.block_hashes]
         where = self.tiers.locate(hashes)
         if request.pin:
-            self.tiers.pin([h for h, tier in zip(hashes, where) if tier == "dram"])
+            self.tiers.pin([h for h, tier in zip(hashes, where) if tier == KVTier.DRAM])
         first: dict[BlockHash, int] = {}
         for i, (h, tier) in enumerate(zip(hashes, where)):
             if tier is None:
@@ -277,7 +277,7 @@ class StoreService(Service):
             beat.cost = CostCoefficients(
                 block_size=self.contract.block_size, prefill_base=0.0, prefill_per_token=0.0,
                 prefill_per_token_context=0.0, decode_base=0.0, decode_per_seq=0.0, decode_per_context_token=0.0,
-                transfer_per_block=per_block.get("dram", 0.0), load_per_block=per_block,
+                transfer_per_block=per_block.get(KVTier.DRAM, 0.0), load_per_block=per_block,
             )  # fmt: skip
         return beat
 

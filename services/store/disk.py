@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from libs.common.hashing import BlockHash
+from libs.common.vocabulary import KVTier
 from services.store.block_files import BlockFiles
 from services.store.tier import TierStats
 
@@ -27,7 +28,7 @@ class DiskTier:
     """The disk index (LRU, least recent first) over `BlockFiles`, with a byte capacity
     that is never exceeded: room is made (and reserved) before a file is written."""
 
-    name = "disk"
+    name = KVTier.DISK
 
     def __init__(
         self,

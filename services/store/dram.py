@@ -15,11 +15,12 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
 from libs.common.hashing import BlockHash
+from libs.common.vocabulary import KVTier
 from services.store.tier import TierStats
 
 
 class DramTier:
-    name = "dram"
+    name = KVTier.DRAM
 
     def __init__(self, num_slots: int, block_nbytes: int) -> None:
         if num_slots < 1:

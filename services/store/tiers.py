@@ -27,6 +27,7 @@ from functools import partial
 from libs.common.hashing import BlockHash
 from libs.common.kv_events import KVEventLog
 from libs.common.transfer import SharedSegment
+from libs.common.vocabulary import KVEventKind, KVTier
 from services.store.dram import DramTier
 from services.store.tier import LowerTier, Tier
 
@@ -66,13 +67,13 @@ class TieredStore:
     @property
     def disk(self) -> LowerTier | None:
         """The disk tier, if composed."""
-        return next((t for t in self.lower if t.name == "disk"), None)
+        return next((t for t in self.lower if t.name == KVTier.DISK), None)
 
     async def start(self) -> None:
         """Rebuild each lower tier's index; what they hold is the first event of this epoch."""
         for tier in self.lower:
             kept, dropped = await tier.load()
-            self.events.record("stored", tier.name, kept)
+            self.events.record(KVEventKind.STORED, tier.name, kept)
             self.counters[f"{tier.name}_dropped_at_start"] += len(dropped)
 
     @property
@@ -104,7 +105,7 @@ class TieredStore:
             if slot is not None:
                 self.dram.lease(slot)
                 self.dram.touch(h)
-                found[i] = ("dram", slot)
+                found[i] = (KVTier.DRAM, slot)
             elif (source := self._lower_holder(h)) is not None:
                 promote[i] = (h, source)
         slots = await asyncio.gather(*(self._promote(h, source) for h, source in promote.values()))
@@ -153,7 +154,7 @@ class TieredStore:
         if not await source.get_into(h, self.slot_view(slot)):
             self.dram.give_back(slot)
             self.counters["corrupt_blocks"] += 1
-            self.events.record("removed", source.name, [h])  # get_into took it out of the tier
+            self.events.record(KVEventKind.REMOVED, source.name, [h])  # get_into took it out of the tier
             return None
         if h in self._cancelled or h in self.dram:  # removed meanwhile, or a put committed it
             self.dram.give_back(slot)
@@ -162,7 +163,7 @@ class TieredStore:
                 self.dram.lease(slot)
             return slot
         self.dram.insert(h, slot)
-        self.events.record("promoted", "dram", [h], source_tier=source.name)  # a copy up: the source keeps it
+        self.events.record(KVEventKind.PROMOTED, KVTier.DRAM, [h], source_tier=source.name)  # a copy up: the source keeps it
         self.counters["promotions"] += 1
         self.dram.lease(slot)
         return slot
@@ -209,7 +210,7 @@ class TieredStore:
                     self._unwritten[h] = None
             if pin:
                 self.dram.pin(h)
-        self.events.record("stored", "dram", stored)
+        self.events.record(KVEventKind.STORED, KVTier.DRAM, stored)
         if self._unwritten:
             self._unwritten_added.set()
         self.counters["blocks_put"] += len(stored)
@@ -243,10 +244,10 @@ class TieredStore:
                 self._unwritten.pop(victim, None)
                 if written:
                     below.add(victim)
-                    self.events.record("demoted", below.name, [victim], source_tier="dram")
+                    self.events.record(KVEventKind.DEMOTED, below.name, [victim], source_tier=KVTier.DRAM)
                     self.counters["demoted"] += 1
                 else:
-                    self.events.record("evicted", "dram", [victim])
+                    self.events.record(KVEventKind.EVICTED, KVTier.DRAM, [victim])
                     self.counters["evicted_dram"] += 1
         finally:
             self._evicting -= 1
@@ -306,7 +307,7 @@ class TieredStore:
                     continue
                 below.add(h)
                 landed.append(h)
-            self.events.record("stored", below.name, landed)
+            self.events.record(KVEventKind.STORED, below.name, landed)
             self.counters["written_behind"] += len(landed)
         finally:
             self._flushing -= 1
@@ -319,7 +320,7 @@ class TieredStore:
 
     def _lower_evicted(self, name: str, hashes: list[BlockHash]) -> None:
         if hashes:
-            self.events.record("evicted", name, hashes)
+            self.events.record(KVEventKind.EVICTED, name, hashes)
             self.counters[f"evicted_{name}"] += len(hashes)
 
     def _slot_freed(self) -> None:
@@ -342,9 +343,9 @@ class TieredStore:
             for tier, gone in zip(self.lower, from_lower):
                 if tier.forget(h):
                     gone.append(h)
-        self.events.record("removed", "dram", from_dram)
+        self.events.record(KVEventKind.REMOVED, KVTier.DRAM, from_dram)
         for tier, gone in zip(self.lower, from_lower):
-            self.events.record("removed", tier.name, gone)
+            self.events.record(KVEventKind.REMOVED, tier.name, gone)
         for tier, gone in zip(self.lower, from_lower):
             if gone:
                 await tier.delete(gone)

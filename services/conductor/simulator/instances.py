@@ -16,6 +16,7 @@ from math import ceil, sqrt
 
 from libs.common.cost_model import CostModel
 from libs.common.schema import Heartbeat
+from libs.common.vocabulary import KVTier
 from services.conductor.policies import Decision
 from services.conductor.simulator.trace import TraceRequest
 
@@ -111,19 +112,19 @@ class SimPrefill:
         usable = min(len(t.hash_ids), (t.input_length - 1) // bs)
         blocks = t.hash_ids[:usable]
         local = self.cache.prefix(blocks)
-        cached = {"device": local * bs} if local else {}
+        cached = {KVTier.DEVICE: local * bs} if local else {}
         reached, load_s = local, 0.0
         from_store = sim.store.cache.prefix(blocks, reached) if sim.store is not None else 0
         if from_store:
-            load_s += from_store * sim.store.cost.load_time_per_block("dram")
-            cached["dram"] = from_store * bs
+            load_s += from_store * sim.store.cost.load_time_per_block(KVTier.DRAM)
+            cached[KVTier.DRAM] = from_store * bs
             reached += from_store
         peer_id = request.decision.copy_from if request.decision is not None else None
         if peer_id is not None and (peer := sim.prefills.get(peer_id)) is not None:
             copied = peer.cache.prefix(blocks, reached)
             if copied:
                 load_s += self.cost.transfer_time(copied)
-                cached["peer"] = copied * bs
+                cached[KVTier.PEER] = copied * bs
                 reached += copied
         n_cached = reached * bs
         compute = self.cost.prefill_time(t.input_length - n_cached, n_cached)
@@ -137,12 +138,12 @@ class SimPrefill:
         sim, t = self.sim, request.trace
         full = t.hash_ids[: min(len(t.hash_ids), t.input_length // self.cost.block_size)]
         new, evicted = self.cache.insert(full)
-        sim.index.discard(self.instance_id, "device", evicted)
-        sim.index.add(self.instance_id, "device", new)
+        sim.index.discard(self.instance_id, KVTier.DEVICE, evicted)
+        sim.index.add(self.instance_id, KVTier.DEVICE, new)
         if sim.store is not None:  # every new full block is written back to the store
             new, evicted = sim.store.cache.insert(full)
-            sim.index.discard(sim.store.instance_id, "dram", evicted)
-            sim.index.add(sim.store.instance_id, "dram", new)
+            sim.index.discard(sim.store.instance_id, KVTier.DRAM, evicted)
+            sim.index.add(sim.store.instance_id, KVTier.DRAM, new)
         sim.prefilled(request)
         self._start_next()
 
