@@ -11,6 +11,7 @@ of every TTFT prediction on the way.
 from dataclasses import dataclass, field
 
 from libs.common.schema import AdmitRequest
+from libs.common.vocabulary import Role
 from services.conductor.admission import Policy
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
@@ -84,14 +85,14 @@ class Scheduler:
         if request.slo_ttft_s is not None or request.slo_tbt_s is not None:
             slo = SLO(request.slo_ttft_s or slo.ttft_s, request.slo_tbt_s or slo.tbt_s)
         view = self.view
-        prefills, decodes = view.alive("prefill"), view.alive("decode")
+        prefills, decodes = view.alive(Role.PREFILL), view.alive(Role.DECODE)
         if request.exclude:  # instances the gateway has seen die, before this view times them out
             excluded = set(request.exclude)
             prefills = [i for i in prefills if i.instance_id not in excluded]
             decodes = [i for i in decodes if i.instance_id not in excluded]
         return AdmitContext(
             request=request, match=self.index.match(request.block_hashes), view=view, now=view.clock(), slo=slo,
-            config=self.config.predict, prefills=prefills, decodes=decodes, stores=view.alive("store"),
+            config=self.config.predict, prefills=prefills, decodes=decodes, stores=view.alive(Role.STORE),
         )  # fmt: skip
 
     def admit(self, request: AdmitRequest) -> Decision:

@@ -8,8 +8,9 @@ from libs.common.metrics import REGISTRY, merge_by_instance
 from libs.common.peers import PeerDirectory
 from libs.common.schema import MetricsReply, MetricsRequest
 from libs.common.service import Service
+from libs.common.vocabulary import Role
 
-ROLES = ("conductor", "store", "prefill", "decode", "gateway")
+ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)
 METRICS_TIMEOUT = 2.0  # seconds an instance has to answer
 
 

@@ -36,7 +36,7 @@ from libs.common.schema import (
     TokenChunk,
 )
 from libs.common.service import Service
-from libs.common.vocabulary import ErrorCode
+from libs.common.vocabulary import ErrorCode, Role
 from services.gateway.errors import (
     InvalidParameterError,
     RateLimitedError,
@@ -154,8 +154,8 @@ class RequestRun:
         self.prefill_id, self.decode_id = reply.prefill_id, reply.decode_id
         self.admission, self._admitted_at = reply, time.monotonic()
         if self.watch is not None:
-            self.watch.watch(self.decode_id, "decode")
-            self.watch.watch(self.prefill_id, "decode" if reply.prefill_on_decode else "prefill")
+            self.watch.watch(self.decode_id, Role.DECODE)
+            self.watch.watch(self.prefill_id, Role.DECODE if reply.prefill_on_decode else Role.PREFILL)
 
     async def _submit(self) -> None:
         p = self.prepared
@@ -165,9 +165,9 @@ class RequestRun:
             sampling=p.sampling,
             decode_id=self.decode_id,
         )
-        subject, role = subjects.prefill_submit(self.prefill_id), "prefill"
+        subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation
-            subject, role = subjects.decode_prefill(self.decode_id), "decode"
+            subject, role = subjects.decode_prefill(self.decode_id), Role.DECODE
         worker = _worker(self.prefill_id, role)
         try:
             ack = await self.service.request(subject, request, Ack, self.control_timeout)
@@ -192,7 +192,7 @@ class RequestRun:
             self._failure = f"error: {chunk.error.code}"
             where = f"instance {chunk.instance_id}" if chunk.instance_id else "a worker"
             if chunk.error.code in _HANDOFF_LOST_CODES:  # no decode worker took the KV: admit it again
-                raise WorkerLostError(f"{where} failed: {chunk.error.message}", None, "decode")
+                raise WorkerLostError(f"{where} failed: {chunk.error.message}", None, Role.DECODE)
             raise _worker_error(chunk.error, where)
         if chunk.index == 0 and self.ttft_s is None and self._admitted_at is not None:
             self.ttft_s = time.monotonic() - self._admitted_at
@@ -233,7 +233,7 @@ class RequestRun:
         for watched in self.watch.watched:
             if watched != instance_id:
                 self.watch.unwatch(watched)
-        self.watch.watch(instance_id, "decode")
+        self.watch.watch(instance_id, Role.DECODE)
 
     # --- the way out ------------------------------------------------------------
     async def cancel(self, reason: str) -> None:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from libs.common.peers import PeerDirectory
+from libs.common.vocabulary import Role
 
 LOST_AFTER_HEARTBEATS = 2.5  # silence, in heartbeat intervals, after which a worker counts as gone
 
@@ -19,7 +20,7 @@ LOST_AFTER_HEARTBEATS = 2.5  # silence, in heartbeat intervals, after which a wo
 @dataclass(frozen=True)
 class Gone:
     instance_id: str
-    role: str  # "prefill" or "decode"
+    role: Role  # PREFILL or DECODE
     why: str  # for the log and the error message
 
 

@@ -27,7 +27,7 @@ from libs.common.peers import PeerDirectory
 from libs.common.schema import CostCoefficients, Heartbeat, WriteTicket
 from libs.common.service import Service
 from libs.common.transfer import Descriptor, Span, TransferError
-from libs.common.vocabulary import KVTier
+from libs.common.vocabulary import KVTier, Role
 from services.prefill.fetch_policy import FetchPolicy
 
 STORE_TIMEOUT = 5.0
@@ -54,7 +54,7 @@ class StoreClient:
         if cost is not None:
             self.policy.cost = CostModel(cost)
         self.calls = store_client.StoreClient(self.service.nc, self.host.contract, STORE_TIMEOUT)
-        await self.service.subscribe(subjects.heartbeat("store"), Heartbeat, self.on_heartbeat)
+        await self.service.subscribe(subjects.heartbeat(Role.STORE), Heartbeat, self.on_heartbeat)
 
     async def on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
         mismatch = heartbeat.contract and self.host.contract.mismatch(heartbeat.contract)
@@ -67,7 +67,7 @@ class StoreClient:
 
     def ring(self) -> HashRing:
         """The ring over the stores alive now (rebuilt only when they change)."""
-        alive = sorted(hb.instance_id for hb in self.stores.alive("store"))
+        alive = sorted(hb.instance_id for hb in self.stores.alive(Role.STORE))
         if alive != self._ring.members:
             self._ring = HashRing(alive)
         return self._ring
@@ -192,7 +192,7 @@ class StoreClient:
 
     def _host_of(self, name: str) -> str | None:
         """A store's host id, from its heartbeat: whether its writes to us can come over TCP."""
-        return next((hb.host_id for hb in self.stores.alive("store") if hb.instance_id == name), None)
+        return next((hb.host_id for hb in self.stores.alive(Role.STORE) if hb.instance_id == name), None)
 
     async def _call(self, call: Awaitable[T]) -> T | None:
         """A store call's result, or None when it failed (logged): the store is an optimisation."""

@@ -25,7 +25,7 @@ from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
 from libs.common.schema import Ack, Cancel, ErrorInfo, Heartbeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
-from libs.common.vocabulary import ErrorCode, FinishReason
+from libs.common.vocabulary import ErrorCode, FinishReason, Role
 from services.prefill.handoff import Handoff, HandoffError, Transfer
 from services.prefill.kv_reports import KVReports
 from services.prefill.settings import PrefillSettings
@@ -65,7 +65,7 @@ class PrefillWorker(Service):
         await self.reports.start(stack)
         await self.subscribe(subjects.prefill_submit(self.instance_id), PrefillRequest, self.on_submit)
         await self.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
-        await self.subscribe(subjects.heartbeat("decode"), Heartbeat, self.on_decode_heartbeat)
+        await self.subscribe(subjects.heartbeat(Role.DECODE), Heartbeat, self.on_decode_heartbeat)
         if self.store is not None:
             await self.store.start(self.reports.cost)
         loop = self.spawn(self._prefill_loop())
@@ -152,7 +152,7 @@ class PrefillWorker(Service):
             except HandoffError as e:
                 self.log.warning("lease for %s on %s failed: %s", job.request.request_id, first, e)
                 error = e
-        others = self.decoders.alive("decode", exclude={*exclude, job.request.decode_id})
+        others = self.decoders.alive(Role.DECODE, exclude={*exclude, job.request.decode_id})
         if not others or job.request.request_id in self.cancelled:
             raise error if first is not None else HandoffError(ErrorCode.NO_DECODE, "no other decode worker is alive")
         return await self.handoff.reserve(job.request, others[0].instance_id, job.seq.num_prompt_tokens)
@@ -204,7 +204,7 @@ class PrefillWorker(Service):
         except HandoffError as e:
             failed, error = job.transfer.decode_id, e
             self.log.warning("hand-off of %s to %s failed: %s", request_id, failed, e)
-        if request_id not in self.cancelled and self.decoders.alive("decode", exclude={failed}):
+        if request_id not in self.cancelled and self.decoders.alive(Role.DECODE, exclude={failed}):
             try:
                 job.transfer = await self._lease(job, exclude=frozenset({failed}))
                 await self.handoff.complete(job.transfer, job.seq)

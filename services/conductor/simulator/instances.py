@@ -16,7 +16,7 @@ from math import ceil, sqrt
 
 from libs.common.cost_model import CostModel
 from libs.common.schema import Heartbeat
-from libs.common.vocabulary import KVTier
+from libs.common.vocabulary import KVTier, Role
 from services.conductor.policies import Decision
 from services.conductor.simulator.trace import TraceRequest
 
@@ -83,7 +83,7 @@ class SimStore:
         self.cost = cost
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(instance_id=self.instance_id, role="store", host_id="sim", cost=self.cost.coefficients,
+        return Heartbeat(instance_id=self.instance_id, role=Role.STORE, host_id="sim", cost=self.cost.coefficients,
                          capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks))  # fmt: skip
 
 
@@ -149,7 +149,7 @@ class SimPrefill:
 
     def heartbeat(self) -> Heartbeat:
         queued = list(self.queue) + ([self.running] if self.running is not None else [])
-        return Heartbeat(instance_id=self.instance_id, role="prefill", host_id="sim", cost=self.cost.coefficients,
+        return Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", cost=self.cost.coefficients,
                          load=len(queued), queued_tokens=sum(r.trace.input_length for r in queued),
                          capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks))  # fmt: skip
 
@@ -284,6 +284,6 @@ class SimDecode:
 
     def heartbeat(self) -> Heartbeat:
         bs = self.cost.block_size
-        return Heartbeat(instance_id=self.instance_id, role="decode", host_id="sim", cost=self.cost.coefficients,
+        return Heartbeat(instance_id=self.instance_id, role=Role.DECODE, host_id="sim", cost=self.cost.coefficients,
                          load=self.num_sequences, batch_size=len(self.members), context_tokens=self._context_now(),
                          capacity=self.kv_tokens // bs, free_blocks=max(0, self.kv_tokens - self.context) // bs)  # fmt: skip
