@@ -19,7 +19,8 @@ from libs.common.contract import make_contract
 from libs.common.model.engine import Engine, EngineConfig
 from libs.common.model.loader import LoadedModel, build_engine, load_model
 from libs.common.schema import KVContract
-from libs.common.settings import ModelSettings, TransferSettings
+from libs.common.settings import ModelSettings
+from libs.common.transfer.settings import TransferSettings
 from libs.common.transfer import SharedSegment, TransferEngine
 from libs.common.transfer.segment import new_segment_name, remove_stale_segments
 
