@@ -47,11 +47,19 @@ def inbox_prefix(user: str) -> str:
     return f"_INBOX.{user}"
 
 
+# The users that send requests a service answers. A service may publish to their inboxes
+# outright, not only through allow_responses: nats-server forgets which replies a client
+# owes when it reconnects, so without this an answer computed across a NATS restart is
+# refused and its requester waits out its timeout. Reading an inbox stays its owner's alone.
+REQUESTERS = ("gateway", "conductor", "prefill", "observer")
+
+
 def _service(role: str, publish: tuple[str, ...], subscribe: tuple[str, ...], requests: bool) -> Permissions:
-    """What every service does (heartbeats, roll calls, metrics) plus what ``role`` does."""
+    """What every service does (heartbeats, roll calls, metrics, replies) plus what ``role`` does."""
     inbox = (inbox_prefix(role) + ".>",) if requests else ()
+    replies = tuple(inbox_prefix(user) + ".>" for user in REQUESTERS)
     return Permissions(
-        publish=(s.heartbeat(role), s.ROLL_CALL) + publish,
+        publish=(s.heartbeat(role), s.ROLL_CALL) + publish + replies,
         subscribe=(s.ROLL_CALL, s.METRICS_ALL) + subscribe + inbox,
     )
 

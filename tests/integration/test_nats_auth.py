@@ -117,7 +117,10 @@ PUBLISHERS = [
     (subjects.kv_events("store-0"), {"prefill", "store"}),
     (subjects.heartbeat("gateway"), {"gateway"}),
     (subjects.heartbeat("store"), {"store"}),
-    ("_INBOX.prefill.abc.1", set()),  # a reply nobody asked for
+    # a reply to a requester's inbox: the services that answer its requests, even across a NATS
+    # restart (when nats-server has forgotten which replies they owe); reading it stays the owner's
+    ("_INBOX.prefill.abc.1", {"gateway", "conductor", "prefill", "decode", "store"}),
+    ("_INBOX.admin.abc.1", set()),
 ]
 # (subject, the users that may subscribe to it)
 SUBSCRIBERS = [

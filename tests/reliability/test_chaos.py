@@ -131,7 +131,9 @@ def test_nats_server_killed_readiness_fails_then_everything_reconnects_and_serve
     result = tally(in_flight["outcomes"])
     assert result.broken == 0, f"nats-server: {result.line()}"
     assert result.completed >= 0.95 * NUM_STREAMS, f"nats-server: {result.line()}"
-    assert result.max_silence_s < 10.0, f"nats-server: {result.line()}"
+    # a control request whose reply was lost with the old connection waits out its own
+    # timeout (15 s at most) before the request moves: slower than a death, never a hang
+    assert result.max_silence_s < 30.0, f"nats-server: {result.line()}"
     assert 503 in statuses, "readiness never failed while nats-server was down"
     assert statuses[-1] == 200, "readiness did not come back after nats-server was restarted"
     assert cluster.nats_pid != nats_pid
