@@ -77,10 +77,14 @@ class Generations:
 
         self.num_in_flight += 1
         try:
-            async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts) as run:
+            async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at) as run:
                 yield Generation(run, text)
         finally:
             self.num_in_flight -= 1
+
+    def _started_at(self, instance_id: str) -> float | None:
+        heard = self.peers.last_heard(instance_id)
+        return None if heard is None else heard[0].started_at
 
     async def _block_hashes(self, token_ids: list[int]) -> list[BlockHash]:
         """The block hashes of a prompt, as the workers name its KV blocks."""

@@ -29,7 +29,10 @@ from services.gateway.served_model import PreparedRequest
 AttemptFactory = Callable[[PreparedRequest, frozenset[str]], RequestRun]
 BlockHasher = Callable[[list[int]], Awaitable[list[BlockHash]]]
 
-ADMIT_RETRY_WINDOW = 5.0  # seconds a moved request waits for a conductor to answer again
+# seconds a moved request waits for the conductor to answer again, or for a worker of the
+# role it lacks to come (back): long enough for a supervisor to restart a dead worker
+ADMIT_RETRY_WINDOW = 15.0
+_WAIT_FOR_CODES = ("no_conductor", "no_prefill", "no_decode", "no_instances")
 ADMIT_RETRY_DELAY = 0.2
 
 log = logging.getLogger("kvserve.gateway.migration")
@@ -37,7 +40,12 @@ log = logging.getLogger("kvserve.gateway.migration")
 
 class MigratingRun:
     def __init__(
-        self, prepared: PreparedRequest, new_attempt: AttemptFactory, block_hashes: BlockHasher, max_attempts: int
+        self,
+        prepared: PreparedRequest,
+        new_attempt: AttemptFactory,
+        block_hashes: BlockHasher,
+        max_attempts: int,
+        started_at: Callable[[str], float | None] = lambda instance_id: None,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"a request needs at least one attempt, got {max_attempts}")
@@ -51,7 +59,8 @@ class MigratingRun:
         self._attempt: RequestRun | None = None
         self._served: list[RequestRun] = []  # every attempt that reached a worker, in order
         self._num_attempts = 0
-        self._gone: set[str] = set()
+        self._gone: dict[str, float | None] = {}  # instance id -> the start time of the process seen gone
+        self._process_start = started_at  # an instance's current process's start time, from its heartbeats
         self._delivered: list[int] = []  # generated tokens handed to the caller, over every attempt
         self._offset = 0  # tokens delivered before the current attempt started
         self._started_at = 0.0
@@ -129,14 +138,14 @@ class MigratingRun:
         retry_until = time.monotonic() + ADMIT_RETRY_WINDOW
         while True:
             self._num_attempts += 1
-            run = self._new_attempt(await self._attempt_request(), frozenset(self._gone))
+            run = self._new_attempt(await self._attempt_request(), self._excluded())
             try:
                 await run.__aenter__()  # closes the attempt itself when it fails
             except WorkerLostError as e:
                 self._lost(e)
                 continue
             except ServiceUnavailableError as e:
-                if self._num_attempts == 1 or e.code != "no_conductor" or time.monotonic() >= retry_until:
+                if self._num_attempts == 1 or e.code not in _WAIT_FOR_CODES or time.monotonic() >= retry_until:
                     raise
                 self._num_attempts -= 1  # not a worker lost: the same attempt, asked again
                 await asyncio.sleep(ADMIT_RETRY_DELAY)  # a bounded wait for the conductor to come back
@@ -145,10 +154,15 @@ class MigratingRun:
             self._served.append(run)
             return
 
+    def _excluded(self) -> frozenset[str]:
+        """The gone instances not restarted since: a process that came back under the same
+        id (a supervisor restarted it) serves again."""
+        return frozenset(i for i, started in self._gone.items() if started is None or self._process_start(i) == started)
+
     def _lost(self, error: WorkerLostError) -> None:
         """Note the gone instance; raise when no attempt is left."""
         if error.instance_id is not None:  # None: a NATS outage cut the stream, every worker may still serve
-            self._gone.add(error.instance_id)
+            self._gone[error.instance_id] = self._process_start(error.instance_id)
         if self._num_attempts >= self.max_attempts:
             log.warning("%s: %s; no attempt left (%d made)", self.request_id, error, self._num_attempts)
             message = f"{error}; the request was given up after {self._num_attempts} attempts"

@@ -236,3 +236,31 @@ async def test_a_first_attempt_with_no_conductor_fails_at_once():
     with pytest.raises(ServiceUnavailableError):
         async with cluster.run():
             pass
+
+
+async def test_a_moved_request_waits_for_a_restarted_worker_and_no_longer_excludes_it(monkeypatch):
+    from services.gateway import migration
+    from services.gateway.errors import ServiceUnavailableError
+
+    monkeypatch.setattr(migration, "ADMIT_RETRY_DELAY", 0.0)
+    starts = {"d0": 100.0}
+    no_decode = ServiceUnavailableError("no decode instance is alive", "no_decode")
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [[chunk(0, "H", instance="p0")], lost("d0")]},
+        {"route": ("p0", "d0"), "enter_error": no_decode},  # d0 is dead, the only decode worker
+        {"route": ("p0", "d0"), "script": [[chunk(0, "i", "stop", instance="p0")]]},  # d0 restarted
+    )
+    attempts = []
+
+    def new_attempt(prepared, exclude):
+        attempts.append(exclude)
+        if len(attempts) == 2:
+            starts["d0"] = 200.0  # the supervisor's restart, heard from while the request waited
+        return cluster.new_attempt(prepared, exclude)
+
+    run = MigratingRun(ORIGINAL, new_attempt, cluster.block_hashes, 2, started_at=starts.get)
+    async with run:
+        chunks = await read_all(run)
+    assert [bytes(c.token_ids).decode() for c in chunks] == ["H", "i"]
+    assert attempts == [frozenset(), {"d0"}, frozenset()]
+    assert run.migrations == 1
