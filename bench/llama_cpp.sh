@@ -24,9 +24,19 @@ rm -rf "$CACHE/src"
 mkdir -p "$CACHE/src"
 tar -xzf "$CACHE/sdist/llama_cpp_python-$VERSION.tar.gz" -C "$CACHE/src" --strip-components=1
 
+# Tuned for this CPU (GGML_NATIVE), except on CPUs with AMX: this version's AMX matmul crashes
+# (SIGSEGV in ggml_backend_amx_mul_mat at the first request), so there the build names the
+# AVX-512 extensions itself and leaves AMX out, rather than running with --no-repack.
+CPU_FLAGS=(-DGGML_NATIVE=ON)
+if grep -qw amx_tile /proc/cpuinfo; then
+    CPU_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+               -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF
+               -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+    echo "AMX CPU: building with AVX-512 and without the AMX path"
+fi
 cmake -S "$CACHE/src/vendor/llama.cpp" -B "$CACHE/build" -G Ninja \
     -DCMAKE_BUILD_TYPE=Release \
-    -DLLAMA_BUILD_SERVER=ON -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_SERVER=ON "${CPU_FLAGS[@]}" \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF

@@ -45,9 +45,9 @@ from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs  # noqa
 from kvserve.replay.trace import load_trace  # noqa: E402
 
 LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
-# --no-repack: this build's AMX matmul (used for repacked weights on CPUs with AMX) crashes
-# with SIGSEGV in ggml_backend_amx_mul_mat at the first request; plain weights work.
-LLAMA_ARGS = ["-np", "4", "-kvu", "-t", "2", "--cache-reuse", "256", "--no-webui", "--no-repack"]
+# bench/llama_cpp.sh builds without the AMX path on AMX CPUs (it crashes there), so llama-server
+# runs with its repacked weights everywhere.
+LLAMA_ARGS = ["-np", "4", "-kvu", "-t", "2", "--cache-reuse", "256", "--no-webui"]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
 
