@@ -10,12 +10,14 @@ disaggregation (prefill on the decode worker when that is predicted faster).
                         moment this request's prefill ends, requests now in
                         prefill included: plain early rejection sees decode load
                         only once it has landed and so admits in waves.
-A request that misses an SLO even on an idle cluster is judged against what it
-costs alone (admitted only when nothing queues ahead of it), never refused forever.
+Both compare each prediction times the margin learned from its observed error
+(`margin.py`) with the SLO. A request that misses an SLO even on an idle cluster
+is judged against what it costs alone (admitted only when nothing queues ahead
+of it), never refused forever; with nothing queued a request is never refused.
 """
 
 import random
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from libs.common.vocabulary import ErrorCode
@@ -26,18 +28,24 @@ from services.conductor.predict import AdmitContext, DecodeEstimate
 _SLACK = 1e-9  # seconds: a prediction equal to the SLO meets it
 
 
+@dataclass(frozen=True)
+class Verdict:
+    decode: DecodeEstimate  # the TBT prediction the verdict rests on (settled against the measured TBT)
+    rejection: Decision | None = None  # None: admit
+    best_effort: bool = False  # admitted, though predicted to miss an SLO even on an idle cluster
+
+
 class Admission(Protocol):
     name: str
 
-    def judge(self, ctx: AdmitContext, route: Route) -> Decision | None:
-        """A rejection, or None to admit."""
+    def judge(self, ctx: AdmitContext, route: Route) -> Verdict: ...
 
 
 class AdmitAll:
     name = "none"
 
-    def judge(self, ctx: AdmitContext, route: Route) -> Decision | None:
-        return None
+    def judge(self, ctx: AdmitContext, route: Route) -> Verdict:
+        return Verdict(route.decode)
 
 
 class EarlyRejection:
@@ -46,25 +54,29 @@ class EarlyRejection:
     def decode_estimate(self, ctx: AdmitContext, d: Instance, ttft_s: float) -> DecodeEstimate:
         return ctx.decode_now(d)
 
-    def judge(self, ctx: AdmitContext, route: Route) -> Decision | None:
+    def judge(self, ctx: AdmitContext, route: Route) -> Verdict:
         p, slo = route.prefill, ctx.slo
-        limit = max(slo.ttft_s, p.unloaded_ttft_s)
-        if p.ttft_s > limit + _SLACK:
-            message = (f"predicted TTFT {p.ttft_s:.3f} s on {p.instance_id} (queue {p.queue_s:.3f} s) exceeds "
-                       f"the {limit:.3f} s target")  # fmt: skip
-            return _reject("ttft_slo", message, p.ttft_s - limit, route)
+        margin = ctx.margins.ttft(p.instance_id)
+        ttft, limit = p.ttft_s * margin, max(slo.ttft_s, p.unloaded_ttft_s * margin)
+        best_effort = limit > slo.ttft_s
+        if ttft > limit + _SLACK:
+            message = (f"predicted TTFT {p.ttft_s:.3f} s{_times(margin)} on {p.instance_id} (queue {p.queue_s:.3f} s) "
+                       f"exceeds the {limit:.3f} s target")  # fmt: skip
+            return Verdict(route.decode, _reject("ttft_slo", message, (ttft - limit) / margin, route))
         d = ctx.view.get(route.decode.instance_id)
-        tbt = self.decode_estimate(ctx, d, p.ttft_s)
+        tbt = self.decode_estimate(ctx, d, p.ttft_s * margin)
+        margin = ctx.margins.tbt(d.instance_id)
         alone = ctx.decode_estimate(d, (0, 0)).tbt_s
-        limit = max(slo.tbt_s, alone)
+        limit = max(slo.tbt_s, alone * margin)
+        best_effort = best_effort or limit > slo.tbt_s
         if not tbt.fits:
             message = f"{d.instance_id} is predicted to have no room for this request's KV (batch {tbt.batch_size})"
-            return _reject("decode_full", message, _decode_wait(ctx, d, tbt, limit), route)
-        if tbt.tbt_s > limit + _SLACK:
-            message = (f"predicted TBT {tbt.tbt_s * 1e3:.1f} ms on {d.instance_id} (batch {tbt.batch_size}) exceeds "
-                       f"the {limit * 1e3:.1f} ms target")  # fmt: skip
-            return _reject("tbt_slo", message, _decode_wait(ctx, d, tbt, limit), route)
-        return None
+            return Verdict(tbt, _reject("decode_full", message, _decode_wait(ctx, d, tbt, limit / margin), route))
+        if tbt.tbt_s * margin > limit + _SLACK:
+            message = (f"predicted TBT {tbt.tbt_s * 1e3:.1f} ms{_times(margin)} on {d.instance_id} (batch "
+                       f"{tbt.batch_size}) exceeds the {limit * 1e3:.1f} ms target")  # fmt: skip
+            return Verdict(tbt, _reject("tbt_slo", message, _decode_wait(ctx, d, tbt, limit / margin), route))
+        return Verdict(tbt, best_effort=best_effort)
 
 
 class PredictiveRejection(EarlyRejection):
@@ -72,6 +84,10 @@ class PredictiveRejection(EarlyRejection):
 
     def decode_estimate(self, ctx: AdmitContext, d: Instance, ttft_s: float) -> DecodeEstimate:
         return ctx.decode_at(d, ctx.now + ttft_s)
+
+
+def _times(margin: float) -> str:
+    return "" if margin == 1.0 else f" x margin {margin:.2f}"
 
 
 def _reject(reason: str, message: str, wait_s: float, route: Route) -> Decision:
@@ -114,14 +130,15 @@ class Policy:
             # only a prefill short enough not to stall the decode batch past its TBT target
             if local.compute_s <= ctx.slo.tbt_s and local.ttft_s < route.prefill.ttft_s:
                 route, on_decode = Route(local, route.decode), True
-        rejection = self.admission.judge(ctx, route)
-        if rejection is not None:
-            return replace(rejection, prefill_on_decode=on_decode)
+        verdict = self.admission.judge(ctx, route)
+        if verdict.rejection is not None:
+            return replace(verdict.rejection, prefill_on_decode=on_decode)
         p = route.prefill
         return Decision(
             prefill_id=p.instance_id, decode_id=route.decode.instance_id, prefill_on_decode=on_decode,
-            predicted_ttft_s=p.ttft_s, predicted_tbt_s=route.decode.tbt_s, cached_tokens=p.cached_tokens,
-            work_s=p.work_s, copy_from=p.copy_from, copy_blocks=p.copy_blocks,
+            predicted_ttft_s=p.ttft_s, predicted_tbt_s=verdict.decode.tbt_s, best_effort=verdict.best_effort,
+            cached_tokens=p.cached_tokens,
+            work_s=p.work_s, prefill_speed=p.speed, copy_from=p.copy_from, copy_blocks=p.copy_blocks,
         )  # fmt: skip
 
 

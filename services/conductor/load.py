@@ -12,10 +12,21 @@ Pure bookkeeping: times are whatever clock the caller uses.
 from dataclasses import dataclass
 
 
+@dataclass(frozen=True)
+class Served:
+    """A prefill reported done: how long it was predicted to take by the instance's
+    cost model alone, and how long it took from when it reached the head of the
+    queue (None: it finished out of order, so when it started is not known)."""
+
+    predicted_s: float
+    measured_s: float | None
+
+
 class PrefillLoad:
     def __init__(self) -> None:
-        self._pending: dict[str, float] = {}  # request id -> predicted seconds, in arrival order
+        self._pending: dict[str, tuple[float, float]] = {}  # request id -> (booked, cost-model) seconds, FIFO
         self._total = 0.0
+        self._head_start: float | None = None  # when the first pending request started
         self.busy_until = 0.0  # when the queued work is predicted to be done
 
     @property
@@ -23,29 +34,39 @@ class PrefillLoad:
         return len(self._pending)
 
     def backlog(self, now: float) -> float:
-        """Predicted seconds until a request sent now would start."""
-        return max(0.0, self.busy_until - now)
+        """Predicted seconds until a request sent now would start: the chain's end, and
+        never less than the work queued behind a running request that is overdue."""
+        waiting = self._total - next(iter(self._pending.values()))[0] if self._pending else 0.0
+        return max(0.0, self.busy_until - now, waiting)
 
-    def add(self, request_id: str, seconds: float, now: float) -> float:
-        """Queue a request predicted to take ``seconds``; return when it should be done."""
-        self._pending[request_id] = seconds
+    def add(self, request_id: str, seconds: float, now: float, speed: float = 1.0) -> float:
+        """Queue a request predicted to take ``seconds`` (the cost model's prediction
+        times ``speed``, the instance's learned slowness); return when it should be done."""
+        if not self._pending:
+            self._head_start = now
+        self._pending[request_id] = (seconds, seconds / speed if speed > 0 else seconds)
         self._total += seconds
         self.busy_until = max(now, self.busy_until) + seconds
         return self.busy_until
 
-    def done(self, request_id: str, now: float) -> bool:
+    def done(self, request_id: str, now: float) -> Served | None:
         """The request's prefill finished at ``now``: what is left starts now."""
-        seconds = self._pending.pop(request_id, None)
-        if seconds is None:
-            return False
-        self._total = max(0.0, self._total - seconds) if self._pending else 0.0
+        is_head = bool(self._pending) and next(iter(self._pending)) == request_id
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return None
+        measured = now - self._head_start if is_head and self._head_start is not None else None
+        if is_head:
+            self._head_start = now if self._pending else None
+        self._total = max(0.0, self._total - entry[0]) if self._pending else 0.0
         self.busy_until = now + self._total
-        return True
+        return Served(entry[1], measured)
 
     def clear(self, now: float) -> None:
         """The instance says it is idle: forget requests it never reported done."""
         self._pending.clear()
         self._total = 0.0
+        self._head_start = None
         self.busy_until = now
 
 

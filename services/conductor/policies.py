@@ -37,8 +37,10 @@ class Decision:
     prefill_on_decode: bool = False  # conditional disaggregation
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
+    best_effort: bool = False  # admitted, though predicted to miss an SLO even alone (nothing queued ahead)
     cached_tokens: dict[str, int] = field(default_factory=dict)
     work_s: float = 0.0  # predicted seconds it adds to the prefill queue
+    prefill_speed: float = 1.0  # the prefill instance's learned slowness, already in work_s and the TTFT
     copy_from: str | None = None  # replication: the peer whose prefix is copied
     copy_blocks: int = 0
     error_code: ErrorCode | None = None

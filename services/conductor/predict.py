@@ -4,9 +4,11 @@ instance and the TBT it would see on each decode instance.
 TTFT on a prefill instance = its queue + loading the prompt's blocks it lacks
 but a store holds (or, with replication, copying them from a peer's cache) +
 computing the rest + handing the KV to the decode worker; every term comes from
-that instance's own measured cost model. TBT on a decode instance = its step
-time with this request added to the batch it is predicted to run. Pure
-functions of the cluster view, the index match and the clock.
+that instance's own measured cost model. TBT on a decode instance = its mean
+step time over this request's expected life in the batch it is predicted to run
+(every member's context grows by a token a step). Admission multiplies both by
+the margins learned from their observed error (`margin.py`). Pure functions of
+the cluster view, the index match and the clock.
 """
 
 from dataclasses import dataclass
@@ -16,6 +18,7 @@ from libs.common.schema import AdmitRequest
 from libs.common.vocabulary import KVTier
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.index import PrefixMatch
+from services.conductor.margin import Margins
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class PrefillEstimate:
     cached_tokens: dict[KVTier, int]  # tokens reused, by tier they come from (PEER: copied from another instance)
     copy_from: str | None = None  # replication: the peer whose cache it copies
     copy_blocks: int = 0
+    speed: float = 1.0  # the instance's learned slowness, already applied to load, compute and hand-off
 
     @property
     def ttft_s(self) -> float:
@@ -75,8 +79,9 @@ class AdmitContext:
 
     def __init__(self, request: AdmitRequest, match: PrefixMatch, view: ClusterView, now: float, slo: SLO,
                  config: PredictConfig, prefills: list[Instance] | None = None, decodes: list[Instance] | None = None,
-                 stores: list[Instance] | None = None) -> None:  # fmt: skip
+                 stores: list[Instance] | None = None, margins: Margins | None = None) -> None:  # fmt: skip
         self.request, self.match, self.view, self.now, self.slo, self.config = request, match, view, now, slo, config
+        self.margins = margins or Margins()
         self.prefills, self.decodes, self.stores = prefills or [], decodes or [], stores or []
         self.num_tokens = request.num_prompt_tokens
         bs = config.block_size
@@ -88,7 +93,7 @@ class AdmitContext:
 
     # --- TTFT -------------------------------------------------------------------------
     def _prefill_parts(self, p: Instance, replication: bool, best_peer: tuple[int, str] | None) -> tuple:
-        """(queue, load, compute, handoff, local blocks, store blocks, copy_from, copy blocks) on ``p``."""
+        """(queue, load, compute, handoff, local blocks, store blocks, copy_from, copy blocks, speed) on ``p``."""
         c = p.cost.coefficients
         local = self.match.prefix.get(p.instance_id, 0)
         if local > self.usable_blocks:
@@ -110,16 +115,17 @@ class AdmitContext:
         n_cached = reached * self.config.block_size
         n_new = self.num_tokens - n_cached
         compute = c.prefill_base + n_new * (c.prefill_per_token + c.prefill_per_token_context * (n_cached + n_new / 2))
-        queue = p.prefill.busy_until - self.now
-        return (queue if queue > 0 else 0.0, load, compute, self.handoff_blocks * c.transfer_per_block, local,
-                max(store_len - local, 0), copy_from, copy_blocks)  # fmt: skip
+        speed = self.margins.prefill_speed(p.instance_id)
+        handoff = self.handoff_blocks * c.transfer_per_block
+        return (p.prefill.backlog(self.now), load * speed, compute * speed, handoff * speed, local,
+                max(store_len - local, 0), copy_from, copy_blocks, speed)  # fmt: skip
 
     def prefill_ttft(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> float:
-        parts = self._prefill_parts(p, replication, best_peer if replication else None)
-        return parts[0] + parts[1] + parts[2] + parts[3]
+        queue, load, compute, handoff, *_ = self._prefill_parts(p, replication, best_peer if replication else None)
+        return queue + load + compute + handoff
 
     def prefill_estimate(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> PrefillEstimate:
-        queue, load, compute, handoff, local, from_store, copy_from, copy_blocks = self._prefill_parts(
+        queue, load, compute, handoff, local, from_store, copy_from, copy_blocks, speed = self._prefill_parts(
             p, replication, best_peer if replication else None
         )
         bs = self.config.block_size
@@ -131,11 +137,13 @@ class AdmitContext:
                     cached[tier] = n * bs
         if copy_blocks:
             cached[KVTier.PEER] = copy_blocks * bs
-        return PrefillEstimate(p.instance_id, queue, load, compute, handoff, cached, copy_from, copy_blocks)
+        return PrefillEstimate(p.instance_id, queue, load, compute, handoff, cached, copy_from, copy_blocks, speed)
 
     def local_prefill_estimate(self, d: Instance) -> PrefillEstimate:
         """Prefilling on decode instance ``d`` itself: no cache, no hand-off."""
-        return PrefillEstimate(d.instance_id, d.prefill.backlog(self.now), 0.0, d.cost.prefill_time(self.num_tokens), 0.0, {})
+        speed = self.margins.prefill_speed(d.instance_id)
+        compute = d.cost.prefill_time(self.num_tokens) * speed
+        return PrefillEstimate(d.instance_id, d.prefill.backlog(self.now), 0.0, compute, 0.0, {}, speed=speed)
 
     def best_peer(self) -> tuple[int, str] | None:
         """(blocks, instance) of the prefill instance holding the longest prefix."""
@@ -193,10 +201,13 @@ class AdmitContext:
         return self.num_tokens + 1
 
     def decode_estimate(self, d: Instance, batch: tuple[int, int]) -> DecodeEstimate:
+        """This request's mean step time in ``batch`` (plus itself): over its expected
+        life every member's context grows by one token a step, half of it on average."""
         size, context = batch[0] + 1, batch[1] + self.added_context()
         capacity = d.heartbeat.capacity * self.config.block_size  # 0: not reported
         fits = not capacity or context <= capacity
-        return DecodeEstimate(d.instance_id, d.cost.decode_step_time(size, context), size, fits)
+        mean_context = context + size * self.expected_output_tokens // 2
+        return DecodeEstimate(d.instance_id, d.cost.decode_step_time(size, mean_context), size, fits)
 
     def decode_tbt(self, d: Instance) -> float:
         """`decode_all`'s TBT alone (for comparing candidates)."""

@@ -77,13 +77,14 @@ class BlockLRU:
 
 
 class SimStore:
-    def __init__(self, instance_id: str, capacity_blocks: int, cost: CostModel) -> None:
+    def __init__(self, instance_id: str, capacity_blocks: int, cost: CostModel, reported: CostModel | None = None) -> None:
         self.instance_id = instance_id
         self.cache = BlockLRU(capacity_blocks)
         self.cost = cost
+        self.reported = reported or cost  # the cost model its heartbeats give the conductor
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(instance_id=self.instance_id, role=Role.STORE, host_id="sim", cost=self.cost.coefficients,
+        return Heartbeat(instance_id=self.instance_id, role=Role.STORE, host_id="sim", cost=self.reported.coefficients,
                          capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks))  # fmt: skip
 
 
@@ -149,7 +150,7 @@ class SimPrefill:
 
     def heartbeat(self) -> Heartbeat:
         queued = list(self.queue) + ([self.running] if self.running is not None else [])
-        return Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", cost=self.cost.coefficients,
+        return Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", cost=self.sim.reported,
                          load=len(queued), queued_tokens=sum(r.trace.input_length for r in queued),
                          capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks))  # fmt: skip
 
@@ -284,6 +285,6 @@ class SimDecode:
 
     def heartbeat(self) -> Heartbeat:
         bs = self.cost.block_size
-        return Heartbeat(instance_id=self.instance_id, role=Role.DECODE, host_id="sim", cost=self.cost.coefficients,
+        return Heartbeat(instance_id=self.instance_id, role=Role.DECODE, host_id="sim", cost=self.sim.reported,
                          load=self.num_sequences, batch_size=len(self.members), context_tokens=self._context_now(),
                          capacity=self.kv_tokens // bs, free_blocks=max(0, self.kv_tokens - self.context) // bs)  # fmt: skip

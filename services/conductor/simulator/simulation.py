@@ -14,6 +14,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from libs.common.cost_model import CostModel, reference_coefficients
 from libs.common.schema import AdmitRequest, CostCoefficients
 from services.conductor.admission import AdmitAll, build_policy
@@ -38,6 +40,7 @@ class SimConfig:
     decode_max_batch: int = 256
     decode_kv_tokens: int = 1_500_000
     noise: float = 0.1  # actual durations = predicted x lognormal(0, noise)
+    slowdown: float = 1.0  # the instances run this many times slower than the cost model they report
     heartbeat_interval: float = 1.0
     balancing_threshold: float = 2.0
     expected_output_tokens: int = 512
@@ -45,6 +48,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("a simulated cluster needs at least one prefill and one decode instance")
+        if self.slowdown <= 0:
+            raise ValueError(f"the slowdown must be positive, got {self.slowdown}")
         if self.coefficients.block_size != TRACE_BLOCK_SIZE:
             raise ValueError(f"the cost model's block size must be the trace's ({TRACE_BLOCK_SIZE} tokens)")
 
@@ -78,7 +83,8 @@ class Simulation:
         self._events: list[tuple] = []
         self._seq = 0
         self._noise_rng = random.Random(config.seed * 7919 + 1)
-        cost = CostModel(config.coefficients)
+        cost = CostModel(slowed(config.coefficients, config.slowdown))
+        self.reported = config.coefficients  # what the instances tell the conductor
         self.index = KVIndex()
         self.view = ClusterView(timeout=3 * config.heartbeat_interval, clock=lambda: self.now, block_size=TRACE_BLOCK_SIZE)
         policy = build_policy(config.policy, random.Random(config.seed))
@@ -89,7 +95,8 @@ class Simulation:
                          for i in range(config.num_prefill)}  # fmt: skip
         self.decodes = {f"decode-{i}": SimDecode(self, f"decode-{i}", cost, config.decode_max_batch,
                                                  config.decode_kv_tokens) for i in range(config.num_decode)}  # fmt: skip
-        self.store = SimStore("store-0", config.store_blocks, cost) if config.store_blocks > 0 else None
+        self.store = (SimStore("store-0", config.store_blocks, cost, CostModel(config.coefficients))
+                      if config.store_blocks > 0 else None)  # fmt: skip
         self.requests: list[SimRequest] = []
         self.samples: list[Sample] = []
         self._open = 0  # admitted requests not yet over
@@ -183,8 +190,19 @@ class Simulation:
         self._end(request)
 
     def _end(self, request: SimRequest) -> None:
-        self.scheduler.finished(request.request_id)
+        tokens = request.trace.output_length if request.outcome == "done" else 0
+        self.scheduler.finished(request.request_id, tokens)
         self._open -= 1
+
+
+def slowed(c: CostCoefficients, factor: float) -> CostCoefficients:
+    """``c`` with every duration ``factor`` times longer."""
+    if factor == 1.0:
+        return c
+    times = ("prefill_base", "prefill_per_token", "prefill_per_token_context", "decode_base", "decode_per_seq",
+             "decode_per_context_token", "transfer_per_block")  # fmt: skip
+    return msgspec.structs.replace(c, **{k: getattr(c, k) * factor for k in times},
+                                   load_per_block={t: v * factor for t, v in c.load_per_block.items()})  # fmt: skip
 
 
 def simulate(config: SimConfig, trace: list[TraceRequest]) -> SimResult:

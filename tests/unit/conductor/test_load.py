@@ -29,3 +29,16 @@ def test_the_decode_batch_now_later_and_its_expected_ends():
     assert d.expected_ends(now=1.0, step_s=0.1) == pytest.approx([2.0, 7.0])
     assert d.done("a") and not d.done("a")
     assert d.current(now=2.0, step_s=0.1) == (0, 0)
+
+
+def test_a_prefill_reports_its_service_time_and_an_overdue_one_keeps_the_queue_behind_it():
+    q = PrefillLoad()
+    q.add("a", 1.5, now=0.0, speed=1.5)  # the cost model said 1.0 s; this instance runs 1.5x slower
+    q.add("b", 3.0, now=0.5, speed=1.5)
+    assert q.busy_until == 4.5
+    assert q.backlog(now=6.0) == 3.0  # "a" is overdue: "b" has not started, so its 3 s are still ahead
+    served = q.done("a", now=7.0)
+    assert (served.predicted_s, served.measured_s) == (1.0, 7.0)  # from when "a" started
+    q.add("c", 1.0, now=7.5)
+    assert q.done("c", now=8.0).measured_s is None  # out of order: when it started is unknown
+    assert q.done("b", now=9.0).measured_s == 2.0  # "b" started when "a" ended
