@@ -89,7 +89,7 @@ def admit_latency(policy: str, num_blocks: int = 1_000_000, admissions: int = 20
         t2 = time.perf_counter_ns()
         cpu.append(c1 - c0)
         schema.encode(AdmitReply(prefill_id=d.prefill_id, decode_id=d.decode_id, predicted_ttft_s=d.predicted_ttft_s,
-                                 cached_tokens=d.cached_tokens, error=None))  # fmt: skip
+                                 cached_tokens=d.cached_tokens))  # fmt: skip
         t3 = time.perf_counter_ns()
         bare.append(t2 - t1)
         wire.append(t3 - t0)

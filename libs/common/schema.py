@@ -31,8 +31,23 @@ class Message(msgspec.Struct, tag=True, kw_only=True):
 
 
 class ErrorInfo(msgspec.Struct, kw_only=True):
+    """Why a token stream failed, inside its last TokenChunk."""
+
     code: ErrorCode
     message: str
+
+
+class ErrorReply(Message):
+    """The answer to any request that was refused or failed, in place of its reply:
+    every request/reply pair decodes its answer as ``XReply | ErrorReply``
+    (`decode_reply`). A service answers a message it cannot decode, and a handler
+    that raised, with one too."""
+
+    code: ErrorCode
+    message: str
+    retry_after_s: float | None = None  # a rejected admission: when the conductor predicts it could be admitted
+    predicted_ttft_s: float | None = None  # ... and what it predicted for the request now
+    predicted_tbt_s: float | None = None
 
 
 class KVContract(msgspec.Struct, frozen=True, kw_only=True):
@@ -135,14 +150,12 @@ class AdmitRequest(Message):
 
 
 class AdmitReply(Message):
-    prefill_id: InstanceId | None = None
-    decode_id: InstanceId | None = None
+    prefill_id: InstanceId
+    decode_id: InstanceId
     prefill_on_decode: bool = False  # conditional disaggregation: the decode worker prefills it itself
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     cached_tokens: dict[KVTier, int] = msgspec.field(default_factory=dict)  # predicted reuse, by tier
-    retry_after_s: float | None = None  # rejected: when the conductor predicts it could be admitted
-    error: ErrorInfo | None = None  # code "rejected": the SLO cannot be met now
 
 
 class RequestProgress(Message):
@@ -193,7 +206,6 @@ class KVSnapshotReply(Message):
     epoch: int
     seq: int
     tiers: dict[KVTier, list[BlockHash]] = msgspec.field(default_factory=dict)
-    error: ErrorInfo | None = None
 
 
 # --- gateway -> prefill -> decode -------------------------------------------------
@@ -205,7 +217,7 @@ class PrefillRequest(Message):
 
 
 class Ack(Message):
-    error: ErrorInfo | None = None
+    """Taken, as asked."""
 
 
 class ReserveRequest(Message):
@@ -217,10 +229,9 @@ class ReserveRequest(Message):
 
 
 class ReserveReply(Message):
-    block_ids: list[BlockId] = msgspec.field(default_factory=list)
-    ticket: WriteTicket | None = None  # where and how to write the KV into those blocks
-    lease_seconds: float = 0.0
-    error: ErrorInfo | None = None
+    block_ids: list[BlockId]
+    ticket: WriteTicket  # where and how to write the KV into those blocks
+    lease_seconds: float
 
 
 class HandoffRequest(Message):
@@ -264,8 +275,7 @@ class StoreExistsRequest(Message):
 
 
 class StoreExistsReply(Message):
-    tiers: list[StoreTier | None] = msgspec.field(default_factory=list)  # per hash: fastest tier, None = absent
-    error: ErrorInfo | None = None
+    tiers: list[StoreTier | None]  # per hash: fastest tier, None = absent
 
 
 class StoreGetRequest(Message):
@@ -280,8 +290,7 @@ class StoreGetRequest(Message):
 
 
 class StoreGetReply(Message):
-    tiers: list[StoreTier | None] = msgspec.field(default_factory=list)  # per hash: where it came from; None = miss
-    error: ErrorInfo | None = None
+    tiers: list[StoreTier | None]  # per hash: where it came from; None = miss
 
 
 class StorePutRequest(Message):
@@ -300,13 +309,12 @@ class StorePutReply(Message):
     then commit ``put_id`` within ``ttl_s`` seconds; ``no_room``: blocks the store
     could not place (every slot pinned or being read)."""
 
-    put_id: str | None = None  # None: nothing to write (all held already, or an error)
+    put_id: str | None = None  # None: nothing to write (all held already, or no room)
     missing: list[int] = msgspec.field(default_factory=list)
     offsets: list[int] = msgspec.field(default_factory=list)
     ticket: WriteTicket | None = None
     ttl_s: float = 0.0
     no_room: list[int] = msgspec.field(default_factory=list)
-    error: ErrorInfo | None = None
 
 
 class StoreCommitRequest(Message):
@@ -317,8 +325,7 @@ class StoreCommitRequest(Message):
 
 
 class StoreCommitReply(Message):
-    num_stored: int = 0
-    error: ErrorInfo | None = None
+    num_stored: int
 
 
 class StoreRemoveRequest(Message):
@@ -327,8 +334,7 @@ class StoreRemoveRequest(Message):
 
 
 class StoreRemoveReply(Message):
-    num_removed: int = 0  # blocks that were held in some tier
-    error: ErrorInfo | None = None
+    num_removed: int  # blocks that were held in some tier
 
 
 class StoreStatsRequest(Message):
@@ -336,20 +342,20 @@ class StoreStatsRequest(Message):
 
 
 class StoreStatsReply(Message):
-    instance_id: InstanceId | None = None  # None with an error
-    block_nbytes: int = 0
-    dram_slots: int = 0
-    dram_blocks: int = 0
-    dram_pinned: int = 0
-    dram_leased: int = 0
-    disk_blocks: int = 0
-    disk_bytes: int = 0
-    disk_capacity_bytes: int = 0
-    disk_pending: int = 0  # blocks in DRAM the write-behind has not put on disk yet
-    counters: dict[str, int] = msgspec.field(default_factory=dict)  # hits, misses, puts, evictions, corruptions...
-    kv_epoch: int = 0
-    kv_seq: int = 0
-    error: ErrorInfo | None = None
+    instance_id: InstanceId
+    block_nbytes: int
+    dram_slots: int
+    dram_blocks: int
+    dram_pinned: int
+    dram_leased: int
+    disk_blocks: int
+    disk_bytes: int
+    disk_capacity_bytes: int
+    disk_pending: int  # blocks in DRAM the write-behind has not put on disk yet
+    counters: dict[str, int]  # hits, misses, puts, evictions, corruptions...
+    kv_epoch: int
+    kv_seq: int
+
 
 
 # --- encoding ----------------------------------------------------------------------
@@ -359,7 +365,7 @@ class _Envelope(msgspec.Struct):
 
 _encoder = msgspec.msgpack.Encoder()
 _envelope = msgspec.msgpack.Decoder(_Envelope)
-_decoders: dict[type, msgspec.msgpack.Decoder] = {}
+_decoders: dict[Any, msgspec.msgpack.Decoder] = {}
 M = TypeVar("M", bound=Message)
 
 
@@ -369,13 +375,24 @@ def encode(message: Message) -> bytes:
 
 def decode(data: bytes, kind: type[M]) -> M:
     """Decode ``data`` as ``kind``; raise BadMessageError saying why it cannot be."""
+    return _decode(data, kind, kind.__name__)
+
+
+def decode_reply(data: bytes, kind: type[M]) -> M | ErrorReply:
+    """Decode the answer to a request whose reply is ``kind``: that reply, or the
+    ErrorReply of a peer that refused or failed the request; raise BadMessageError
+    when it is neither."""
+    return _decode(data, kind | ErrorReply, f"{kind.__name__} or ErrorReply")
+
+
+def _decode(data: bytes, kind: Any, name: str) -> Any:
     try:
         version = _envelope.decode(data).v
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise BadMessageError(f"not a kvserve message ({e})") from e
     if version != PROTOCOL_VERSION:
         raise ProtocolVersionError(
-            f"{kind.__name__} from a peer speaking protocol v{version}; this service speaks v{PROTOCOL_VERSION}"
+            f"{name} from a peer speaking protocol v{version}; this service speaks v{PROTOCOL_VERSION}"
         )
     decoder = _decoders.get(kind)
     if decoder is None:
@@ -383,7 +400,7 @@ def decode(data: bytes, kind: type[M]) -> M:
     try:
         return decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        raise BadMessageError(f"bad {kind.__name__}: {e}") from e
+        raise BadMessageError(f"bad {name}: {e}") from e
 
 
 def to_builtins(message: Message) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from nats.aio.msg import Msg
 
 from libs.common import nats_auth, schema, subjects
 from libs.common.metrics import REGISTRY
-from libs.common.schema import BadMessageError, ErrorInfo, Heartbeat, Message
+from libs.common.schema import BadMessageError, ErrorReply, Heartbeat, Message
 from libs.common.settings import ServiceSettings
 from libs.common.vocabulary import ErrorCode
 
@@ -162,13 +162,13 @@ class Service:
             message = schema.decode(msg.data, kind)
         except BadMessageError as e:
             self.log.warning("dropped a message on %s: %s", msg.subject, e)
-            await self._reply(msg, schema.Ack(error=ErrorInfo(code=ErrorCode.BAD_MESSAGE, message=str(e))))
+            await self._reply(msg, ErrorReply(code=ErrorCode.BAD_MESSAGE, message=str(e)))
             return
         try:
             reply = await handler(message, msg)
         except Exception as e:
             self.log.exception("handler for %s failed", msg.subject)
-            reply = schema.Ack(error=ErrorInfo(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}"))
+            reply = ErrorReply(code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
         if reply is not None:
             await self._reply(msg, reply)
 
@@ -179,15 +179,11 @@ class Service:
             except Exception as e:
                 self.log.warning("reply on %s not sent: %s", msg.subject, e)
 
-    async def request(self, subject: str, message: Message, kind: type[M], timeout: float = 5.0) -> M:
-        """Request/reply; raises BadMessageError when the answer is not a ``kind``
-        (an Ack carrying an error is turned into that error's message)."""
+    async def request(self, subject: str, message: Message, kind: type[M], timeout: float = 5.0) -> M | ErrorReply:
+        """Request/reply: the ``kind`` reply, or the peer's ErrorReply; raises
+        BadMessageError when the answer is neither."""
         reply = await self.nc.request(subject, schema.encode(message), timeout=timeout)
-        try:
-            return schema.decode(reply.data, kind)
-        except BadMessageError:
-            ack = schema.decode(reply.data, schema.Ack)
-            raise BadMessageError(ack.error.message if ack.error else "unexpected reply") from None
+        return schema.decode_reply(reply.data, kind)
 
     async def publish(self, subject: str, message: Message) -> None:
         await self.nc.publish(subject, schema.encode(message))

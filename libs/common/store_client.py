@@ -16,6 +16,7 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from libs.common import schema, subjects
 from libs.common.schema import (
     BadMessageError,
+    ErrorReply,
     KVContract,
     Message,
     StoreCommitReply,
@@ -121,20 +122,9 @@ class StoreClient:
         except (NoRespondersError, NatsTimeout) as e:
             raise StoreError(store, op, UNAVAILABLE, str(e) or type(e).__name__) from None
         try:
-            reply = schema.decode(answer.data, kind)
+            reply = schema.decode_reply(answer.data, kind)
         except BadMessageError as e:
-            reply = _error_ack(answer.data)
-            if reply is None:
-                raise StoreError(store, op, BAD_REPLY, str(e) or "unexpected reply") from None
-        if reply.error is not None:
-            raise StoreError(store, op, reply.error.code, reply.error.message)
+            raise StoreError(store, op, BAD_REPLY, str(e) or "unexpected reply") from None
+        if isinstance(reply, ErrorReply):
+            raise StoreError(store, op, reply.code, reply.message)
         return reply
-
-
-def _error_ack(data: bytes) -> schema.Ack | None:
-    """An Ack carrying an error (the store's answer to an operation it could not read)."""
-    try:
-        ack = schema.decode(data, schema.Ack)
-    except BadMessageError:
-        return None
-    return ack if ack.error is not None else None

@@ -11,7 +11,7 @@ from typing import Literal
 
 
 class ErrorCode(StrEnum):
-    """Why a request failed, in an `ErrorInfo` reply or token chunk."""
+    """Why a request failed, in an `ErrorReply` or a token chunk's `ErrorInfo`."""
 
     # the request itself
     INVALID_REQUEST = "invalid_request"

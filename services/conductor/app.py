@@ -16,7 +16,7 @@ from libs.common.schema import (
     AdmitReply,
     AdmitRequest,
     BadMessageError,
-    ErrorInfo,
+    ErrorReply,
     Heartbeat,
     KVEventBatch,
     KVSnapshotReply,
@@ -82,28 +82,33 @@ class Conductor(Service):
             request = KVSnapshotRequest(instance_id=instance_id)
             reply = await self.request(subjects.kv_snapshot(instance_id), request, KVSnapshotReply, SNAPSHOT_TIMEOUT)
         except (NatsError, BadMessageError, asyncio.TimeoutError) as e:
-            self.log.warning("no KV snapshot from %s: %s", instance_id, e)
-            self.tracker.snapshot_failed(instance_id)
+            self._no_snapshot(instance_id, str(e) or type(e).__name__)
             return
         finally:
             self._snapshots.discard(instance_id)
-        if self.tracker.on_snapshot(reply):
+        if isinstance(reply, ErrorReply):
+            self._no_snapshot(instance_id, reply.message)
+        elif self.tracker.on_snapshot(reply):
             self._fetch_snapshot(instance_id)
+
+    def _no_snapshot(self, instance_id: str, why: str) -> None:
+        self.log.warning("no KV snapshot from %s: %s", instance_id, why)
+        self.tracker.snapshot_failed(instance_id)
 
     def _forget(self, instance: Instance) -> None:
         self.log.warning("%s missed its heartbeats: removed from the cluster view", instance.instance_id)
         self.tracker.forget(instance.instance_id)
 
     # --- requests ---------------------------------------------------------------------
-    async def on_admit(self, request: AdmitRequest, msg: Msg) -> AdmitReply:
+    async def on_admit(self, request: AdmitRequest, msg: Msg) -> AdmitReply | ErrorReply:
         d = self.scheduler.admit(request)
         if not d.admitted:
             if d.error_code == "rejected":
                 self.log.info("rejected %s: %s", request.request_id, d.error_message)
             else:
                 self.log.warning("cannot admit %s: %s", request.request_id, d.error_message)
-            return AdmitReply(
-                error=ErrorInfo(code=d.error_code, message=d.error_message), retry_after_s=d.retry_after_s,
+            return ErrorReply(
+                code=d.error_code, message=d.error_message, retry_after_s=d.retry_after_s,
                 predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s,
             )  # fmt: skip
         return AdmitReply(

@@ -13,7 +13,7 @@ from libs.common.errors import KVServeError
 from libs.common.model.sampling import sample
 from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
-from libs.common.schema import Ack, CostCoefficients, ErrorInfo, Heartbeat, PrefillRequest, TokenChunk
+from libs.common.schema import Ack, CostCoefficients, ErrorInfo, ErrorReply, Heartbeat, PrefillRequest, TokenChunk
 from libs.common.vocabulary import ErrorCode, FinishReason
 
 
@@ -31,16 +31,16 @@ class LocalPrefill:
             w.log.info("cost model: %s", CostModel(self.cost).describe())
         await w.subscribe(subjects.decode_prefill(w.instance_id), PrefillRequest, self.on_prefill)
 
-    async def on_prefill(self, request: PrefillRequest, msg: Msg) -> Ack:
+    async def on_prefill(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
         engine = self.worker.engine
         try:
             request.sampling.validate()
             engine.check_prompt(len(request.prompt_token_ids))
         except KVServeError as e:
-            return Ack(error=ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=str(e)))
+            return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
         if not engine.cache.can_allocate(seq, seq.num_tokens + engine.block_size):
-            return Ack(error=ErrorInfo(code=ErrorCode.NO_CAPACITY, message=f"{self.worker.instance_id} has no free KV blocks"))
+            return ErrorReply(code=ErrorCode.NO_CAPACITY, message=f"{self.worker.instance_id} has no free KV blocks")
         self.worker.spawn(self._prefill(seq))
         return Ack()
 

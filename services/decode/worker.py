@@ -21,6 +21,7 @@ from libs.common.schema import (
     Ack,
     Cancel,
     ErrorInfo,
+    ErrorReply,
     HandoffRequest,
     Heartbeat,
     ReleaseRequest,
@@ -67,12 +68,12 @@ class DecodeWorker(Service):
         stack.callback(expiry.cancel)
 
     # --- hand-off --------------------------------------------------------------
-    async def on_reserve(self, request: ReserveRequest, msg: Msg) -> ReserveReply:
+    async def on_reserve(self, request: ReserveRequest, msg: Msg) -> ReserveReply | ErrorReply:
         if mismatch := self.host.contract.mismatch(request.contract):
-            return ReserveReply(error=ErrorInfo(code=ErrorCode.CONTRACT_MISMATCH, message=f"{self.instance_id}: {mismatch}"))
+            return ErrorReply(code=ErrorCode.CONTRACT_MISMATCH, message=f"{self.instance_id}: {mismatch}")
         needed = self.engine.cache.blocks_needed(request.num_tokens)
         if needed > self.engine.cache.block_pool.num_blocks:
-            return ReserveReply(error=ErrorInfo(code=ErrorCode.NO_CAPACITY, message="the prompt is larger than this worker's KV pool"))
+            return ErrorReply(code=ErrorCode.NO_CAPACITY, message="the prompt is larger than this worker's KV pool")
         pool = self.engine.cache.block_pool
         try:
             async with asyncio.timeout(self.settings.reserve_wait_seconds), self._blocks_freed:
@@ -84,21 +85,21 @@ class DecodeWorker(Service):
                     except OutOfKVBlocksError:  # a decode step took them first
                         continue
         except TimeoutError:
-            return ReserveReply(error=ErrorInfo(code=ErrorCode.NO_CAPACITY, message=f"{self.instance_id} has no free KV blocks"))
+            return ErrorReply(code=ErrorCode.NO_CAPACITY, message=f"{self.instance_id} has no free KV blocks")
         if request.request_id in self.cancelled:
             await self._free(block_ids)
-            return ReserveReply(error=ErrorInfo(code=ErrorCode.CANCELLED, message="the request was cancelled"))
+            return ErrorReply(code=ErrorCode.CANCELLED, message="the request was cancelled")
         ticket = self.host.transfers.expect(self.host.segment.name, self.host.block_ranges(block_ids),
                                             ttl=self.leases.lease_seconds, sender_host=request.host_id)  # fmt: skip
         lease = self.leases.grant(request.request_id, block_ids, ticket.token)
         return ReserveReply(block_ids=lease.block_ids, ticket=ticket, lease_seconds=self.leases.lease_seconds)
 
-    async def on_handoff(self, request: HandoffRequest, msg: Msg) -> Ack:
+    async def on_handoff(self, request: HandoffRequest, msg: Msg) -> Ack | ErrorReply:
         lease = self.leases.take(request.request_id)
         if lease is None or lease.block_ids != request.block_ids:
             if lease is not None:
                 await self._end_lease(lease)
-            return Ack(error=ErrorInfo(code=ErrorCode.NO_LEASE, message=f"no live lease for {request.request_id}"))
+            return ErrorReply(code=ErrorCode.NO_LEASE, message=f"no live lease for {request.request_id}")
         if lease.ticket_token is not None:
             self.host.transfers.close_ticket(lease.ticket_token)  # the KV is in: no more writes
         if request.request_id in self.cancelled:

@@ -6,7 +6,7 @@ import asyncio
 from libs.common import subjects
 from libs.common.metrics import REGISTRY, merge_by_instance
 from libs.common.peers import PeerDirectory
-from libs.common.schema import MetricsReply, MetricsRequest
+from libs.common.schema import ErrorReply, MetricsReply, MetricsRequest
 from libs.common.service import Service
 from libs.common.vocabulary import Role
 
@@ -23,10 +23,13 @@ async def cluster_metrics(service: Service, peers: PeerDirectory) -> str:
             reply = await service.request(
                 subjects.metrics(instance_id), MetricsRequest(), MetricsReply, timeout=METRICS_TIMEOUT
             )
-            return reply.text
         except Exception as e:  # one silent instance must not hide the others
             service.log.warning("no metrics from %s: %s", instance_id, e)
             return ""
+        if isinstance(reply, ErrorReply):
+            service.log.warning("no metrics from %s: %s", instance_id, reply.message)
+            return ""
+        return reply.text
 
     texts = dict(zip(others, await asyncio.gather(*(ask(i) for i in others))))
     return merge_by_instance({service.instance_id: REGISTRY.render(), **texts})

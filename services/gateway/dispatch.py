@@ -31,6 +31,7 @@ from libs.common.schema import (
     BadMessageError,
     Cancel,
     ErrorInfo,
+    ErrorReply,
     PrefillRequest,
     RequestProgress,
     TokenChunk,
@@ -55,6 +56,8 @@ _MISSING_ROLE_CODES = (ErrorCode.NO_PREFILL, ErrorCode.NO_DECODE, ErrorCode.NO_I
 # A prefill worker's hand-off found no decode worker answering (one died, or NATS was
 # down a moment): the request is worth another admission, which sees the cluster anew.
 _HANDOFF_LOST_CODES = (ErrorCode.DECODE_UNAVAILABLE, ErrorCode.NO_DECODE)
+# The answerer failed (its handler raised, or it could not read the request) rather than said no.
+_FAILED_CODES = (ErrorCode.INTERNAL, ErrorCode.BAD_MESSAGE)
 
 log = logging.getLogger("kvserve.gateway.dispatch")
 
@@ -146,11 +149,10 @@ class RequestRun:
             if isinstance(e, nats.errors.NoRespondersError):
                 self._may_be_running = False  # no conductor heard of it
             _raise_no_answer(e, _CONDUCTOR, self.control_timeout)
-        if reply.error is not None:
-            self._may_be_running = False
+        if isinstance(reply, ErrorReply):
+            if reply.code not in _FAILED_CODES:  # it said no: it holds nothing of the request
+                self._may_be_running = False
             raise _admission_error(reply)
-        if not reply.prefill_id or not reply.decode_id:
-            raise UpstreamError("the conductor admitted the request without naming a prefill and a decode instance")
         self.prefill_id, self.decode_id = reply.prefill_id, reply.decode_id
         self.admission, self._admitted_at = reply, time.monotonic()
         if self.watch is not None:
@@ -173,8 +175,8 @@ class RequestRun:
             ack = await self.service.request(subject, request, Ack, self.control_timeout)
         except NO_ANSWER as e:
             _raise_no_answer(e, worker, self.control_timeout)
-        if ack.error is not None:
-            raise _worker_error(ack.error, worker.where)
+        if isinstance(ack, ErrorReply):
+            raise _worker_error(ack, worker.where)
 
     # --- the tokens -------------------------------------------------------------
     async def next_chunks(self) -> list[TokenChunk]:
@@ -278,18 +280,19 @@ def _reason(exc: BaseException | None) -> str | None:
     return "error"
 
 
-def _admission_error(reply: AdmitReply) -> Exception:
-    error = reply.error
+def _admission_error(error: ErrorReply) -> Exception:
     if error.code == ErrorCode.REJECTED:
-        details = {"retry_after_s": reply.retry_after_s, "predicted_ttft_s": reply.predicted_ttft_s,
-                   "predicted_tbt_s": reply.predicted_tbt_s}  # fmt: skip
-        return RateLimitedError(error.message, reply.retry_after_s, {k: v for k, v in details.items() if v is not None})
+        details = {"retry_after_s": error.retry_after_s, "predicted_ttft_s": error.predicted_ttft_s,
+                   "predicted_tbt_s": error.predicted_tbt_s}  # fmt: skip
+        return RateLimitedError(error.message, error.retry_after_s, {k: v for k, v in details.items() if v is not None})
     if error.code in _MISSING_ROLE_CODES:
         return ServiceUnavailableError(error.message, error.code)
+    if error.code in _FAILED_CODES:
+        return UpstreamError(_CONDUCTOR.say(_CONDUCTOR.failed, 0.0, error.message))
     return ServiceUnavailableError(f"the conductor cannot admit the request: {error.message}", error.code)
 
 
-def _worker_error(error: ErrorInfo, where: str) -> Exception:
+def _worker_error(error: ErrorInfo | ErrorReply, where: str) -> Exception:
     if error.code == ErrorCode.NO_CAPACITY:
         return ServiceUnavailableError(f"{where} has no capacity: {error.message}", error.code)
     if error.code == ErrorCode.INVALID_REQUEST:

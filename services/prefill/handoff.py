@@ -25,6 +25,7 @@ from libs.common.model.sequence import Sequence
 from libs.common.schema import (
     Ack,
     BadMessageError,
+    ErrorReply,
     HandoffRequest,
     PrefillRequest,
     ReleaseRequest,
@@ -83,8 +84,8 @@ class Handoff:
             raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {decode_id} did not answer ({e})") from e
         except BadMessageError as e:
             raise HandoffError(ErrorCode.INTERNAL, str(e)) from e
-        if reply.error is not None:
-            raise HandoffError(reply.error.code, reply.error.message)
+        if isinstance(reply, ErrorReply):
+            raise HandoffError(reply.code, reply.message)
         return Transfer(request, decode_id, reply)
 
     async def start_streaming(self, transfer: Transfer) -> None:
@@ -147,8 +148,8 @@ class Handoff:
                                              timeout=HANDOFF_TIMEOUT)  # fmt: skip
         except (NoRespondersError, NatsTimeout, BadMessageError) as e:
             raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {transfer.decode_id} did not take the request ({e})") from e
-        if ack.error is not None:
-            raise HandoffError(ack.error.code, ack.error.message)
+        if isinstance(ack, ErrorReply):
+            raise HandoffError(ack.code, ack.message)
 
     async def release(self, transfer: Transfer) -> None:
         """Abort the writer and give the lease back (idempotent)."""

@@ -23,7 +23,7 @@ from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
 from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
-from libs.common.schema import Ack, Cancel, ErrorInfo, Heartbeat, PrefillRequest, TokenChunk
+from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
 from libs.common.vocabulary import ErrorCode, FinishReason, Role
 from services.prefill.handoff import Handoff, HandoffError, Transfer
@@ -71,12 +71,12 @@ class PrefillWorker(Service):
         loop = self.spawn(self._prefill_loop())
         stack.callback(loop.cancel)
 
-    async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack:
+    async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
         try:
             request.sampling.validate()
             self.engine.check_prompt(len(request.prompt_token_ids))
         except KVServeError as e:
-            return Ack(error=ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=str(e)))
+            return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
         job = Job(request, seq)
         self.in_flight[request.request_id] = job

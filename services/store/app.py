@@ -20,12 +20,12 @@ from contextlib import AsyncExitStack
 
 from nats.aio.msg import Msg
 
-from libs.common import schema, subjects
+from libs.common import subjects
 from libs.common.hashing import BlockHash
 from libs.common.kv_events import KVEventLog, KVEventPublisher
 from libs.common.schema import (
     CostCoefficients,
-    ErrorInfo,
+    ErrorReply,
     Heartbeat,
     KVContract,
     StoreCommitReply,
@@ -130,33 +130,33 @@ class StoreService(Service):
         entry = self._ops.get(op)
         if entry is None:
             self.log.warning("refused unknown operation %r", op)
-            error = ErrorInfo(code=ErrorCode.UNKNOWN_OP, message=f"store {self.instance_id} has no operation {op!r}; "
+            error = ErrorReply(code=ErrorCode.UNKNOWN_OP, message=f"store {self.instance_id} has no operation {op!r}; "
                                                          f"it answers {', '.join(subjects.STORE_OPS)}")  # fmt: skip
-            self.spawn(self._reply(msg, schema.Ack(error=error)))
+            self.spawn(self._reply(msg, error))
             return
         self.spawn(self._handle(msg, *entry))
 
-    def _refusal(self, contract: KVContract, block_nbytes: int | None = None) -> ErrorInfo | None:
+    def _refusal(self, contract: KVContract, block_nbytes: int | None = None) -> ErrorReply | None:
         mismatch = self.contract.mismatch(contract)
         if mismatch is not None:
             self.log.warning("refused a peer: %s", mismatch)
-            return ErrorInfo(code=ErrorCode.CONTRACT_MISMATCH, message=f"store {self.instance_id}: {mismatch}")
+            return ErrorReply(code=ErrorCode.CONTRACT_MISMATCH, message=f"store {self.instance_id}: {mismatch}")
         if block_nbytes is not None and block_nbytes != self.block_nbytes:
             self.log.warning("refused blocks of %d bytes", block_nbytes)
-            return ErrorInfo(code=ErrorCode.BAD_BLOCK_SIZE, message=(
+            return ErrorReply(code=ErrorCode.BAD_BLOCK_SIZE, message=(
                 f"store {self.instance_id}: blocks of {block_nbytes} bytes refused; its slots hold exactly "
                 f"{self.block_nbytes} bytes (one KV block, every layer, under contract {self.contract.layout})"))  # fmt: skip
         return None
 
     # --- operations ---------------------------------------------------------------------
-    async def on_exists(self, request: StoreExistsRequest, msg: Msg) -> StoreExistsReply:
+    async def on_exists(self, request: StoreExistsRequest, msg: Msg) -> StoreExistsReply | ErrorReply:
         if error := self._refusal(request.contract):
-            return StoreExistsReply(error=error)
+            return error
         return StoreExistsReply(tiers=self.tiers.locate([BlockHash(h) for h in request.block_hashes]))
 
-    async def on_get(self, request: StoreGetRequest, msg: Msg) -> StoreGetReply:
+    async def on_get(self, request: StoreGetRequest, msg: Msg) -> StoreGetReply | ErrorReply:
         if error := self._refusal(request.contract, request.block_nbytes) or _lengths_differ(request):
-            return StoreGetReply(error=error)
+            return error
         started = time.perf_counter()
         found = await self.tiers.acquire([BlockHash(h) for h in request.block_hashes])
         slots = [f[1] for f in found if f is not None]
@@ -166,7 +166,7 @@ class StoreService(Service):
             if spans:
                 await self._write_out(request, spans)
         except TransferError as e:
-            return StoreGetReply(error=ErrorInfo(code=ErrorCode(e.cause), message=f"store {self.instance_id}: {e}"))
+            return ErrorReply(code=ErrorCode(e.cause), message=f"store {self.instance_id}: {e}")
         finally:
             self.tiers.release(slots)
         tiers = [f[0] if f is not None else None for f in found]
@@ -197,9 +197,9 @@ class StoreService(Service):
             old = self.load_per_block.get(hit[0])
             self.load_per_block[hit[0]] = per_block if old is None else old + LOAD_EWMA * (per_block - old)
 
-    async def on_put(self, request: StorePutRequest, msg: Msg) -> StorePutReply:
+    async def on_put(self, request: StorePutRequest, msg: Msg) -> StorePutReply | ErrorReply:
         if error := self._refusal(request.contract, request.block_nbytes):
-            return StorePutReply(error=error)
+            return error
         hashes = [BlockHash(h) for h in request.block_hashes]
         where = self.tiers.locate(hashes)
         if request.pin:
@@ -224,18 +224,18 @@ class StoreService(Service):
         return StorePutReply(put_id=put.put_id, missing=placed, offsets=offsets, ticket=ticket, ttl_s=ttl,
                              no_room=no_room)  # fmt: skip
 
-    async def on_commit(self, request: StoreCommitRequest, msg: Msg) -> StoreCommitReply:
+    async def on_commit(self, request: StoreCommitRequest, msg: Msg) -> StoreCommitReply | ErrorReply:
         if error := self._refusal(request.contract):
-            return StoreCommitReply(error=error)
+            return error
         put = self.puts.take(request.put_id)
         if put is None:
-            return StoreCommitReply(error=ErrorInfo(code=ErrorCode.UNKNOWN_PUT, message=(
-                f"store {self.instance_id}: no put {request.put_id!r} is open (never opened, committed, or expired)")))  # fmt: skip
+            return ErrorReply(code=ErrorCode.UNKNOWN_PUT, message=(
+                f"store {self.instance_id}: no put {request.put_id!r} is open (never opened, committed, or expired)"))  # fmt: skip
         record = self.transfers.close_ticket(put.token)
         if record is not None and record.failed:
             self.tiers.give_back(put.slots)
-            return StoreCommitReply(error=ErrorInfo(code=ErrorCode(record.failed), message=(
-                f"store {self.instance_id}: the put's transfer failed ({record.failed}); nothing stored")))  # fmt: skip
+            return ErrorReply(code=ErrorCode(record.failed), message=(
+                f"store {self.instance_id}: the put's transfer failed ({record.failed}); nothing stored"))  # fmt: skip
         return StoreCommitReply(num_stored=self.tiers.commit(put.hashes, put.slots, put.pin))
 
     def _put_expired(self, put: PendingPut) -> None:
@@ -244,14 +244,14 @@ class StoreService(Service):
         self.tiers.give_back(put.slots)
         self.tiers.counters["puts_expired"] += 1
 
-    async def on_remove(self, request: StoreRemoveRequest, msg: Msg) -> StoreRemoveReply:
+    async def on_remove(self, request: StoreRemoveRequest, msg: Msg) -> StoreRemoveReply | ErrorReply:
         if error := self._refusal(request.contract):
-            return StoreRemoveReply(error=error)
+            return error
         return StoreRemoveReply(num_removed=await self.tiers.remove([BlockHash(h) for h in request.block_hashes]))
 
-    async def on_stats(self, request: StoreStatsRequest, msg: Msg) -> StoreStatsReply:
+    async def on_stats(self, request: StoreStatsRequest, msg: Msg) -> StoreStatsReply | ErrorReply:
         if error := self._refusal(request.contract):
-            return StoreStatsReply(error=error)
+            return error
         dram, disk = self.tiers.dram, self.tiers.disk
         on_disk = disk.stats() if disk is not None else TierStats(num_blocks=0, used_bytes=0, capacity_bytes=0)
         return StoreStatsReply(
@@ -282,7 +282,7 @@ class StoreService(Service):
         return beat
 
 
-def _lengths_differ(request: StoreGetRequest) -> ErrorInfo | None:
+def _lengths_differ(request: StoreGetRequest) -> ErrorReply | None:
     if len(request.block_hashes) != len(request.offsets):
-        return ErrorInfo(code=ErrorCode.INVALID_REQUEST, message="block_hashes and offsets differ in length")
+        return ErrorReply(code=ErrorCode.INVALID_REQUEST, message="block_hashes and offsets differ in length")
     return None

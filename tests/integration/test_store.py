@@ -183,10 +183,10 @@ async def test_bad_input_gets_a_clear_error_and_the_store_keeps_serving(nats_url
         assert mismatch.value.code == "contract_mismatch"
         assert "model_id 'SmolLM2-135M-Instruct' != 'another-model'" in str(mismatch.value)
         unknown = await caller.nc.request(subjects.store_op("store-b", "compact"), b"", timeout=10)
-        error = schema.decode(unknown.data, schema.Ack).error
+        error = schema.decode(unknown.data, schema.ErrorReply)
         assert error.code == "unknown_op" and "'compact'" in error.message and "exists, get, put" in error.message
         garbage = await caller.nc.request(subjects.store_op("store-b", "put"), b"\x93garbage", timeout=10)
-        error = schema.decode(garbage.data, schema.Ack).error
+        error = schema.decode(garbage.data, schema.ErrorReply)
         assert error.code == "bad_message" and error.message
         caller.fill(0, block_bytes(0, nb))  # and it still serves
         assert await caller.put("store-b", [block_hash(0)], [0]) == 1

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from libs.common import schema, subjects
-from libs.common.schema import Ack, AdmitReply, ErrorInfo, PrefillRequest, RequestProgress
+from libs.common.schema import Ack, AdmitReply, ErrorReply, PrefillRequest, RequestProgress
 from tests.unit.gateway.test_gateway_nats import (  # noqa: F401  (fixtures)
     MESSAGES,
     WAIT,
@@ -43,7 +43,7 @@ async def test_a_bad_slo_header_is_400_naming_it(start_gateway, cluster, value):
 
 
 async def test_a_rejection_is_429_with_retry_after_and_the_predicted_wait(start_gateway, cluster):
-    cluster.admit_reply = AdmitReply(error=ErrorInfo(code="rejected", message="predicted TTFT 4.2 s exceeds 2 s"),
+    cluster.admit_reply = ErrorReply(code="rejected", message="predicted TTFT 4.2 s exceeds 2 s",
                                      retry_after_s=2.2, predicted_ttft_s=4.2, predicted_tbt_s=0.05)  # fmt: skip
     client = openai_client(await start_gateway())
     with pytest.raises(openai.RateLimitError) as e:

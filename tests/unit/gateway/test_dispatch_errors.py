@@ -7,7 +7,7 @@ import nats.errors
 import pytest
 
 from libs.common.sampling_params import SamplingParams
-from libs.common.schema import AdmitReply, BadMessageError, Cancel
+from libs.common.schema import Ack, AdmitReply, BadMessageError, Cancel, ErrorReply
 from services.gateway.dispatch import RequestRun, WorkerLostError
 from services.gateway.errors import ServiceUnavailableError, UpstreamError
 from services.gateway.served_model import PreparedRequest
@@ -28,17 +28,19 @@ class FakeNATS:
 class FakeService:
     """The conductor admits to p0 and d0 unless ``admit_error``; the worker fails with ``submit_error``."""
 
-    def __init__(self, admit_error: Exception | None = None, submit_error: Exception | None = None) -> None:
+    def __init__(self, admit_error: Exception | ErrorReply | None = None,
+                 submit_error: Exception | ErrorReply | None = None) -> None:  # fmt: skip
         self.nc = FakeNATS()
         self.admit_error, self.submit_error = admit_error, submit_error
         self.published: list[object] = []
 
     async def request(self, subject: str, message: object, kind: type, timeout: float = 5.0) -> object:
-        if kind is AdmitReply:
-            if self.admit_error is not None:
-                raise self.admit_error
-            return AdmitReply(prefill_id="p0", decode_id="d0")
-        raise self.submit_error
+        error = self.admit_error if kind is AdmitReply else self.submit_error
+        if isinstance(error, ErrorReply):
+            return error
+        if error is not None:
+            raise error
+        return AdmitReply(prefill_id="p0", decode_id="d0") if kind is AdmitReply else Ack()
 
     async def publish(self, subject: str, message: object) -> None:
         self.published.append(message)
@@ -58,6 +60,8 @@ async def enter(service: FakeService) -> None:
      "conductor unavailable: nats: connection closed"),
     (BadMessageError("not an AdmitReply"), UpstreamError, "internal_error",
      "the conductor failed to admit the request: not an AdmitReply"),
+    (ErrorReply(code="internal", message="KeyError: 'p0'"), UpstreamError, "internal_error",
+     "the conductor failed to admit the request: KeyError: 'p0'"),
 ])  # fmt: skip
 async def test_a_conductor_that_gives_no_valid_answer(error, kind, code, message):
     service = FakeService(admit_error=error)

@@ -12,7 +12,17 @@ import pytest
 
 from libs.common import schema, subjects
 from libs.common.nats_server import NatsServer
-from libs.common.schema import Ack, AdmitReply, AdmitRequest, Cancel, ErrorInfo, Heartbeat, PrefillRequest, TokenChunk
+from libs.common.schema import (
+    Ack,
+    AdmitReply,
+    AdmitRequest,
+    Cancel,
+    ErrorInfo,
+    ErrorReply,
+    Heartbeat,
+    PrefillRequest,
+    TokenChunk,
+)
 from services.gateway.app import Gateway
 from tests.unit.gateway.conftest import gateway_settings
 
@@ -62,7 +72,7 @@ class FakeCluster:
             req = schema.decode(msg.data, PrefillRequest)
             self.submits.put_nowait(req)
             await msg.respond(schema.encode(self.submit_ack))
-            if self.submit_ack.error is None:
+            if isinstance(self.submit_ack, Ack):
                 for c in self.script(req):
                     await self.nc.publish(subjects.tokens(req.request_id), schema.encode(c))
 
@@ -217,11 +227,11 @@ async def test_without_a_conductor_the_answer_is_503_at_once(start_gateway, nc):
 
 
 @pytest.mark.parametrize("error, status, exception", [
-    (ErrorInfo(code="no_decode", message="no decode instance is running"), 503, openai.InternalServerError),
-    (ErrorInfo(code="rejected", message="TTFT target cannot be met"), 429, openai.RateLimitError),
+    (ErrorReply(code="no_decode", message="no decode instance is running"), 503, openai.InternalServerError),
+    (ErrorReply(code="rejected", message="TTFT target cannot be met"), 429, openai.RateLimitError),
 ])  # fmt: skip
 async def test_conductor_errors_map_to_statuses(start_gateway, cluster, error, status, exception):
-    cluster.admit_reply = AdmitReply(error=error)
+    cluster.admit_reply = error
     client = openai_client(await start_gateway())
     with pytest.raises(exception) as e:
         await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)
@@ -231,7 +241,7 @@ async def test_conductor_errors_map_to_statuses(start_gateway, cluster, error, s
 
 
 async def test_a_prefill_worker_without_capacity_is_503_and_cancelled(start_gateway, cluster):
-    cluster.submit_ack = Ack(error=ErrorInfo(code="no_capacity", message="queue full"))
+    cluster.submit_ack = ErrorReply(code="no_capacity", message="queue full")
     client = openai_client(await start_gateway())
     with pytest.raises(openai.InternalServerError) as e:
         await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)

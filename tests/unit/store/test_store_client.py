@@ -5,7 +5,7 @@ import pytest
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from libs.common import schema, subjects
-from libs.common.schema import ErrorInfo, Message, StoreCommitReply, StoreExistsReply, StorePutReply
+from libs.common.schema import ErrorReply, Message, StoreCommitReply, StoreExistsReply, StorePutReply
 from libs.common.store_client import BAD_REPLY, STORE_CALLS, UNAVAILABLE, StoreClient, StoreError
 from tests.unit.store.conftest import CONTRACT, h
 
@@ -54,8 +54,9 @@ async def test_calls_go_to_the_operation_subject_with_the_client_contract():
 @pytest.mark.parametrize(
     ("answer", "code"),
     [
-        (StoreCommitReply(error=ErrorInfo(code="unknown_put", message="no put")), "unknown_put"),
-        (schema.Ack(error=ErrorInfo(code="bad_message", message="undecodable")), "bad_message"),
+        (ErrorReply(code="unknown_put", message="no put"), "unknown_put"),
+        (ErrorReply(code="bad_message", message="undecodable"), "bad_message"),
+        (StoreExistsReply(tiers=[]), BAD_REPLY),  # another operation's reply
         (b"\x93garbage", BAD_REPLY),
         (NoRespondersError(), UNAVAILABLE),
         (NatsTimeout(), UNAVAILABLE),
