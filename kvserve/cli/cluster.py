@@ -21,6 +21,7 @@ from typing import Any, TextIO
 from urllib.parse import urlsplit
 
 from kvserve.cli.console import Console
+from kvserve.cli.cpus import CpuShare, plan_cpus
 from kvserve.cli.heartbeats import HeartbeatWatcher
 from kvserve.cli.service_process import ServiceProcess, describe_exit
 from kvserve.cli.supervisor import (
@@ -33,6 +34,7 @@ from kvserve.cli.supervisor import (
     die_with_launcher,
     remove_segments_of,
 )
+from libs.common.cpu_share import available_cpus
 from libs.common.errors import KVServeError
 from libs.common.model.default_model import DEFAULT_MODEL_ID, resolve_model_path
 from libs.common.nats_server import NatsServer
@@ -59,6 +61,10 @@ class LocalCluster:
     default), so the launcher itself can be tested with stand-in services.
     ``env`` is added to every service's environment, last.
 
+    Each worker gets its share of this machine's cores (kvserve/cli/cpus.py): ``cpus``
+    gives a worker role its own cores (``{"prefill": (0, 1), "decode": (2, 3)}``);
+    the roles it leaves out share the rest.
+
     With ``supervise``, once the cluster is ready any process that exits (a service
     instance or nats-server) is started again after a backoff: ``restart_delays``
     (first, longest) seconds, doubling at each exit in a row. Without it (tests that kill
@@ -84,12 +90,14 @@ class LocalCluster:
         modules: dict[str, str] | None = None,
         supervise: bool = False,
         restart_delays: tuple[float, float] = (RESTART_DELAY_FIRST, RESTART_DELAY_MAX),
+        cpus: dict[str, tuple[int, ...]] | None = None,
     ) -> None:
         if prefill < 1 or decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode worker")
         if unknown := set(modules or {}) - set(ROLES):
             raise ValueError(f"no such service: {', '.join(sorted(unknown))}")
         self.counts = {"conductor": 1, "store": int(store), "prefill": prefill, "decode": decode, "gateway": 1}
+        self.cpu_plan: dict[str, CpuShare] = plan_cpus(self.counts, available_cpus(), cpus)  # by instance id
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.gateway_port = gateway_port
         self.gateway_host = gateway_host
@@ -335,7 +343,10 @@ class LocalCluster:
             env["KVSERVE_STORE_DIR"] = str(self.store_dir / instance_id)
         if not self.counts["store"]:
             env["KVSERVE_USE_STORE"] = "0"  # prefill workers then never ask a store that is not there
+        env.update(self.cpu_plan[instance_id].env())
         env.update(self.extra_env)
+        if "OMP_NUM_THREADS" in self.extra_env and "KVSERVE_THREADS" not in self.extra_env:
+            env["KVSERVE_THREADS"] = self.extra_env["OMP_NUM_THREADS"]  # the threads asked for, not the plan's
         return ServiceProcess(instance_id, role, self.modules[role], env)
 
     def _spawn(self, inst: ServiceProcess) -> None:

@@ -12,8 +12,10 @@ import signal
 from pathlib import Path
 
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
+from kvserve.cli.cpus import cpus_argument
 from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
 from kvserve.cli.options import add_model_options
+from libs.common.cpu_share import available_cpus
 
 DESCRIPTION = f"""\
 Run a kvserve cluster on this machine, in the foreground: nats-server, a conductor,
@@ -27,14 +29,21 @@ A process that dies once the cluster is up (a service instance or nats-server) i
 started again, with the same id, port and settings, {RESTART_DELAY_FIRST:g} s later; the delay
 doubles, up to {RESTART_DELAY_MAX:g} s, while it keeps dying within {HEALTHY_AFTER_SECONDS:g} s of starting. The rest
 of the cluster keeps serving meanwhile. Every process it started dies with kvserve
-up, however kvserve up ends (kill -9 included)."""
+up, however kvserve up ends (kill -9 included).
+
+Each prefill and decode worker runs on its own share of this machine's cores (pinned,
+with one torch thread per core, threads sleeping when idle), so workers do not fight
+over cores: with as many cores as workers, disjoint runs of cores, split evenly (prefill
+first when uneven); with fewer, every worker on every core with one thread. The
+gateway, conductor and store use one thread each, unpinned. --cpus sets the shares."""
 
 EPILOG = """\
 examples:
   kvserve up                              one worker of each kind on http://127.0.0.1:8000/v1
   kvserve up --prefill 2 --decode 2       more workers
   kvserve up --host 0.0.0.0 --api-key s3cret
-  kvserve up --model path/to/hf-folder --dtype float32"""
+  kvserve up --model path/to/hf-folder --dtype float32
+  kvserve up --cpus prefill=0-5,decode=6,7  cores 0-5 to prefill, 6 and 7 to decode"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -71,6 +80,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--timeout", type=float, default=120.0, metavar="SECONDS",
         help="how long every service has to become ready (default 120; preparing the model is not counted)",
     )  # fmt: skip
+    parser.add_argument(
+        "--cpus", type=cpus_argument(available_cpus()), metavar="ROLE=CORES,...",
+        help="the cores of each worker role, as Linux core lists: prefill=0-3,decode=4-7 (a role's workers "
+        "divide its cores; a role left out gets the cores left). Default: the workers divide this machine's "
+        "cores evenly, prefill first",
+    )  # fmt: skip
     add_model_options(parser)
     parser.set_defaults(run=run)
 
@@ -87,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         api_key=args.api_key_file or args.api_key,
         supervise=True,
+        cpus=args.cpus,
     )
     return serve(cluster, timeout=args.timeout)
 
@@ -132,9 +148,11 @@ def banner(cluster: LocalCluster) -> str:
         curl += ' -H "Authorization: Bearer $KVSERVE_API_KEY"'
     curl += " -d " + shlex.quote(json.dumps(body))
     key_note = "(with KVSERVE_API_KEY set to the API key in your shell)\n" if cluster.api_key else ""
+    cores = "; ".join(f"{i} {share.describe()}" for i, share in cluster.cpu_plan.items() if share.cpus is not None)
     return (
         f"\nkvserve is up: {url}\n"
         f"model: {cluster.model_id} ({cluster.dtype}, {cluster.device})\n"
+        f"cores: {cores}\n"
         f"try it:\n  {curl}\n{key_note}"
         f"Ctrl-C stops the cluster.\n"
     )

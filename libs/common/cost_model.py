@@ -21,6 +21,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from libs.common.cpu_share import available_cpus, format_cpu_list
 from libs.common.schema import CostCoefficients
 from libs.common.vocabulary import KVTier
 
@@ -173,14 +174,15 @@ class _SavedCalibration(msgspec.Struct, frozen=True):
 
 
 def _engine_key(engine) -> str:
-    """What a calibration depends on: the model's shape, dtype, device, pool and threads."""
+    """What a calibration depends on: the model's shape, dtype, device, pool, and the
+    share of the host it was measured on (its cores and torch threads)."""
     import torch
 
     config = engine.model.config
     return (f"{config.hidden_size}x{config.num_layers}x{config.intermediate_size}x{config.vocab_size}"
             f"/{engine.pool.layout.block_nbytes}B/{engine.cache.block_pool.num_blocks}blocks"
             f"/{next(engine.model.parameters()).dtype}/{next(engine.model.parameters()).device}"
-            f"/{torch.get_num_threads()}threads")  # fmt: skip
+            f"/{torch.get_num_threads()}threads/cores{format_cpu_list(available_cpus())}")  # fmt: skip
 
 
 def _fitting(engine, plan, shape_of) -> list:

@@ -16,6 +16,7 @@ from typing import TypeVar
 import torch
 
 from libs.common.contract import make_contract
+from libs.common.cpu_share import apply_cpu_share, format_cpu_list
 from libs.common.model.engine import Engine, EngineConfig
 from libs.common.model.loader import LoadedModel, build_engine, load_model
 from libs.common.schema import KVContract
@@ -55,6 +56,9 @@ class EngineHost:
         if removed:
             log.info("removed %d shared-memory segments left by dead processes", len(removed))
         settings.require_cpu()
+        # Before the model loads and calibrates: both then run on this share only.
+        cpus, threads = apply_cpu_share(settings.cpus, settings.threads)
+        log.info("%s runs on cores %s, torch threads: %d", owner, format_cpu_list(cpus), threads)
         loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, progress=False)
         config = EngineConfig(
             block_size=settings.block_size,

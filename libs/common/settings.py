@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
+from libs.common.cpu_share import available_cpus, format_cpu_list, parse_cpu_list
 from libs.common.nats_auth import NatsAuthError, load_credentials
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -113,10 +114,17 @@ class ModelSettings:
     max_model_len: int | None
     calibrate: bool = False  # time the engine at start and report the fitted cost model (KVSERVE_CALIBRATE, on)
     calibration_file: str | None = None  # where a restart finds this instance's calibration (KVSERVE_CALIBRATION_FILE)
+    cpus: tuple[int, ...] | None = None  # the cores it runs on (KVSERVE_CPUS; None: wherever it was started)
+    threads: int | None = None  # torch intra-op threads (KVSERVE_THREADS; None: one per core it runs on)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError("KVSERVE_BLOCK_SIZE and KVSERVE_NUM_BLOCKS must be positive")
+        if self.cpus is not None and (missing := set(self.cpus) - set(available_cpus())):
+            raise ValueError(f"KVSERVE_CPUS names cores this process may not run on: {format_cpu_list(missing)} "
+                             f"(it may run on {format_cpu_list(available_cpus())})")  # fmt: skip
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"KVSERVE_THREADS must be at least 1, got {self.threads}")
 
     def require_cpu(self) -> None:
         """A cluster worker keeps its KV pool in shared memory: it runs on the CPU for now."""
@@ -135,7 +143,20 @@ class ModelSettings:
             max_model_len=env_int("MAX_MODEL_LEN", 0) or None,
             calibrate=env_bool("CALIBRATE", True),
             calibration_file=env_str("CALIBRATION_FILE", "") or None,
+            cpus=env_cpu_list("CPUS"),
+            threads=env_int("THREADS", 0) or None,
         )
+
+
+def env_cpu_list(name: str) -> tuple[int, ...] | None:
+    """A core list like ``0-3,6``; None when the variable is unset or empty."""
+    raw = os.environ.get(f"KVSERVE_{name}", "")
+    if not raw:
+        return None
+    try:
+        return parse_cpu_list(raw)
+    except ValueError as e:
+        raise ValueError(f"KVSERVE_{name}: {e}") from None
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """A restarted worker reuses its previous run's calibration when its engine has the same shape."""
 
+import os
+
 import msgspec
 import pytest
+import torch
 
 from libs.common import cost_model
 from libs.common.model.engine import EngineConfig
@@ -37,3 +40,24 @@ def test_a_saved_calibration_of_the_same_engine_is_reused_and_another_is_measure
 
     cost_model.calibrate_once(engine, None)  # no file: always measured
     assert len(measured) == 4
+
+
+def test_a_saved_calibration_is_measured_over_on_another_core_share(engine, tmp_path, monkeypatch):
+    saved = tmp_path / "decode-0.calibration.json"
+    measured = []
+    real = cost_model.calibrate
+    monkeypatch.setattr(cost_model, "calibrate", lambda e: measured.append(e) or real(e))
+    cost_model.calibrate_once(engine, str(saved))
+    threads, cores = torch.get_num_threads(), os.sched_getaffinity(0)
+    try:
+        torch.set_num_threads(threads + 1)  # more threads: another share
+        cost_model.calibrate_once(engine, str(saved))
+        assert len(measured) == 2
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, {min(cores)})  # the same threads on fewer cores: another share too
+        cost_model.calibrate_once(engine, str(saved))
+        assert len(measured) == 3
+        assert f"/cores{min(cores)}" in msgspec.json.decode(saved.read_bytes())["engine"]
+    finally:
+        torch.set_num_threads(threads)
+        os.sched_setaffinity(0, cores)

@@ -1,0 +1,115 @@
+"""How a local cluster shares its host's cores: ``kvserve up --cpus`` parsed, and the
+plan that gives each worker its cores and torch threads.
+
+Each worker applies its share itself at start (libs/common/cpu_share.py, from
+KVSERVE_CPUS and KVSERVE_THREADS), before it loads and calibrates its model. The
+gateway, conductor and store move bytes, not tensors: one torch thread each, unpinned.
+OpenMP threads sleep when idle instead of spinning (OMP_WAIT_POLICY=PASSIVE): a worker
+waiting for work then leaves its cores to the others.
+"""
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from libs.common.cpu_share import format_cpu_list, parse_cpu_list
+
+WORKER_ROLES = ("prefill", "decode")  # also the order cores are handed out in
+
+
+@dataclass(frozen=True)
+class CpuShare:
+    cpus: tuple[int, ...] | None  # the cores it may run on; None: not pinned
+    threads: int  # torch intra-op threads
+
+    def env(self) -> dict[str, str]:
+        """The variables a process is started with to take this share."""
+        env = {"KVSERVE_THREADS": str(self.threads), "OMP_NUM_THREADS": str(self.threads), "OMP_WAIT_POLICY": "PASSIVE"}
+        if self.cpus is not None:
+            env["KVSERVE_CPUS"] = format_cpu_list(self.cpus)
+        return env
+
+    def describe(self) -> str:
+        where = "any core" if self.cpus is None else f"cores {format_cpu_list(self.cpus)}"
+        return f"{where}, {self.threads} thread{'s' if self.threads != 1 else ''}"
+
+
+IO_SHARE = CpuShare(cpus=None, threads=1)  # the gateway, the conductor, the store
+
+
+def parse_cpus_option(text: str, host: Sequence[int]) -> dict[str, tuple[int, ...]]:
+    """``prefill=0-3,decode=4-7`` (or ``prefill=0,2,decode=1``: an item without ``=``
+    continues the role before it) -> cores by worker role, each a subset of ``host``.
+    Raises ValueError saying what is wrong."""
+    lists: dict[str, list[str]] = {}
+    role = None
+    for item in text.split(","):
+        name, eq, cores = item.partition("=")
+        if eq:
+            role = name.strip()
+            if role not in WORKER_ROLES:
+                raise ValueError(f"{role!r} is not a worker role: give cores to {' and '.join(WORKER_ROLES)}")
+            if role in lists:
+                raise ValueError(f"{role} is given cores twice")
+            lists[role] = [cores]
+        elif role is None:
+            raise ValueError(f"{text!r}: start with a role, e.g. prefill=0-3,decode=4-7")
+        else:
+            lists[role].append(item)
+    roles = {}
+    for role, items in lists.items():
+        cores = parse_cpu_list(",".join(items))
+        if missing := set(cores) - set(host):
+            raise ValueError(f"{role}: no core {format_cpu_list(missing)} here (this process may run on "
+                             f"{format_cpu_list(host)})")  # fmt: skip
+        roles[role] = cores
+    return roles
+
+
+def divide(cores: Sequence[int], workers: Sequence[str]) -> dict[str, CpuShare]:
+    """Share ``cores`` among ``workers``: with at least one core each, disjoint runs of
+    cores in order, as even as they go (the first workers get one more when uneven);
+    with fewer cores than workers, every worker may run on every core, with
+    ``max(1, cores // workers)`` threads (sleeping, not spinning, when idle)."""
+    cores = sorted(cores)
+    if len(cores) < len(workers):
+        shared = CpuShare(tuple(cores), max(1, len(cores) // len(workers)))
+        return {worker: shared for worker in workers}
+    each, extra = divmod(len(cores), len(workers))
+    plan, start = {}, 0
+    for i, worker in enumerate(workers):
+        size = each + (i < extra)
+        plan[worker] = CpuShare(tuple(cores[start : start + size]), size)
+        start += size
+    return plan
+
+
+def plan_cpus(counts: dict[str, int], host: Sequence[int], explicit: dict[str, tuple[int, ...]] | None = None) -> dict[str, CpuShare]:
+    """Every instance's share, by instance id (``prefill-0``), for ``counts`` instances
+    of each role on a host whose cores are ``host``. Without ``explicit`` the workers
+    divide the host (prefill first, so it gets the larger share when uneven); a role
+    in ``explicit`` divides its own cores among its workers, and a role left out
+    divides the host's cores no named role took (all of them if none is left)."""
+    plan = {f"{role}-{i}": IO_SHARE for role, n in counts.items() if role not in WORKER_ROLES for i in range(n)}
+    workers = {role: [f"{role}-{i}" for i in range(counts.get(role, 0))] for role in WORKER_ROLES}
+    explicit = explicit or {}
+    rest = sorted(set(host) - {core for cores in explicit.values() for core in cores}) or sorted(host)
+    unnamed = [worker for role in WORKER_ROLES if role not in explicit for worker in workers[role]]
+    if unnamed:
+        plan |= divide(rest, unnamed)
+    for role, cores in explicit.items():
+        if workers[role]:
+            plan |= divide(cores, workers[role])
+    return plan
+
+
+def cpus_argument(host: Sequence[int]):
+    """An argparse ``type`` for ``--cpus``: a bad spec exits 2 with one line saying why."""
+
+    def parse(text: str) -> dict[str, tuple[int, ...]]:
+        try:
+            return parse_cpus_option(text, host)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
