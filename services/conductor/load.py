@@ -93,6 +93,9 @@ class DecodeLoad:
 
     def __init__(self) -> None:
         self.records: dict[str, DecodeRecord] = {}
+        self.modelled_s = 0.0  # the integral over time of the step time the cost model gives the batch
+        self._step = 0.0  # ... since ``_step_at``, until the batch changes
+        self._step_at: float | None = None
         self._prompts = 0  # of every record
         self._decoding = 0
         self._decoding_prompts = 0
@@ -109,6 +112,19 @@ class DecodeLoad:
     @property
     def decoding_prompt_tokens(self) -> int:
         return self._decoding_prompts
+
+    def advance(self, now: float) -> float:
+        """``modelled_s`` at ``now``: what a sequence decoding through it all would have
+        taken a token, summed, if every step took what the cost model says (settles a
+        request's TBT against the model, whatever joined its batch after it was admitted)."""
+        if self._step_at is not None and now > self._step_at:
+            self.modelled_s += self._step * (now - self._step_at)
+        self._step_at = now
+        return self.modelled_s
+
+    def set_step(self, step_s: float) -> None:
+        """The batch changed: from now on the model gives it steps of ``step_s``."""
+        self._step = step_s
 
     def add(self, request_id: str, prompt_tokens: int, start: float, tokens: int, expected: int) -> None:
         self.done(request_id)

@@ -6,8 +6,10 @@ the median of the recent ones is the instance's speed, by which every prefill
 prediction for it is scaled (a worker slower than its calibration, or sharing
 its cores with another, is predicted as it runs, and its queue with it).
 
-Every settled request gives an observed/predicted ratio (its TTFT, and its mean
-TBT once it ends). A margin is a high quantile of the recent ratios: admission
+Every settled request gives an observed/predicted ratio: its TTFT, and, once it
+ends, its mean TBT against the steps the model gives the batch it ran in (whose
+median is the decode instance's speed, by which the conductor forecasts when
+requests leave a batch). A margin is a high quantile of the recent ratios: admission
 multiplies a prediction by it before comparing with the SLO, so a cost model that
 is optimistic (a worker slower than its calibration, contention between
 co-located workers, queueing the model does not see) costs refusals instead of
@@ -65,9 +67,11 @@ class Margins:
         self._ttft: dict[str, RatioWindow] = {}
         self._tbt: dict[str, RatioWindow] = {}
         self._speed: dict[str, RatioWindow] = {}
+        self._decode_speed: dict[str, RatioWindow] = {}
         self.ttft_all = self._window()
         self.tbt_all = self._window()
         self.speed_all = self._speed_window()
+        self.decode_speed_all = self._speed_window()
 
     def _speed_window(self) -> RatioWindow:
         return RatioWindow(self.config.window, 0.5, 0.1, MAX_MARGIN)
@@ -82,6 +86,12 @@ class Margins:
     def observe_tbt(self, instance_id: str, observed: float, predicted: float) -> None:
         self._tbt.setdefault(instance_id, self._window()).observe(observed, predicted)
         self.tbt_all.observe(observed, predicted)
+        self._decode_speed.setdefault(instance_id, self._speed_window()).observe(observed, predicted)
+        self.decode_speed_all.observe(observed, predicted)
+
+    def decode_speed(self, instance_id: str) -> float:
+        """Measured/modelled step time, the median over recent requests decoded on ``instance_id``."""
+        return _pick(self._decode_speed.get(instance_id), self.decode_speed_all, MIN_SPEED_SAMPLES)
 
     def observe_prefill(self, instance_id: str, measured: float, predicted: float) -> None:
         self._speed.setdefault(instance_id, self._speed_window()).observe(measured, predicted)
@@ -101,6 +111,7 @@ class Margins:
         self._ttft.pop(instance_id, None)
         self._tbt.pop(instance_id, None)
         self._speed.pop(instance_id, None)
+        self._decode_speed.pop(instance_id, None)
 
 
 def _pick(own: RatioWindow | None, cluster: RatioWindow, enough: int = MIN_SAMPLES) -> float:

@@ -69,6 +69,20 @@ class DecodeEstimate:
     fits: bool = True  # its KV fits the instance's pool beside that batch's
 
 
+def step_now(d: Instance) -> float:
+    """``d``'s step time now (at least one sequence), from its prompts and heartbeat."""
+    hb, load = d.heartbeat, d.decode
+    count = max(load.num_decoding, hb.batch_size, 1)
+    return d.cost.decode_step_time(count, max(load.decoding_prompt_tokens, hb.context_tokens))
+
+
+def modelled_step(d: Instance, now: float) -> float:
+    """The step time the cost model gives ``d``'s batch now, generated tokens included."""
+    count, context = d.decode.current(now, step_now(d))
+    hb = d.heartbeat
+    return d.cost.decode_step_time(max(count, hb.batch_size, 1), max(context, hb.context_tokens))
+
+
 class AdmitContext:
     """Everything a policy looks at for one request, and the predictions built on it.
 
@@ -174,10 +188,7 @@ class AdmitContext:
 
     # --- TBT --------------------------------------------------------------------------
     def step_now(self, d: Instance) -> float:
-        """``d``'s step time now (at least one sequence), from its prompts and heartbeat."""
-        hb, load = d.heartbeat, d.decode
-        count = max(load.num_decoding, hb.batch_size, 1)
-        return d.cost.decode_step_time(count, max(load.decoding_prompt_tokens, hb.context_tokens))
+        return step_now(d)
 
     def _batches(self, d: Instance) -> tuple[float, tuple[int, int], tuple[int, int]]:
         """(step time now, the batch by the records, the batch now: the records or the
@@ -225,9 +236,10 @@ class AdmitContext:
     def decode_at(self, d: Instance, at: float) -> DecodeEstimate:
         """Against the batch predicted for the moment ``at`` (prediction-based rejection):
         the batch now, plus the requests predicted to land by then, minus those
-        predicted to finish by then (decoding at the step time the instance has now)."""
+        predicted to finish by then (decoding at the step time the instance has now,
+        times the speed learned from its measured TBTs)."""
         step, recorded, now = self._batches(d)
-        count, context = d.decode.forecast(at, self.now, step)
+        count, context = d.decode.forecast(at, self.now, step * self.margins.decode_speed(d.instance_id))
         return self.decode_estimate(d, (count + now[0] - recorded[0], context + now[1] - recorded[1]))
 
     def decode_duration(self, d: Instance) -> float:

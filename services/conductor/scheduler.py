@@ -19,7 +19,7 @@ from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
 from services.conductor.margin import MarginConfig, Margins
 from services.conductor.policies import Decision
-from services.conductor.predict import SLO, AdmitContext, PredictConfig
+from services.conductor.predict import SLO, AdmitContext, PredictConfig, modelled_step
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,7 @@ class Admitted:
     predicted_tbt_s: float | None
     admitted_at: float
     first_token_at: float | None = None
+    modelled_at_first_s: float = 0.0  # its decode instance's `DecodeLoad.modelled_s` at its first token
 
 
 # prediction error buckets, seconds (actual - predicted; negative: it came early)
@@ -146,7 +147,9 @@ class Scheduler:
             if served is not None and served.measured_s is not None:
                 self.margins.observe_prefill(record.prefill_id, served.measured_s, served.predicted_s)
         if (decode := self.view.get(record.decode_id)) is not None:
+            record.modelled_at_first_s = decode.decode.advance(now)
             decode.decode.started(request_id, now)
+            decode.decode.set_step(modelled_step(decode, now))
         measured = ttft_s if ttft_s is not None else now - record.admitted_at
         self.errors.observe(measured - record.predicted_ttft_s)
         self.margins.observe_ttft(record.prefill_id, measured, record.predicted_ttft_s)
@@ -158,11 +161,19 @@ class Scheduler:
         if record is None:
             return
         now = self.view.clock()
-        if record.first_token_at is not None and num_output_tokens >= 2 and record.predicted_tbt_s:
+        decode = self.view.get(record.decode_id)
+        modelled = decode.decode.advance(now) if decode is not None else None
+        if record.first_token_at is not None and num_output_tokens >= 2 and now > record.first_token_at:
             measured = (now - record.first_token_at) / (num_output_tokens - 1)
-            self.tbt_errors.observe(measured - record.predicted_tbt_s)
-            self.margins.observe_tbt(record.decode_id, measured, record.predicted_tbt_s)
+            if record.predicted_tbt_s:
+                self.tbt_errors.observe(measured - record.predicted_tbt_s)
+            if modelled is not None and modelled > record.modelled_at_first_s:
+                # against the steps the model gives the batch it ran in (which later admissions
+                # were allowed to grow up to the SLO), not the batch it was admitted into
+                model_tbt = (modelled - record.modelled_at_first_s) / (now - record.first_token_at)
+                self.margins.observe_tbt(record.decode_id, measured, model_tbt)
         if (prefill := self.view.get(record.prefill_id)) is not None:
             prefill.prefill.done(request_id, now)
-        if (decode := self.view.get(record.decode_id)) is not None:
+        if decode is not None:
             decode.decode.done(request_id)
+            decode.decode.set_step(modelled_step(decode, now))

@@ -178,3 +178,30 @@ def test_per_request_slos_override_the_defaults():
     assert s.admit(request("a")).admitted
     d = s.admit(request("b", slo_ttft_s=0.2))
     assert (d.reason, d.retry_after_s) == ("ttft_slo", pytest.approx(0.34 - 0.2))
+
+
+def test_early_and_predictive_rejection_part_where_the_decode_batch_changes_during_prefills():
+    # decode steps of 10 ms + 1 ms a sequence against a 30 ms TBT target: 20 sequences fit
+    policies = ("cache_aware+early_rejection", "cache_aware+predictive_rejection")
+    # filling: 20 long requests queued at p0 (0.17 s each) and none decoding yet. Early rejection sees
+    # an empty batch; predictive sees the 20 that will be decoding when the 21st's prefill ends
+    decisions = {}
+    for policy in policies:
+        s, _, _ = scheduler(policy, P0, D0, ttft_s=100.0, tbt_s=0.03)
+        for i in range(20):
+            assert s.admit(request(f"r{i}", blocks=[], max_tokens=1000)).admitted
+        decisions[policy] = s.admit(request("r20", blocks=[], max_tokens=1000))
+    assert decisions["cache_aware+early_rejection"].admitted
+    assert decisions["cache_aware+predictive_rejection"].reason == "tbt_slo"
+    # draining: 20 sequences decoding now, each 5 tokens from its end; a 1,000-token prompt
+    # (1 s of prefill) joins a batch that will have emptied by then
+    for policy in policies:
+        s, _, clock = scheduler(policy, P0, D0, ttft_s=100.0, tbt_s=0.03)
+        for i in range(20):
+            s.admit(request(f"r{i}", tokens=17, blocks=[], max_tokens=5))
+        clock.now = 1.0
+        for i in range(20):
+            s.first_token(f"r{i}")
+        decisions[policy] = s.admit(request("long", tokens=1000, blocks=[]))
+    assert decisions["cache_aware+early_rejection"].reason == "tbt_slo"
+    assert decisions["cache_aware+predictive_rejection"].admitted
