@@ -4,6 +4,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+BROWSER_STAMP := $(VENV)/.chromium
 
 .PHONY: up test bench bench-setup clean
 
@@ -20,7 +21,24 @@ $(STAMP): pyproject.toml Makefile
 up: $(STAMP)
 	$(BIN)/kvserve up
 
-test: $(STAMP)
+# The console's browser test (tests/integration/test_console.py) drives the system's
+# Chromium, never one Playwright downloads: installed with apt where root can, else
+# the test skips and this says why (checked again on the next `make test`).
+$(BROWSER_STAMP): $(STAMP)
+	@if command -v chromium >/dev/null 2>&1; then \
+	    touch $(BROWSER_STAMP); \
+	elif [ "$$(id -u)" != 0 ]; then \
+	    echo "chromium is not installed and installing it needs root (apt-get install -y chromium): the console's browser test will skip"; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	    echo "chromium is not installed and there is no apt-get to install it: the console's browser test will skip"; \
+	elif DEBIAN_FRONTEND=noninteractive apt-get install -y chromium \
+	        || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium); then \
+	    touch $(BROWSER_STAMP); \
+	else \
+	    echo "apt-get could not install chromium: the console's browser test will skip"; \
+	fi
+
+test: $(STAMP) $(BROWSER_STAMP)
 	$(BIN)/python -m pytest
 
 # The llama.cpp peer, built once from the sources vendored in the llama-cpp-python sdist

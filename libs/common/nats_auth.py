@@ -69,14 +69,14 @@ PERMISSIONS: dict[str, Permissions] = {
     "gateway": _service(
         "gateway",
         publish=(s.CONDUCTOR_ADMIT, s.CONDUCTOR_PROGRESS, s.PREFILL_SUBMIT_ALL, s.DECODE_PREFILL_ALL, s.CANCEL,
-                 s.METRICS_ALL),
+                 s.METRICS_ALL, s.CONDUCTOR_VIEW_ALL),
         subscribe=(s.HEARTBEAT_ALL, s.TOKENS_ALL),
         requests=True,
     ),  # fmt: skip
     "conductor": _service(
         "conductor",
         publish=(s.KV_SNAPSHOT_ALL,),
-        subscribe=(s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CONDUCTOR_PROGRESS, s.CONDUCTOR_ADMIT),
+        subscribe=(s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CONDUCTOR_PROGRESS, s.CONDUCTOR_ADMIT, s.CONDUCTOR_VIEW_ALL),
         requests=True,
     ),
     # Prefill and decode workers alone publish tokens.

@@ -24,6 +24,11 @@ class PeerDirectory:
         """The last heartbeat of ``instance_id`` and when it came (by ``clock``); None if never heard."""
         return self._seen.get(instance_id)
 
+    def heard(self) -> list[tuple[Heartbeat, float]]:
+        """Every instance heard from within ``timeout``, with the seconds since its last heartbeat."""
+        now = self.clock()
+        return [(hb, now - seen) for hb, seen in self._seen.values() if now - seen <= self.timeout]
+
     def alive(self, role: str, exclude: set[str] = frozenset()) -> list[Heartbeat]:
         """Live instances of ``role`` not in ``exclude``, least loaded first."""
         now = self.clock()

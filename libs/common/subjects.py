@@ -34,6 +34,11 @@ CONDUCTOR_QUEUE = "conductor"
 CONDUCTOR_PROGRESS = f"{PREFIX}.conductor.progress"  # gateway -> every conductor: RequestProgress
 
 
+def conductor_view(instance_id: str) -> str:
+    """Gateway -> one conductor: its KV map and recent decisions, for the console (request/reply)."""
+    return f"{PREFIX}.conductor.{_token(instance_id)}.view"
+
+
 # --- KV events ------------------------------------------------------------------
 def kv_events(instance_id: str) -> str:
     """A publisher's KV events (KVEventBatch), in sequence order."""
@@ -105,6 +110,7 @@ def tokens(request_id: str) -> str:
 
 # --- patterns: one subject of every instance or request (wildcard subscriptions, NATS permissions)
 METRICS_ALL = f"{PREFIX}.metrics.*"
+CONDUCTOR_VIEW_ALL = f"{PREFIX}.conductor.*.view"
 KV_SNAPSHOT_ALL = f"{PREFIX}.kv.snapshot.*"
 PREFILL_SUBMIT_ALL = f"{PREFIX}.prefill.*.submit"
 DECODE_RESERVE_ALL = f"{PREFIX}.decode.*.reserve"

@@ -16,6 +16,8 @@ from libs.common.schema import (
     AdmitReply,
     AdmitRequest,
     BadMessageError,
+    ConductorViewReply,
+    ConductorViewRequest,
     ErrorReply,
     Heartbeat,
     KVEventBatch,
@@ -28,6 +30,7 @@ from libs.common.schema import (
 from libs.common.service import Service
 from services.conductor.admission import build_policy
 from services.conductor.cluster import ClusterView, Instance
+from services.conductor.explain import DecisionLog
 from services.conductor.index import KVIndex
 from services.conductor.scheduler import Scheduler
 from services.conductor.settings import ConductorSettings
@@ -46,6 +49,8 @@ class Conductor(Service):
         self.tracker = KVEventTracker(apply=self.index.apply_event, reset=self.index.replace)
         self.view.on_gone = self._forget
         self.scheduler = Scheduler(build_policy(settings.policy), self.view, self.index, settings.scheduler_config())
+        self.decisions = DecisionLog(self.scheduler.policy.name)  # for the console
+        self.scheduler.explain = self.decisions.record
         self._snapshots: set[str] = set()  # instances whose snapshot is being fetched
 
     async def start(self, stack: AsyncExitStack) -> None:
@@ -55,6 +60,7 @@ class Conductor(Service):
         await self.subscribe(subjects.KV_EVENTS_ALL, KVEventBatch, self.on_kv_events)
         await self.subscribe(subjects.CONDUCTOR_PROGRESS, RequestProgress, self.on_progress)
         await self.subscribe(subjects.CONDUCTOR_ADMIT, AdmitRequest, self.on_admit, queue=subjects.CONDUCTOR_QUEUE)
+        await self.subscribe(subjects.conductor_view(self.instance_id), ConductorViewRequest, self.on_view)
         expiry = self.spawn(self._expire_loop())
         stack.callback(expiry.cancel)
 
@@ -115,6 +121,11 @@ class Conductor(Service):
             prefill_id=d.prefill_id, decode_id=d.decode_id, prefill_on_decode=d.prefill_on_decode,
             predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s, cached_tokens=d.cached_tokens,
         )  # fmt: skip
+
+    async def on_view(self, request: ConductorViewRequest, msg: Msg) -> ConductorViewReply:
+        """The console's question: the KV map, the hottest prefixes and the last decisions."""
+        slo = self.scheduler.config.slo
+        return self.decisions.view(self.instance_id, self.index, slo, request.max_decisions, request.max_prefixes)
 
     async def on_progress(self, progress: RequestProgress, msg: Msg) -> None:
         if progress.kind == "first_token":

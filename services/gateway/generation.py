@@ -7,7 +7,8 @@ such request while it runs. Domain errors leave here; nothing here knows HTTP.
 """
 
 import asyncio
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,9 @@ class Generation:
 
     run: MigratingRun
     text: TextStream
+    slo: SLOOverride | None = None  # the request's own targets, where it set them
+    started_at: float = 0.0  # time.monotonic() when it was first admitted ...
+    ended_at: float | None = None  # ... and when it was over
 
     def deltas(self) -> AsyncIterator[Delta]:
         return stream_deltas(self.run, self.text)
@@ -56,6 +60,7 @@ class Generations:
         self.peers = peers
         self.model = model
         self.num_in_flight = 0
+        self.observers: list[Callable[[Generation], None]] = []  # told of every admitted request once it is over
 
     @asynccontextmanager
     async def generate(
@@ -75,12 +80,18 @@ class Generations:
             watch = WorkerWatch(self.peers, silence)
             return RequestRun(self.service, p, s.request_timeout, slo=slo, exclude=exclude, watch=watch)
 
+        generation, started_at = None, time.monotonic()
         self.num_in_flight += 1
         try:
             async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at) as run:
-                yield Generation(run, text)
+                generation = Generation(run, text, slo, started_at)
+                yield generation
         finally:
             self.num_in_flight -= 1
+            if generation is not None:
+                generation.ended_at = time.monotonic()
+                for observe in self.observers:
+                    observe(generation)
 
     def _started_at(self, instance_id: str) -> float | None:
         heard = self.peers.last_heard(instance_id)

@@ -21,6 +21,7 @@ from aiohttp import web
 from libs.common.errors import KVServeError
 from libs.common.service import Service
 from libs.common.vocabulary import KVTier, Role
+from services.gateway import console
 from services.gateway import openapi as openapi_document
 from services.gateway import sse
 from services.gateway.cluster_metrics import cluster_metrics
@@ -49,7 +50,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 log = logging.getLogger("kvserve.gateway.http")
 
-PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"})  # no API key needed
+PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"}) | console.PUBLIC_PATHS  # no API key needed
 READY_ROLES = (Role.CONDUCTOR, Role.PREFILL, Role.DECODE)  # a request needs a live instance of each
 INLINE_DECODE_BYTES = 64 * 1024  # larger bodies are decoded off the event loop
 

@@ -274,6 +274,34 @@ def _health(summary: str, ready: bool) -> Schema:
     return {"summary": summary, "security": [], "responses": responses}
 
 
+def _console_paths() -> dict[str, Schema]:
+    """The live console (console.py): a public page and its files, and the data they show."""
+    public = {"security": []}
+    not_found = {"404": {"description": "No such file.", "content": {"application/json": {"schema": _ref("Error")}}}}
+    return {
+        "/console": {"get": {"summary": "The live console (an HTML page).", **public,
+                             "responses": {"200": {"description": "The page.", "content": {"text/html": {}}}}}},
+        "/console/static/{name}": {"get": {
+            "summary": "A file of the console page (script, style sheet, the vendored chart library).", **public,
+            "parameters": [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": {"description": "The file.", "content": {"*/*": {}}}, **not_found},
+        }},
+        "/console/api/state": {"get": {
+            "summary": "What the console shows: instances, KV map, routing decisions, requests, SLO attainment.",
+            "responses": {"200": _json("The cluster's state.", {"type": "object"}), **_errors(401)},
+        }},
+        "/console/api/events": {"get": {
+            "summary": "The same state as server-sent events, one a second (send Accept: text/event-stream).",
+            "responses": {
+                "200": {"description": "The event stream.", "content": {"text/event-stream": {}}},
+                "406": {"description": "The request did not ask for an event stream.",
+                        "content": {"application/json": {"schema": _ref("Error")}}},
+                **_errors(401),
+            },
+        }},
+    }  # fmt: skip
+
+
 def document(model_id: str, needs_api_key: bool) -> dict[str, Any]:
     ready = "Ready: connected to NATS with a live conductor, prefill and decode instance (vLLM's /health)."
     return {
@@ -317,6 +345,7 @@ def document(model_id: str, needs_api_key: bool) -> dict[str, Any]:
                     },
                 },
             },
+            **_console_paths(),
             "/openapi.json": {
                 "get": {
                     "summary": "This description.",

@@ -9,6 +9,7 @@ of its own: the model, NATS and the listener live and die with the Gateway (app.
 from aiohttp import web
 
 from libs.common.service import Service
+from services.gateway import console
 from services.gateway.generation import Generations
 from services.gateway.handlers import Handlers, error_middleware
 from services.gateway.listener import ConnectionGuard
@@ -33,4 +34,5 @@ def init_app(service: Service, generations: Generations, guard: ConnectionGuard 
     app.router.add_get("/health/live", handlers.health_live)
     app.router.add_get("/metrics", handlers.metrics)
     app.router.add_get("/openapi.json", handlers.openapi)
+    console.add_routes(app, service, generations)  # /console: the page, its data and live feed
     return app

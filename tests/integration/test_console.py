@@ -1,0 +1,81 @@
+"""The console in a real browser: Playwright drives the system's Chromium (never a
+browser Playwright downloads) against a local cluster with an API key. The page
+takes the key in its form, then shows a request's routing decision with the
+instances that served it and, after the same prompt again, a non-zero cache hit.
+A screenshot is saved under the test's tmp dir. Where no Chromium can be had
+(`make test` installs it with apt where it can), the test skips saying so."""
+
+import re
+import shutil
+import tempfile
+
+import pytest
+
+from kvserve.cli.cluster import LocalCluster
+from tests.integration.conftest import CLUSTER_ENV, STARTED
+
+CHROMIUM = shutil.which("chromium")
+KEY = "console-browser-test-key"
+WAIT_MS = 30_000  # the longest any one thing may take to appear on the page
+PROMPT = ("You are looking at the kvserve console. Explain in one sentence why a prefix cache makes a "
+          "repeated prompt faster, and name the two kinds of worker that serve a request.")  # fmt: skip
+
+pytestmark = [
+    pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (Debian: apt-get install -y chromium)"),
+    pytest.mark.timeout(120),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = LocalCluster(prefill=1, decode=1, gateway_port=0, dtype="float32", env=CLUSTER_ENV, log=None, api_key=KEY,
+                     store_dir=tempfile.mkdtemp(prefix="kvserve-stores-"))  # fmt: skip
+    STARTED.append(c)
+    c.start(timeout=90)
+    yield c
+    c.stop()
+
+
+def chat(client):
+    """One short greedy completion of PROMPT: (its id, the instances named in its headers, cached tokens)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": PROMPT}], max_tokens=4, temperature=0
+    )
+    completion = raw.parse()
+    served = (raw.headers["x-kvserve-prefill-instance"], raw.headers["x-kvserve-decode-instance"])
+    return completion.id, served, completion.usage.prompt_tokens_details.cached_tokens
+
+
+def test_the_console_shows_a_requests_decision_and_the_cache_hit_of_its_repeat(cluster, tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra: pip install -e '.[test]'")
+    from openai import OpenAI
+
+    client = OpenAI(base_url=cluster.gateway_url + "/v1", api_key=KEY, max_retries=0)
+    first_id, (prefill_id, decode_id), _ = chat(client)
+    repeat_id, _, cached = chat(client)
+    assert cached > 0  # the prompt's blocks were cached by the first request
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1500, "height": 1100})
+            page.goto(cluster.gateway_url + "/console")
+            sync_api.expect(page.locator("#key-form")).to_be_visible(timeout=WAIT_MS)  # the data needs the key
+            page.fill("#key", KEY)
+            page.click("#key-form button")
+
+            decision = page.locator(f'#decisions tr[data-request-id="{first_id}"]')
+            sync_api.expect(decision.locator("td.prefill")).to_have_text(prefill_id, timeout=WAIT_MS)
+            sync_api.expect(decision.locator("td.decode")).to_have_text(decode_id)
+            sync_api.expect(decision.locator(".candidates .chosen").first).to_contain_text(prefill_id)
+            repeat = page.locator(f'#requests tr[data-request-id="{repeat_id}"]')
+            sync_api.expect(repeat.locator("td.cached")).to_have_text(str(cached), timeout=WAIT_MS)
+            sync_api.expect(page.locator("#cache-hit")).to_have_text(re.compile(r"^(?!0%)\d+(\.\d)?%$"))
+            sync_api.expect(page.locator(f'#instances tr[data-instance="{prefill_id}"]')).to_contain_text("prefill")
+            sync_api.expect(page.locator("#feed")).to_have_text("live")
+
+            shot = tmp_path / "console.png"
+            page.screenshot(path=str(shot), full_page=True)
+            print(f"console screenshot: {shot}")
+        finally:
+            browser.close()
