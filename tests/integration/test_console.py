@@ -3,7 +3,8 @@ browser Playwright downloads) against a local cluster with an API key. The page
 takes the key in its form, then shows a request's routing decision with the
 instances that served it and, after the same prompt again, a non-zero cache hit.
 A screenshot is saved under the test's tmp dir. Where no Chromium can be had
-(`make test` installs it with apt where it can), the test skips saying so."""
+(`make test` installs it with apt where it can), that test skips saying so.
+`kvserve status` reads the same cluster's state and shows a request's route."""
 
 import re
 import shutil
@@ -12,6 +13,7 @@ import tempfile
 import pytest
 
 from kvserve.cli.cluster import LocalCluster
+from kvserve.cli.status import StatusError, fetch_state, render
 from tests.integration.conftest import CLUSTER_ENV, STARTED
 
 CHROMIUM = shutil.which("chromium")
@@ -20,10 +22,7 @@ WAIT_MS = 30_000  # the longest any one thing may take to appear on the page
 PROMPT = ("You are looking at the kvserve console. Explain in one sentence why a prefix cache makes a "
           "repeated prompt faster, and name the two kinds of worker that serve a request.")  # fmt: skip
 
-pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (Debian: apt-get install -y chromium)"),
-    pytest.mark.timeout(120),
-]
+pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +45,7 @@ def chat(client):
     return completion.id, served, completion.usage.prompt_tokens_details.cached_tokens
 
 
+@pytest.mark.skipif(CHROMIUM is None, reason="no `chromium` on PATH (Debian: apt-get install -y chromium)")
 def test_the_console_shows_a_requests_decision_and_the_cache_hit_of_its_repeat(cluster, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra: pip install -e '.[test]'")
     from openai import OpenAI
@@ -79,3 +79,17 @@ def test_the_console_shows_a_requests_decision_and_the_cache_hit_of_its_repeat(c
             print(f"console screenshot: {shot}")
         finally:
             browser.close()
+
+
+def test_kvserve_status_shows_the_cluster_and_a_requests_route(cluster):
+    from openai import OpenAI
+
+    with pytest.raises(StatusError, match="wants its API key"):
+        fetch_state(cluster.gateway_url, None)
+    client = OpenAI(base_url=cluster.gateway_url + "/v1", api_key=KEY, max_retries=0)
+    request_id, (prefill_id, decode_id), _ = chat(client)
+    screen = render(fetch_state(cluster.gateway_url, KEY), cluster.gateway_url)
+    (route,) = [line for line in screen.splitlines() if request_id in line]
+    assert f"{prefill_id} -> {decode_id}" in route
+    for instance in ("conductor-0", "store-0", prefill_id, decode_id):
+        assert any(line.startswith(instance + " ") for line in screen.splitlines()), instance
