@@ -105,7 +105,7 @@ function renderDecisions(state) {
 function renderKV(state) {
   fill("prefixes", state.kv_map.hot_prefixes.map((p) => h("tr", {},
     h("td", {}, h("code", { title: p.block_hash }, p.block_hash.slice(0, 12))), h("td", { class: "num" }, p.num_blocks),
-    h("td", { class: "num" }, p.hits), h("td", {}, Object.entries(p.holders).map(([i, t]) => `${i} (${t})`).join(", ") || "evicted"))));
+    h("td", { class: "num" }, p.hits), h("td", { class: "wrap" }, Object.entries(p.holders).map(([i, t]) => `${i} (${t})`).join(", ") || "evicted"))));
   fill("requests", state.requests.map((r) => h("tr", { "data-request-id": r.request_id },
     h("td", {}, h("code", {}, r.request_id)), h("td", {}, `${r.prefill_id} → ${r.decode_id}`),
     h("td", { class: "num" }, r.num_prompt_tokens), h("td", { class: "num cached" }, r.num_cached_tokens),
