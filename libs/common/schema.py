@@ -147,6 +147,7 @@ class AdmitRequest(Message):
     slo_ttft_s: float | None = None  # None: the conductor's default
     slo_tbt_s: float | None = None
     exclude: list[InstanceId] = msgspec.field(default_factory=list)  # instances not to route to (seen dead by the gateway)
+    session_id: str | None = None  # a conversation's turns: kept where its KV is unless moving is predicted cheaper
 
 
 class AdmitReply(Message):
@@ -355,7 +356,6 @@ class StoreStatsReply(Message):
     counters: dict[str, int]  # hits, misses, puts, evictions, corruptions...
     kv_epoch: int
     kv_seq: int
-
 
 
 # --- the console: a conductor's view, for the gateway's /console ----------------------

@@ -21,6 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from libs.common.vocabulary import ErrorCode
+from services.conductor.affinity import Home, stay_or_move
 from services.conductor.cluster import Instance
 from services.conductor.policies import OPTIONS, ROUTERS, Decision, Route, Router, build_router, missing_roles
 from services.conductor.predict import AdmitContext, DecodeEstimate
@@ -119,11 +120,14 @@ class Policy:
         self.local_prefill = local_prefill
         self.name = name or router.name
 
-    def choose(self, ctx: AdmitContext) -> Decision:
+    def choose(self, ctx: AdmitContext, home: Home | None = None) -> Decision:
+        """The route for ``ctx``'s request (a session's turn: near ``home``, its last turn's)."""
         missing = missing_roles(ctx.prefills, ctx.decodes)
         if missing is not None:
             return missing
-        route = self.router.route(ctx)
+        route, affinity = self.router.route(ctx), None
+        if home is not None:
+            route, affinity = stay_or_move(ctx, route, home)
         on_decode = False
         if self.local_prefill:
             local = ctx.local_prefill_estimate(ctx.view.get(route.decode.instance_id))
@@ -132,12 +136,12 @@ class Policy:
                 route, on_decode = Route(local, route.decode), True
         verdict = self.admission.judge(ctx, route)
         if verdict.rejection is not None:
-            return replace(verdict.rejection, prefill_on_decode=on_decode)
+            return replace(verdict.rejection, prefill_on_decode=on_decode, affinity=affinity)
         p = route.prefill
         return Decision(
             prefill_id=p.instance_id, decode_id=route.decode.instance_id, prefill_on_decode=on_decode,
             predicted_ttft_s=p.ttft_s, predicted_tbt_s=verdict.decode.tbt_s, best_effort=verdict.best_effort,
-            cached_tokens=p.cached_tokens,
+            cached_tokens=p.cached_tokens, affinity=affinity,
             work_s=p.work_s, prefill_speed=p.speed, copy_from=p.copy_from, copy_blocks=p.copy_blocks,
         )  # fmt: skip
 

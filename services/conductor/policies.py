@@ -46,6 +46,7 @@ class Decision:
     error_code: ErrorCode | None = None
     error_message: str | None = None
     reason: str | None = None  # rejected: ttft_slo or tbt_slo
+    affinity: str | None = None  # a session's turn: whether it stayed where its last turn ran, and why
     retry_after_s: float | None = None
 
     @property

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from libs.common.schema import AdmitRequest
 from libs.common.vocabulary import Role
 from services.conductor.admission import Policy
+from services.conductor.affinity import Home, SessionTable
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
 from services.conductor.margin import MarginConfig, Margins
@@ -93,6 +94,7 @@ class Scheduler:
         self.errors = PredictionErrors()
         self.tbt_errors = PredictionErrors(TBT_ERROR_BUCKETS, "TBT")
         self.margins = Margins(self.config.margin)
+        self.sessions = SessionTable()
         self.num_admitted = 0
         self.rejections: dict[str, int] = {}  # by error code or rejection reason
         self.explain: Callable[[AdmitContext, Decision], None] | None = None  # told of every choice (the console)
@@ -115,7 +117,7 @@ class Scheduler:
 
     def admit(self, request: AdmitRequest) -> Decision:
         ctx = self.context(request)
-        decision = self.policy.choose(ctx)
+        decision = self.policy.choose(ctx, self.sessions.get(request.session_id))
         if self.explain is not None:
             self.explain(ctx, decision)
         if not decision.admitted:
@@ -131,6 +133,8 @@ class Scheduler:
         self.view.assigned(decision.prefill_id)
         if decision.decode_id != decision.prefill_id:
             self.view.assigned(decision.decode_id)
+        if request.session_id is not None:
+            self.sessions.set(request.session_id, Home(decision.prefill_id, decision.decode_id))
         self.admitted[request.request_id] = Admitted(
             decision.prefill_id, decision.decode_id, decision.predicted_ttft_s, decision.predicted_tbt_s, now
         )

@@ -89,6 +89,7 @@ class RequestRun:
         slo: SLOOverride | None = None,
         exclude: frozenset[str] = frozenset(),
         watch: WorkerWatch | None = None,
+        session_id: str | None = None,
     ) -> None:
         self.service = service
         self.prepared = prepared
@@ -98,11 +99,13 @@ class RequestRun:
         self.slo = slo or SLOOverride()
         self.exclude = exclude  # instances the conductor must not choose
         self.watch = watch  # None: only the token timeout notices a dead worker
+        self.session_id = session_id  # the conversation it belongs to (the conductor keeps its turns together)
         self.prefill_id: str | None = None
         self.decode_id: str | None = None  # the conductor's choice ...
         self.serving_decode_id: str | None = None  # ... and the one whose tokens came (a hand-off may be retried)
         self.admission: AdmitReply | None = None  # what the conductor predicted
         self.ttft_s: float | None = None  # measured from admission to the first token
+        self.num_output_tokens = 0  # generated so far (the conductor settles its TBT prediction with it)
         self._admitted_at: float | None = None
         self._reorder = ChunkReorderer()
         self._sub = None
@@ -141,6 +144,7 @@ class RequestRun:
             slo_ttft_s=self.slo.ttft_s,
             slo_tbt_s=self.slo.tbt_s,
             exclude=sorted(self.exclude),
+            session_id=self.session_id,
         )
         self._may_be_running = True  # from here on the conductor may have admitted it
         try:
@@ -199,6 +203,7 @@ class RequestRun:
         if chunk.index == 0 and self.ttft_s is None and self._admitted_at is not None:
             self.ttft_s = time.monotonic() - self._admitted_at
             await self._progress(RequestProgress(request_id=self.request_id, kind="first_token", ttft_s=self.ttft_s))
+        self.num_output_tokens = max(self.num_output_tokens, chunk.index + len(chunk.token_ids))
         if chunk.index > 0 and chunk.instance_id and self.serving_decode_id is None:
             self._decoding_on(chunk.instance_id)
         return self._reorder.push(chunk)
@@ -253,7 +258,8 @@ class RequestRun:
         await self.cancel(reason)
         if self._admitted_at is not None:
             self._admitted_at = None
-            await self._progress(RequestProgress(request_id=self.request_id, kind="finished"))
+            await self._progress(RequestProgress(request_id=self.request_id, kind="finished",
+                                                 num_output_tokens=self.num_output_tokens))  # fmt: skip
         sub, self._sub = self._sub, None
         if sub is not None:
             try:

@@ -64,7 +64,7 @@ class Generations:
 
     @asynccontextmanager
     async def generate(
-        self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None
+        self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None, session_id: str | None = None
     ) -> AsyncIterator[Generation]:
         """Admit ``request`` and start it on the cluster; inside the block, read its
         text. A worker that dies under it moves it (at most ``max_attempts`` tries
@@ -78,7 +78,8 @@ class Generations:
 
         def attempt(p: PreparedRequest, exclude: frozenset[str]) -> RequestRun:
             watch = WorkerWatch(self.peers, silence)
-            return RequestRun(self.service, p, s.request_timeout, slo=slo, exclude=exclude, watch=watch)
+            return RequestRun(self.service, p, s.request_timeout, slo=slo, exclude=exclude, watch=watch,
+                              session_id=session_id)  # fmt: skip
 
         generation, started_at = None, time.monotonic()
         self.num_in_flight += 1

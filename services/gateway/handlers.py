@@ -76,11 +76,12 @@ class Handlers:
     ) -> web.StreamResponse:
         parsed = parse(await _json_body(request, self.settings.body_timeout))
         slo = _slo_override(request)
+        session_id = _session_id(request, parsed)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
         bodies = ResponseBodies(response_id, self.generations.model.model_id, parsed.is_chat, parsed.include_usage)
         stream: web.StreamResponse | None = None
         try:
-            async with self.generations.generate(parsed, response_id, slo) as generation:
+            async with self.generations.generate(parsed, response_id, slo, session_id) as generation:
                 headers = {"x-request-id": response_id, **_explanation_headers(generation.run)}
                 if not parsed.stream:
                     return await _complete(generation, bodies, headers)
@@ -188,6 +189,19 @@ def _slo_override(request: web.Request) -> SLOOverride:
             raise InvalidParameterError(f"{header} must be a positive number of milliseconds, got {raw!r}")
         values[field] = ms / 1e3
     return SLOOverride(**values)
+
+
+SESSION_HEADER = "x-session-id"
+MAX_SESSION_ID = 256
+
+
+def _session_id(request: web.Request, parsed: GenerateRequest) -> str | None:
+    """The conversation a request belongs to: the x-session-id header, else OpenAI's ``user``."""
+    session = request.headers.get(SESSION_HEADER) or parsed.user
+    if session is not None and len(session) > MAX_SESSION_ID:
+        raise InvalidParameterError(f"the session id ({SESSION_HEADER} or 'user') must be at most "
+                                    f"{MAX_SESSION_ID} characters, got {len(session)}")  # fmt: skip
+    return session
 
 
 def _explanation_headers(run: MigratingRun) -> dict[str, str]:

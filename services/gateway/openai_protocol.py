@@ -43,6 +43,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     stream: bool = False
     include_usage: bool = False
+    user: str | None = None  # OpenAI's end-user id: kvserve keeps a user's turns near their KV (session affinity)
 
     @property
     def is_chat(self) -> bool:
@@ -99,6 +100,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         ignore_eos=bool(_bool(body, "ignore_eos")),
         stream=stream,
         include_usage=include_usage,
+        user=body.get("user") or None,  # type-checked with the ignored fields
     )
 
 

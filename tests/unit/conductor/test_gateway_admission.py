@@ -32,6 +32,31 @@ async def test_slo_headers_reach_the_conductor(start_gateway, cluster):
     assert (admit.slo_ttft_s, admit.slo_tbt_s) == (None, None)
 
 
+async def test_the_session_header_or_the_user_field_reaches_the_conductor(start_gateway, cluster):
+    client = openai_client(await start_gateway())
+    await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=16, user="alice",
+                                         extra_headers={"x-session-id": "chat-7"})  # fmt: skip
+    assert (await asyncio.wait_for(cluster.admits.get(), WAIT)).session_id == "chat-7"  # the header first
+    await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=16, user="alice")
+    assert (await asyncio.wait_for(cluster.admits.get(), WAIT)).session_id == "alice"
+    await client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=16)
+    assert (await asyncio.wait_for(cluster.admits.get(), WAIT)).session_id is None
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.chat.completions.create(model="tiny-llama", messages=MESSAGES,
+                                             extra_headers={"x-session-id": "x" * 257})  # fmt: skip
+    assert "session id" in e.value.body["message"]
+
+
+async def test_the_conductor_hears_how_many_tokens_a_request_produced(start_gateway, cluster, nc):
+    progress = await nc.subscribe(subjects.CONDUCTOR_PROGRESS)
+    client = openai_client(await start_gateway())
+    reply = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=16)
+    first = schema.decode((await progress.next_msg(timeout=WAIT)).data, RequestProgress)
+    last = schema.decode((await progress.next_msg(timeout=WAIT)).data, RequestProgress)
+    assert (first.kind, last.kind) == ("first_token", "finished")
+    assert last.num_output_tokens == reply.usage.completion_tokens > 1
+
+
 @pytest.mark.parametrize("value", ["fast", "0", "-5", "inf"])
 async def test_a_bad_slo_header_is_400_naming_it(start_gateway, cluster, value):
     client = openai_client(await start_gateway())

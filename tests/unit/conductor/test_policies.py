@@ -205,3 +205,21 @@ def test_early_and_predictive_rejection_part_where_the_decode_batch_changes_duri
         decisions[policy] = s.admit(request("long", tokens=1000, blocks=[]))
     assert decisions["cache_aware+early_rejection"].reason == "tbt_slo"
     assert decisions["cache_aware+predictive_rejection"].admitted
+
+
+def test_a_session_stays_where_its_kv_is_until_moving_is_predicted_cheaper():
+    s, index, _ = scheduler("least_loaded", P0, P1, D0)
+    index.add("p0", "device", PROMPT[:6])  # the conversation so far: 96 of the 170 tokens, on p0
+    first = s.admit(request("t1", session_id="chat-1"))
+    assert (first.prefill_id, first.affinity) == ("p0", None)  # a new session: the router's choice
+    # least_loaded alone now picks p1 (p0 has a request), as it does for a request of no session;
+    # the session stays: p0 answers sooner (0.074 s queued + 0.074 s against 0.170 s)
+    assert build_policy("least_loaded").choose(s.context(request("x"))).prefill_id == "p1"
+    second = s.admit(request("t2", session_id="chat-1"))
+    assert second.prefill_id == "p0"
+    assert second.affinity == "prefill kept on p0 (predicted TTFT 0.148 s, 0.170 s on p1); decode kept on d0"
+    third = s.admit(request("t3", session_id="chat-1"))  # p0: 0.222 s now
+    assert third.prefill_id == "p1"
+    assert third.affinity == ("prefill moved from p0 to p1: predicted TTFT 0.170 s there, 0.222 s on p0; "
+                              "decode kept on d0")  # fmt: skip
+    assert s.sessions.get("chat-1").prefill_id == "p1"  # its next turn starts from there

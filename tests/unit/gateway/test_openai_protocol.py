@@ -24,11 +24,12 @@ def test_every_supported_field_is_read():
     req = parse_chat_request({
         **CHAT, "max_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 42, "stop": "END",
         "stop_token_ids": [5, 6], "ignore_eos": True, "n": 1, "stream": True, "stream_options": {"include_usage": True},
-        "user": "ignored", "presence_penalty": 0, "logprobs": False,
+        "user": "alice", "presence_penalty": 0, "logprobs": False,
     })  # fmt: skip
     assert req == GenerateRequest(
         model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=7, temperature=0.0, top_p=0.5, top_k=3,
         seed=42, stop=("END",), stop_token_ids=(5, 6), ignore_eos=True, stream=True, include_usage=True,
+        user="alice",  # read for session affinity
     )  # fmt: skip
 
 
