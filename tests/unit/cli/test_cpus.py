@@ -13,6 +13,7 @@ import pytest
 
 from kvserve.cli.cpus import IO_SHARE, CpuShare, divide, parse_cpus_option, plan_cpus
 from kvserve.cli.main import build_parser
+from kvserve.cli.up import banner
 from libs.common.cpu_share import format_cpu_list, parse_cpu_list
 from libs.common.settings import ModelSettings
 from tests.unit.cli.harness import ROOT, make_cluster
@@ -192,3 +193,12 @@ def test_a_worker_pins_every_thread_it_has_and_sets_torch_s_threads():
     assert (cpus, threads, torch_threads) == (f"({core},)", "1", "1")
     assert int(num_tasks) >= 2  # the thread started before the share was applied is pinned too
     assert affinities.strip() == f"{{frozenset({{{core}}})}}"
+
+
+def test_the_banner_lists_each_worker_s_cores(model_dir):
+    cluster = make_cluster(model_dir, None, prefill=1, decode=2)
+    cluster.gateway_url, cluster.model_id = "http://127.0.0.1:8000", "tiny"
+    line = next(line for line in banner(cluster).splitlines() if line.startswith("cores: "))
+    shares = [f"{i} {cluster.cpu_plan[i].describe()}" for i in ("prefill-0", "decode-0", "decode-1")]
+    assert line == "cores: " + "; ".join(shares)
+    assert CpuShare((0, 1), 2).describe() == "cores 0-1, 2 threads" and CpuShare((3,), 1).describe() == "cores 3, 1 thread"
