@@ -152,6 +152,8 @@ def _instance_row(i: dict[str, Any]) -> list[str]:
 def _decision_row(d: dict[str, Any]) -> list[str]:
     when = datetime.fromtimestamp(d["at"]).strftime("%H:%M:%S")
     route = f"{d['prefill_id']} -> {d['decode_id']}" + (" (prefill on decode)" if d["prefill_on_decode"] else "")
+    if d.get("affinity"):
+        route += f" [{d['affinity']}]"
     if d["rejected"]:
         return [when, d["request_id"], f"rejected ({d['rejected']})", d["why"] or "", "-", "-"]
     predicted = f"TTFT {_ms(d['predicted_ttft_s'])}, TBT {_ms(d['predicted_tbt_s'])}"

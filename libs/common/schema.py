@@ -391,6 +391,7 @@ class DecisionView(msgspec.Struct, kw_only=True):
     candidates: list[CandidateView] = msgspec.field(default_factory=list)
     rejected: str | None = None  # the error code or rejection reason
     why: str | None = None  # the rejection's explanation
+    affinity: str | None = None  # a session's turn: whether it stayed where its last turn ran, and why
 
 
 class PrefixView(msgspec.Struct, kw_only=True):

@@ -4,7 +4,10 @@ their copies are, and the KV index counted per instance and tier.
 
 `DecisionLog.record` is called between a policy's choice and the booking of its
 load (`Scheduler.explain`), so every candidate's numbers are the ones the policy
-weighed. Only the live conductor keeps one; the simulator does not pay for it.
+weighed. Predicting every candidate again costs about as much as the choice
+itself, so a decision keeps its candidates only while a console watches (asked
+for a view in the last WATCHED_S seconds). Only the live conductor keeps a log;
+the simulator does not pay for it.
 """
 
 import time
@@ -19,6 +22,7 @@ from services.conductor.predict import SLO, AdmitContext
 
 MAX_DECISIONS = 200
 MAX_PREFIXES = 4096  # reused prefixes counted; the least recently reused is forgotten first
+WATCHED_S = 10.0  # after a view was asked for, decisions keep their candidates this long
 
 
 class DecisionLog:
@@ -29,18 +33,21 @@ class DecisionLog:
         self.clock = clock
         self._decisions: deque[DecisionView] = deque(maxlen=max_decisions)
         self._prefixes: OrderedDict[Hashable, list[int]] = OrderedDict()  # last block -> [hits, blocks]
+        self._watched_until = float("-inf")
 
     def record(self, ctx: AdmitContext, decision: Decision) -> None:
         request = ctx.request
-        candidates = [self._prefill_candidate(ctx, p) for p in ctx.prefills]
-        candidates += [self._decode_candidate(ctx, d) for d in ctx.decodes]
+        candidates = []
+        if self.clock() < self._watched_until:
+            candidates = [self._prefill_candidate(ctx, p) for p in ctx.prefills]
+            candidates += [self._decode_candidate(ctx, d) for d in ctx.decodes]
         self._decisions.append(DecisionView(
             request_id=request.request_id, at=self.clock(), policy=self.policy,
             prefill_id=decision.prefill_id, decode_id=decision.decode_id,
             prefill_on_decode=decision.prefill_on_decode, predicted_ttft_s=decision.predicted_ttft_s,
             predicted_tbt_s=decision.predicted_tbt_s, cached_tokens=dict(decision.cached_tokens),
             candidates=candidates, rejected=None if decision.admitted else (decision.reason or decision.error_code),
-            why=decision.error_message,
+            why=decision.error_message, affinity=decision.affinity,
         ))  # fmt: skip
         reused = max(ctx.match.prefix.values(), default=0)
         if reused:
@@ -84,6 +91,8 @@ class DecisionLog:
         return out
 
     def view(self, instance_id: str, index: KVIndex, slo: SLO, max_decisions: int, max_prefixes: int) -> ConductorViewReply:
+        """What the console shows; decisions keep their candidates for the next WATCHED_S seconds."""
+        self._watched_until = self.clock() + WATCHED_S
         blocks = {i: {tier: len(held) for tier, held in index.contents(i).items()} for i in index.instances()}
         return ConductorViewReply(
             instance_id=instance_id, policy=self.policy, slo_ttft_s=slo.ttft_s, slo_tbt_s=slo.tbt_s, blocks=blocks,

@@ -51,10 +51,6 @@ def test_the_console_shows_a_requests_decision_and_the_cache_hit_of_its_repeat(c
     from openai import OpenAI
 
     client = OpenAI(base_url=cluster.gateway_url + "/v1", api_key=KEY, max_retries=0)
-    first_id, (prefill_id, decode_id), _ = chat(client)
-    repeat_id, _, cached = chat(client)
-    assert cached > 0  # the prompt's blocks were cached by the first request
-
     with sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
@@ -63,6 +59,14 @@ def test_the_console_shows_a_requests_decision_and_the_cache_hit_of_its_repeat(c
             sync_api.expect(page.locator("#key-form")).to_be_visible(timeout=WAIT_MS)  # the data needs the key
             page.fill("#key", KEY)
             page.click("#key-form button")
+            sync_api.expect(page.locator("#feed")).to_have_text("live", timeout=WAIT_MS)
+            sync_api.expect(page.locator("#key-form")).to_be_hidden()
+            sync_api.expect(page.locator("#policy")).to_have_text(re.compile(r"^\w"))  # the conductor's view came
+
+            # while the page watches, so the conductor keeps every candidate of its decisions
+            first_id, (prefill_id, decode_id), _ = chat(client)
+            repeat_id, _, cached = chat(client)
+            assert cached > 0  # the prompt's blocks were cached by the first request
 
             decision = page.locator(f'#decisions tr[data-request-id="{first_id}"]')
             sync_api.expect(decision.locator("td.prefill")).to_have_text(prefill_id, timeout=WAIT_MS)
@@ -72,7 +76,6 @@ def test_the_console_shows_a_requests_decision_and_the_cache_hit_of_its_repeat(c
             sync_api.expect(repeat.locator("td.cached")).to_have_text(str(cached), timeout=WAIT_MS)
             sync_api.expect(page.locator("#cache-hit")).to_have_text(re.compile(r"^(?!0%)\d+(\.\d)?%$"))
             sync_api.expect(page.locator(f'#instances tr[data-instance="{prefill_id}"]')).to_contain_text("prefill")
-            sync_api.expect(page.locator("#feed")).to_have_text("live")
 
             shot = tmp_path / "console.png"
             page.screenshot(path=str(shot), full_page=True)

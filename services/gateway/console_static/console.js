@@ -93,7 +93,7 @@ function renderDecisions(state) {
     return h("tr", { "data-request-id": d.request_id, class: d.rejected ? "rejected" : "" },
       h("td", {}, clock(d.at)), h("td", {}, h("code", {}, d.request_id)),
       h("td", { class: "prefill" }, d.prefill_id + (d.prefill_on_decode ? " (on decode)" : "")),
-      h("td", { class: "decode" }, d.decode_id),
+      h("td", { class: "decode" }, d.decode_id, d.affinity ? h("div", { class: "candidates" }, d.affinity) : null),
       h("td", { class: "num" }, d.rejected ? [h("span", { class: "bad" }, `rejected: ${d.rejected}`), h("div", { class: "candidates" }, d.why)]
         : `${ms(d.predicted_ttft_s)} / ${ms(d.predicted_tbt_s)}`),
       h("td", {}, reuse),

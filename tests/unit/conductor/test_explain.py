@@ -7,7 +7,7 @@ import pytest
 from libs.common import schema
 from libs.common.schema import ConductorViewReply
 from services.conductor.admission import build_policy
-from services.conductor.explain import DecisionLog
+from services.conductor.explain import WATCHED_S, DecisionLog
 from services.conductor.predict import SLO
 from services.conductor.scheduler import Scheduler
 from tests.unit.conductor.helpers import PROMPT, beat, cluster, config, request
@@ -20,7 +20,24 @@ def explained(policy: str, *beats, ttft_s: float = 2.0):
     s = Scheduler(build_policy(policy), view, index, config(ttft_s=ttft_s))
     log = DecisionLog(policy, clock=lambda: 1000.0)
     s.explain = log.record
+    log.view("conductor-0", index, SLO(2.0, 0.15), 0, 0)  # a console watches
     return s, index, log
+
+
+def test_decisions_keep_their_candidates_only_while_a_console_watches():
+    view, index, _ = cluster(P0, P1, D0)
+    s = Scheduler(build_policy("cache_aware"), view, index, config())
+    now = [1000.0]
+    log = DecisionLog("cache_aware", clock=lambda: now[0])
+    s.explain = log.record
+    s.admit(request("unwatched"))
+    log.view("conductor-0", index, SLO(2.0, 0.15), 10, 10)
+    s.admit(request("watched"))
+    now[0] += WATCHED_S + 1  # no console asked since
+    s.admit(request("forgotten"))
+    counts = {d.request_id: len(d.candidates) for d in log.decisions(10)}
+    assert counts == {"unwatched": 0, "watched": 3, "forgotten": 0}
+    assert all(d.prefill_id and d.decode_id for d in log.decisions(10))  # the choice itself is always kept
 
 
 def test_each_decision_keeps_every_candidates_prediction_as_weighed():
@@ -41,6 +58,15 @@ def test_each_decision_keeps_every_candidates_prediction_as_weighed():
     queued = {c.instance_id: c for c in newest.candidates if c.role == "prefill"}
     assert queued["p0"].queue_s == pytest.approx(0.074) and queued["p0"].predicted_ttft_s == pytest.approx(0.148)
     assert oldest.rejected is None and log.decisions(1) == [newest]
+
+
+def test_a_sessions_turn_says_whether_it_stayed_home():
+    s, _, log = explained("cache_aware", P0, P1, D0)
+    s.admit(request("turn-1", session_id="chat-7"))
+    s.admit(request("turn-2", session_id="chat-7"))
+    second, first = log.decisions(2)
+    assert first.affinity is None  # the first turn has no home yet
+    assert "decode kept on d0" in second.affinity  # the policy's own words
 
 
 def test_a_rejection_says_which_target_and_why():
