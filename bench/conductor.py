@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from libs.common import schema  # noqa: E402
 from libs.common.cost_model import uncalibrated_coefficients  # noqa: E402
-from libs.common.schema import AdmitReply, AdmitRequest, Heartbeat  # noqa: E402
+from libs.common.schema import AdmitReply, AdmitRequest, DecodeBeat, Heartbeat, PrefillBeat, StoreBeat  # noqa: E402
 from services.conductor.admission import build_policy  # noqa: E402
 from services.conductor.cluster import ClusterView  # noqa: E402
 from services.conductor.index import KVIndex  # noqa: E402
@@ -49,10 +49,11 @@ def admit_latency(policy: str, num_blocks: int = 1_000_000, admissions: int = 20
     cost = uncalibrated_coefficients(16)
     prefills = [f"prefill-{i}" for i in range(48)]
     for i in prefills:
-        view.observe(Heartbeat(instance_id=i, role="prefill", host_id="h", cost=cost, capacity=4096))
+        view.observe(Heartbeat(instance_id=i, role="prefill", host_id="h", payload=PrefillBeat(cost=cost, capacity=4096)))
     for i in range(15):
-        view.observe(Heartbeat(instance_id=f"decode-{i}", role="decode", host_id="h", cost=cost, capacity=65536))
-    view.observe(Heartbeat(instance_id="store-0", role="store", host_id="h", cost=cost))
+        view.observe(Heartbeat(instance_id=f"decode-{i}", role="decode", host_id="h",
+                               payload=DecodeBeat(cost=cost, capacity=65536)))  # fmt: skip
+    view.observe(Heartbeat(instance_id="store-0", role="store", host_id="h", payload=StoreBeat(cost=cost)))
     index = KVIndex()
     # 1M blocks as chains of 64 (a prompt's prefix); each chain cached whole on one prefill worker
     # and in part on up to two more, half of them in the store's DRAM tier and a quarter on its disk

@@ -105,23 +105,121 @@ class CostCoefficients(msgspec.Struct, frozen=True, kw_only=True):
 
 
 # --- membership ------------------------------------------------------------------
+class Beat(msgspec.Struct, tag=True, kw_only=True):
+    """What one role adds to its heartbeat (a Heartbeat's ``payload``)."""
+
+
+class GatewayBeat(Beat):
+    load: int = 0  # requests in flight
+
+
+class ConductorBeat(Beat):
+    load: int = 0  # requests admitted and not yet finished
+
+
+class KVPoolBeat(Beat):
+    """What every holder of a KV pool (prefill and decode workers, stores) publishes."""
+
+    capacity: int = 0  # KV blocks
+    free_blocks: int = 0
+    segment: str | None = None  # shared-memory segment of the pool; None: not reported (a simulated instance)
+    contract: KVContract | None = None
+    cost: CostCoefficients | None = None  # its measured cost model, once it has one
+
+
+class PrefillBeat(KVPoolBeat):
+    load: int = 0  # requests running or queued
+    queued_tokens: int = 0  # prompt tokens still to compute
+    kv_epoch: int = 0  # its KV event stream: the epoch ...
+    kv_seq: int = 0  # ... and the last sequence number published
+
+
+class DecodeBeat(KVPoolBeat):
+    load: int = 0  # sequences running or waiting, and leases
+    batch_size: int = 0  # sequences running or waiting
+    context_tokens: int = 0  # tokens of KV those sequences hold
+
+
+class StoreBeat(KVPoolBeat):
+    kv_epoch: int = 0  # its KV event stream: the epoch ...
+    kv_seq: int = 0  # ... and the last sequence number published
+
+
+ROLE_BEATS: dict[Role, type[Beat]] = {
+    Role.GATEWAY: GatewayBeat,
+    Role.CONDUCTOR: ConductorBeat,
+    Role.PREFILL: PrefillBeat,
+    Role.DECODE: DecodeBeat,
+    Role.STORE: StoreBeat,
+}
+
+
 class Heartbeat(Message):
+    """Who an instance is, and in ``payload`` what its role publishes (None: nothing
+    yet). The properties read the payload for any role: 0 or None where the role
+    does not publish that."""
+
     instance_id: InstanceId
     role: Role
     host_id: str
-    address: str | None = None  # gateway: its base URL, once it listens
-    load: int = 0  # requests running or queued
-    capacity: int = 0  # KV blocks (workers, store)
-    free_blocks: int = 0
-    segment: str | None = None  # shared-memory segment of its KV pool
-    contract: KVContract | None = None
     started_at: float = 0.0
-    cost: CostCoefficients | None = None  # workers (and stores): their measured cost model
-    queued_tokens: int = 0  # prefill: prompt tokens still to compute
-    batch_size: int = 0  # decode: sequences running or waiting
-    context_tokens: int = 0  # decode: tokens of KV those sequences hold
-    kv_epoch: int = 0  # KV event publishers: their epoch (0: publishes no KV events)
-    kv_seq: int = 0  # ... and the last KV event sequence number published
+    address: str | None = None  # gateway: its base URL, once it listens
+    payload: GatewayBeat | ConductorBeat | PrefillBeat | DecodeBeat | StoreBeat | None = None
+
+    def __post_init__(self) -> None:
+        if self.payload is not None and type(self.payload) is not ROLE_BEATS[self.role]:
+            raise ValueError(f"a {self.role} heartbeat carrying a {type(self.payload).__name__}")
+
+    @property
+    def load(self) -> int:
+        """Requests (or sequences) it is running or holds queued."""
+        return 0 if self.payload is None or isinstance(self.payload, StoreBeat) else self.payload.load
+
+    @property
+    def pool(self) -> KVPoolBeat | None:
+        """Its KV pool, for a prefill or decode worker or a store."""
+        return self.payload if isinstance(self.payload, KVPoolBeat) else None
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.capacity if self.pool is not None else 0
+
+    @property
+    def free_blocks(self) -> int:
+        return self.pool.free_blocks if self.pool is not None else 0
+
+    @property
+    def segment(self) -> str | None:
+        return self.pool.segment if self.pool is not None else None
+
+    @property
+    def contract(self) -> KVContract | None:
+        return self.pool.contract if self.pool is not None else None
+
+    @property
+    def cost(self) -> CostCoefficients | None:
+        return self.pool.cost if self.pool is not None else None
+
+    @property
+    def queued_tokens(self) -> int:
+        return self.payload.queued_tokens if isinstance(self.payload, PrefillBeat) else 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.payload.batch_size if isinstance(self.payload, DecodeBeat) else 0
+
+    @property
+    def context_tokens(self) -> int:
+        return self.payload.context_tokens if isinstance(self.payload, DecodeBeat) else 0
+
+    @property
+    def kv_epoch(self) -> int:
+        """Its KV event stream's epoch; 0: it publishes no KV events."""
+        return self.payload.kv_epoch if isinstance(self.payload, (PrefillBeat, StoreBeat)) else 0
+
+    @property
+    def kv_seq(self) -> int:
+        return self.payload.kv_seq if isinstance(self.payload, (PrefillBeat, StoreBeat)) else 0
 
 
 class RollCall(Message):

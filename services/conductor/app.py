@@ -16,6 +16,7 @@ from libs.common.schema import (
     AdmitReply,
     AdmitRequest,
     BadMessageError,
+    ConductorBeat,
     ConductorViewReply,
     ConductorViewRequest,
     ErrorReply,
@@ -142,7 +143,7 @@ class Conductor(Service):
 
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
-        beat.load = len(self.scheduler.admitted)
+        beat.payload = ConductorBeat(load=len(self.scheduler.admitted))
         return beat
 
     async def _on_metrics(self, request: MetricsRequest, msg: Msg) -> MetricsReply:

@@ -13,7 +13,7 @@ from libs.common.errors import KVServeError
 from libs.common.model.sampling import sample
 from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
-from libs.common.schema import Ack, CostCoefficients, ErrorInfo, ErrorReply, Heartbeat, PrefillRequest, TokenChunk
+from libs.common.schema import Ack, CostCoefficients, DecodeBeat, ErrorInfo, ErrorReply, PrefillRequest, TokenChunk
 from libs.common.vocabulary import ErrorCode, FinishReason
 
 
@@ -81,7 +81,7 @@ class LocalPrefill:
     async def _publish(self, seq: Sequence, chunk: TokenChunk) -> None:
         await self.worker.publish(subjects.tokens(seq.request_id), chunk)
 
-    def fill(self, beat: Heartbeat) -> None:
+    def fill(self, beat: DecodeBeat) -> None:
         w = self.worker
         beat.cost = self.cost
         beat.batch_size = len(w.running) + len(w.waiting)

@@ -23,6 +23,7 @@ from libs.common.schema import (
     ErrorInfo,
     ErrorReply,
     HandoffRequest,
+    DecodeBeat,
     Heartbeat,
     ReleaseRequest,
     ReserveReply,
@@ -239,10 +240,9 @@ class DecodeWorker(Service):
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
         pool = self.engine.cache.block_pool
-        beat.load = len(self.running) + len(self.waiting) + len(self.leases)
-        beat.capacity = pool.num_blocks
-        beat.free_blocks = pool.num_free_blocks
-        beat.segment = self.host.segment.name
-        beat.contract = self.host.contract
-        self.local_prefill.fill(beat)
+        beat.payload = DecodeBeat(
+            load=len(self.running) + len(self.waiting) + len(self.leases), capacity=pool.num_blocks,
+            free_blocks=pool.num_free_blocks, segment=self.host.segment.name, contract=self.host.contract,
+        )  # fmt: skip
+        self.local_prefill.fill(beat.payload)
         return beat

@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 
 from libs.common import subjects
 from libs.common.peers import PeerDirectory
-from libs.common.schema import Heartbeat
+from libs.common.schema import GatewayBeat, Heartbeat
 from libs.common.service import Service
 from services.gateway.generation import Generations
 from services.gateway.listener import ConnectionGuard, serve
@@ -61,7 +61,8 @@ class Gateway(Service):
         self.log.info("OpenAI-compatible API on %s/v1 (model %s)", self.address, self.generations.model.model_id)
 
     def heartbeat(self) -> Heartbeat:
-        return msgspec.structs.replace(super().heartbeat(), address=self.address, load=self.num_in_flight)
+        return msgspec.structs.replace(super().heartbeat(), address=self.address,
+                                       payload=GatewayBeat(load=self.num_in_flight))  # fmt: skip
 
     async def _on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
         self.peers.observe(heartbeat)

@@ -8,7 +8,7 @@ from libs.common.cost_model import CostModel, calibrate_once
 from libs.common.engine_host import EngineHost
 from libs.common.hashing import BlockHash
 from libs.common.kv_events import KVEventLog, KVEventPublisher
-from libs.common.schema import CostCoefficients, Heartbeat
+from libs.common.schema import CostCoefficients, PrefillBeat
 from libs.common.vocabulary import KVEventKind, KVTier
 
 
@@ -32,7 +32,7 @@ class KVReports:
     def _on_block(self, kind: KVEventKind, block_hash: BlockHash) -> None:
         self.events.record(kind, KVTier.DEVICE, [block_hash])
 
-    def fill(self, beat: Heartbeat) -> None:
+    def fill(self, beat: PrefillBeat) -> None:
         beat.cost = self.cost
         beat.kv_epoch = self.events.epoch
         beat.kv_seq = self.events.published_seq

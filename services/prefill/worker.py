@@ -23,7 +23,7 @@ from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
 from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
-from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillRequest, TokenChunk
+from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
 from libs.common.vocabulary import ErrorCode, FinishReason, Role
 from services.prefill.handoff import Handoff, HandoffError, Transfer
@@ -234,13 +234,12 @@ class PrefillWorker(Service):
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
         pool = self.engine.cache.block_pool
-        beat.load = len(self.in_flight)
-        beat.capacity = pool.num_blocks
-        beat.free_blocks = pool.num_free_blocks
-        beat.segment = self.host.segment.name
-        beat.contract = self.host.contract
-        beat.queued_tokens = sum(j.seq.num_prompt_tokens - j.seq.num_computed_tokens for j in self.in_flight.values()
-                                 if j.seq.num_computed_tokens < j.seq.num_prompt_tokens)  # fmt: skip
-        self.reports.fill(beat)
+        beat.payload = PrefillBeat(
+            load=len(self.in_flight), capacity=pool.num_blocks, free_blocks=pool.num_free_blocks,
+            segment=self.host.segment.name, contract=self.host.contract,
+            queued_tokens=sum(j.seq.num_prompt_tokens - j.seq.num_computed_tokens for j in self.in_flight.values()
+                              if j.seq.num_computed_tokens < j.seq.num_prompt_tokens),
+        )  # fmt: skip
+        self.reports.fill(beat.payload)
         return beat
 

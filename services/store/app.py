@@ -28,6 +28,7 @@ from libs.common.schema import (
     ErrorReply,
     Heartbeat,
     KVContract,
+    StoreBeat,
     StoreCommitReply,
     StoreCommitRequest,
     StoreExistsReply,
@@ -266,15 +267,13 @@ class StoreService(Service):
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
         dram = self.tiers.dram
-        beat.capacity = dram.num_slots
-        beat.free_blocks = dram.num_free_slots
-        beat.segment = self.segment.name
-        beat.contract = self.contract
-        beat.kv_epoch = self.events.epoch
-        beat.kv_seq = self.events.published_seq
+        beat.payload = StoreBeat(
+            capacity=dram.num_slots, free_blocks=dram.num_free_slots, segment=self.segment.name, contract=self.contract,
+            kv_epoch=self.events.epoch, kv_seq=self.events.published_seq,
+        )  # fmt: skip
         if self.load_per_block:  # a store's cost model is its measured load times; the rest does not apply
             per_block = dict(self.load_per_block)
-            beat.cost = CostCoefficients(
+            beat.payload.cost = CostCoefficients(
                 block_size=self.contract.block_size, prefill_base=0.0, prefill_per_token=0.0,
                 prefill_per_token_context=0.0, decode_base=0.0, decode_per_seq=0.0, decode_per_context_token=0.0,
                 transfer_per_block=per_block.get(KVTier.DRAM, 0.0), load_per_block=per_block,

@@ -1,4 +1,5 @@
-"""The wire vocabulary: a reply is its request's reply or an ErrorReply, tagged."""
+"""The wire vocabulary: a reply is its request's reply or an ErrorReply, tagged; a
+heartbeat carries its role's payload."""
 
 import msgspec
 import pytest
@@ -8,12 +9,20 @@ from libs.common.schema import (
     Ack,
     AdmitReply,
     BadMessageError,
+    DecodeBeat,
     ErrorReply,
+    GatewayBeat,
+    Heartbeat,
+    KVContract,
     Message,
+    PrefillBeat,
     ProtocolVersionError,
+    StoreBeat,
     StoreCommitReply,
 )
-from libs.common.vocabulary import ErrorCode
+from libs.common.vocabulary import ErrorCode, Role
+
+CONTRACT = KVContract(model_id="tiny", block_size=16, layout="2x16x4x8 bf16", hash_scheme="sha256-v1")
 
 
 def test_a_reply_decodes_as_itself_or_as_the_error_in_its_place():
@@ -56,3 +65,30 @@ def _messages() -> list[type[Message]]:
         found.append(kind)
         todo.extend(kind.__subclasses__())
     return found
+
+
+def test_a_heartbeat_carries_what_its_role_publishes_and_reads_the_same_for_every_role():
+    pool = dict(capacity=64, free_blocks=48, segment="kvserve-p1", contract=CONTRACT)
+    prefill = Heartbeat(instance_id="p1", role=Role.PREFILL, host_id="h", payload=PrefillBeat(
+        load=2, queued_tokens=300, kv_epoch=7, kv_seq=41, **pool))  # fmt: skip
+    decode = Heartbeat(instance_id="d1", role=Role.DECODE, host_id="h", payload=DecodeBeat(
+        load=3, batch_size=3, context_tokens=900, **pool))  # fmt: skip
+    store = Heartbeat(instance_id="s1", role=Role.STORE, host_id="h", payload=StoreBeat(kv_epoch=9, kv_seq=2, **pool))
+    gateway = Heartbeat(instance_id="g1", role=Role.GATEWAY, host_id="h", address="http://127.0.0.1:8000",
+                        payload=GatewayBeat(load=5))  # fmt: skip
+    beats = [schema.decode(schema.encode(b), Heartbeat) for b in (prefill, decode, store, gateway)]
+    assert beats == [prefill, decode, store, gateway]
+    assert [b.load for b in beats] == [2, 3, 0, 5]
+    assert [(b.capacity, b.free_blocks, b.segment, b.contract) for b in beats] == [
+        (64, 48, "kvserve-p1", CONTRACT)] * 3 + [(0, 0, None, None)]  # fmt: skip
+    assert [(b.kv_epoch, b.kv_seq) for b in beats] == [(7, 41), (0, 0), (9, 2), (0, 0)]
+    assert [(b.queued_tokens, b.batch_size, b.context_tokens) for b in beats[:2]] == [(300, 0, 0), (0, 3, 900)]
+    bare = Heartbeat(instance_id="c1", role=Role.CONDUCTOR, host_id="h")  # nothing more to say yet
+    assert (bare.load, bare.pool, bare.cost) == (0, None, None)
+
+
+def test_a_heartbeat_carrying_another_roles_payload_is_a_bad_message():
+    data = msgspec.msgpack.encode({"type": "Heartbeat", "v": 1, "instance_id": "d1", "role": "decode", "host_id": "h",
+                                   "payload": {"type": "PrefillBeat", "load": 1}})  # fmt: skip
+    with pytest.raises(BadMessageError, match="a decode heartbeat carrying a PrefillBeat"):
+        schema.decode(data, Heartbeat)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from math import ceil, sqrt
 
 from libs.common.cost_model import CostModel
-from libs.common.schema import Heartbeat
+from libs.common.schema import DecodeBeat, Heartbeat, PrefillBeat, StoreBeat
 from libs.common.vocabulary import KVTier, Role
 from services.conductor.policies import Decision
 from services.conductor.simulator.trace import TraceRequest
@@ -84,8 +84,9 @@ class SimStore:
         self.reported = reported or cost  # the cost model its heartbeats give the conductor
 
     def heartbeat(self) -> Heartbeat:
-        return Heartbeat(instance_id=self.instance_id, role=Role.STORE, host_id="sim", cost=self.reported.coefficients,
-                         capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks))  # fmt: skip
+        return Heartbeat(instance_id=self.instance_id, role=Role.STORE, host_id="sim", payload=StoreBeat(
+            cost=self.reported.coefficients, capacity=self.cache.capacity,
+            free_blocks=self.cache.capacity - len(self.cache.blocks)))  # fmt: skip
 
 
 class SimPrefill:
@@ -150,9 +151,9 @@ class SimPrefill:
 
     def heartbeat(self) -> Heartbeat:
         queued = list(self.queue) + ([self.running] if self.running is not None else [])
-        return Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", cost=self.sim.reported,
-                         load=len(queued), queued_tokens=sum(r.trace.input_length for r in queued),
-                         capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks))  # fmt: skip
+        return Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", payload=PrefillBeat(
+            cost=self.sim.reported, load=len(queued), queued_tokens=sum(r.trace.input_length for r in queued),
+            capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks)))  # fmt: skip
 
 
 class SimDecode:
@@ -285,6 +286,7 @@ class SimDecode:
 
     def heartbeat(self) -> Heartbeat:
         bs = self.cost.block_size
-        return Heartbeat(instance_id=self.instance_id, role=Role.DECODE, host_id="sim", cost=self.sim.reported,
-                         load=self.num_sequences, batch_size=len(self.members), context_tokens=self._context_now(),
-                         capacity=self.kv_tokens // bs, free_blocks=max(0, self.kv_tokens - self.context) // bs)  # fmt: skip
+        return Heartbeat(instance_id=self.instance_id, role=Role.DECODE, host_id="sim", payload=DecodeBeat(
+            cost=self.sim.reported, load=self.num_sequences, batch_size=len(self.members),
+            context_tokens=self._context_now(), capacity=self.kv_tokens // bs,
+            free_blocks=max(0, self.kv_tokens - self.context) // bs))  # fmt: skip

@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.cli.main import main
 from kvserve.cli.status import StatusError, fetch_state, render
-from libs.common.schema import CandidateView, ConductorViewReply, DecisionView, Heartbeat
+from libs.common.schema import CandidateView, ConductorViewReply, DecisionView, DecodeBeat, Heartbeat, PrefillBeat
 from services.gateway.console_data import Served, console_state
 
 KEY = "status-test-key"
@@ -28,10 +28,10 @@ def state() -> dict:
     view = ConductorViewReply(instance_id="conductor-0", policy="cache_aware", slo_ttft_s=2.0, slo_tbt_s=0.15,
                               blocks={"prefill-0": {"device": 7}}, decisions=decisions)  # fmt: skip
     heard = [
-        (Heartbeat(instance_id="prefill-0", role="prefill", host_id="h", load=1, capacity=200, free_blocks=150,
-                   queued_tokens=512), 0.3),
-        (Heartbeat(instance_id="decode-0", role="decode", host_id="h", load=2, capacity=100, free_blocks=90,
-                   batch_size=2), 0.4),
+        (Heartbeat(instance_id="prefill-0", role="prefill", host_id="h",
+                   payload=PrefillBeat(load=1, capacity=200, free_blocks=150, queued_tokens=512)), 0.3),
+        (Heartbeat(instance_id="decode-0", role="decode", host_id="h",
+                   payload=DecodeBeat(load=2, capacity=100, free_blocks=90, batch_size=2)), 0.4),
     ]  # fmt: skip
     served = [
         Served(request_id="req-0", at=NOW - 30, prefill_id="prefill-0", decode_id="decode-0", num_prompt_tokens=64,

@@ -1,7 +1,8 @@
 """Hand-built cluster states for the conductor's tests: a fixed clock, round-number
 cost models, heartbeats and an index filled by hand."""
 
-from libs.common.schema import AdmitRequest, CostCoefficients, Heartbeat
+from libs.common.schema import ROLE_BEATS, AdmitRequest, CostCoefficients, Heartbeat
+from libs.common.vocabulary import Role
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
 from services.conductor.predict import SLO, PredictConfig
@@ -23,9 +24,11 @@ def coefficients(**overrides) -> CostCoefficients:
     return CostCoefficients(**{**fields, **overrides})
 
 
-def beat(instance_id: str, role: str, load: int = 0, free: int = 100, **fields) -> Heartbeat:
+def beat(instance_id: str, role: str, load: int = 0, free: int = 100, started_at: float = 0.0, **fields) -> Heartbeat:
+    """A worker's (or store's) heartbeat; ``fields`` go in its role's payload."""
     fields.setdefault("cost", coefficients())
-    return Heartbeat(instance_id=instance_id, role=role, host_id="h", load=load, free_blocks=free, **fields)
+    payload = ROLE_BEATS[Role(role)](free_blocks=free, **fields, **({"load": load} if role != Role.STORE else {}))
+    return Heartbeat(instance_id=instance_id, role=role, host_id="h", started_at=started_at, payload=payload)
 
 
 def block(i: int) -> bytes:

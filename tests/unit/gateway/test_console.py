@@ -18,6 +18,8 @@ from libs.common.schema import (
     CostCoefficients,
     DecisionView,
     Heartbeat,
+    PrefillBeat,
+    StoreBeat,
     PrefixView,
 )
 from services.gateway.app import Gateway
@@ -59,9 +61,10 @@ def served(request_id: str, at: float, ttft: float | None, tpot: float | None, f
 # --- the state, as a pure function ------------------------------------------------------
 def test_state_lists_instances_with_their_kv_tiers_and_cost_and_annotates_decisions():
     beats = [
-        (Heartbeat(instance_id="store-0", role="store", host_id="h", capacity=100, free_blocks=60, started_at=NOW - 50), 0.5),
-        (Heartbeat(instance_id="prefill-0", role="prefill", host_id="h", load=2, capacity=64, free_blocks=16,
-                   queued_tokens=300, cost=COST, started_at=NOW - 60), 0.2),
+        (Heartbeat(instance_id="store-0", role="store", host_id="h", started_at=NOW - 50,
+                   payload=StoreBeat(capacity=100, free_blocks=60)), 0.5),
+        (Heartbeat(instance_id="prefill-0", role="prefill", host_id="h", started_at=NOW - 60,
+                   payload=PrefillBeat(load=2, capacity=64, free_blocks=16, queued_tokens=300, cost=COST)), 0.2),
         (Heartbeat(instance_id="conductor-0", role="conductor", host_id="h"), 0.1),
     ]  # fmt: skip
     log = [served("req-1", NOW - 3, 0.25, 0.05, cached=32)]
@@ -146,7 +149,8 @@ async def console(served_model):
 
     gateway.request = request
     gateway.peers.observe(Heartbeat(instance_id="conductor-0", role="conductor", host_id="h"))
-    gateway.peers.observe(Heartbeat(instance_id="prefill-0", role="prefill", host_id="h", capacity=64, free_blocks=48))
+    gateway.peers.observe(Heartbeat(instance_id="prefill-0", role="prefill", host_id="h",
+                                    payload=PrefillBeat(capacity=64, free_blocks=48)))  # fmt: skip
     async with TestClient(TestServer(init_app(gateway, gateway.generations))) as client:
         yield client, gateway, asked
 
