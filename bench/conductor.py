@@ -1,7 +1,8 @@
 """The conductor's benchmark: admit-decision latency at scale, the simulator's
-wall time on the full shared trace, and its policy table at two loads.
+wall time on the full shared trace, its policy table at two loads, and the
+scenarios built to tell admission and replication policies apart.
 
-    .venv/bin/python bench/conductor.py [--trace ../shared/traces/conversation_trace.jsonl] [--out bench/results/conductor.md]
+    .venv/bin/python bench/conductor.py [--sections admit,scale1,...] [--trace T.jsonl] [--out conductor.md]
 
 1. Admit latency: one Scheduler with 64 instances (48 prefill, 15 decode, 1 store)
    and 1,000,000 blocks in its KV index; 20,000 admissions of 64-block prompts whose
@@ -10,8 +11,13 @@ wall time on the full shared trace, and its policy table at two loads.
    and with the AdmitRequest decoded and the AdmitReply encoded (msgpack) around it.
 2. Simulator wall time: the full trace at 16 prefill + 16 decode, per policy.
 3. The policy table on the full trace at two loads (time scale 1 and 0.5), then
-   without a store (where replication matters) and on a decode-bound cluster
-   (16 prefill + 2 decode, where early rejection matters).
+   without a store (where replication matters), on a decode-bound cluster
+   (16 prefill + 2 decode, where early rejection matters) and with workers 1.5x
+   slower than the cost model they report (where admission must learn).
+4. Scenarios (`services/conductor/simulator/scenarios.py`): a swinging load that
+   fills one decode batch while prefills are in flight (early against predictive
+   rejection), and hot prefixes on small caches without a store (replication).
+Each section takes under a minute here; --sections runs some and keeps the rest.
 """
 
 import argparse
@@ -33,13 +39,15 @@ from libs.common.schema import AdmitReply, AdmitRequest, DecodeBeat, Heartbeat, 
 from services.conductor.admission import build_policy  # noqa: E402
 from services.conductor.cluster import ClusterView  # noqa: E402
 from services.conductor.index import KVIndex  # noqa: E402
-from services.conductor.scheduler import Scheduler  # noqa: E402
+from services.conductor.margin import MarginConfig  # noqa: E402
+from services.conductor.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from services.conductor.simulator.report import summarize, table  # noqa: E402
+from services.conductor.simulator.scenarios import hot_prefix, swinging  # noqa: E402
 from services.conductor.simulator.simulation import SimConfig, simulate  # noqa: E402
 from services.conductor.simulator.trace import load_trace  # noqa: E402
 
 POLICIES = ["random", "least_loaded", "cache_aware", "cache_aware+replication", "cache_aware+early_rejection",
-            "cache_aware+predictive_rejection"]  # fmt: skip
+            "cache_aware+predictive_rejection", "cache_aware+local_prefill+predictive_rejection"]  # fmt: skip
 
 
 def admit_latency(policy: str, num_blocks: int = 1_000_000, admissions: int = 20_000) -> dict:
@@ -70,7 +78,10 @@ def admit_latency(policy: str, num_blocks: int = 1_000_000, admissions: int = 20
         if c % 4 == 1:
             index.add("store-0", "disk", chain)
     assert index.num_blocks == num_blocks
-    scheduler = Scheduler(build_policy(policy, random.Random(1)), view, index)
+    # requests are settled by the clock of this loop, not by their real TTFTs: learning from that would
+    # teach the conductor a nonsense margin (the reads of margins are timed all the same)
+    learn_nothing = SchedulerConfig(margin=MarginConfig(window=0))
+    scheduler = Scheduler(build_policy(policy, random.Random(1)), view, index, learn_nothing)
     encoded = []
     for i in range(admissions):
         chain = chains[rng.randrange(len(chains))]
@@ -125,21 +136,27 @@ def timer_noise(work_us: float, samples: int = 20_000) -> tuple[float, float]:
     return float(np.percentile(us, 50)), float(np.percentile(us, 99))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    root = Path(__file__).resolve().parent.parent
-    parser.add_argument("--trace", type=Path, default=root.parent / "shared" / "traces" / "conversation_trace.jsonl")
-    parser.add_argument("--out", type=Path, default=root / "bench" / "results" / "conductor.md")
-    args = parser.parse_args()
+TITLE_ADMIT = "1. Admit-decision latency: 64 instances, 1,000,000 indexed blocks"
+FULL_TRACE = {  # section key: (title, prefill, decode, time scale, store blocks)
+    "scale1": ("2. Simulator wall time and 3. policy table: full trace, 16 prefill + 16 decode, time scale 1",
+               16, 16, 1.0, 50_000),
+    "scale05": ("3. Policy table: full trace, 16 prefill + 16 decode, time scale 0.5 (twice the load)",
+                16, 16, 0.5, 50_000),
+    "nostore": ("Without a store (prefill caches only): 16 prefill + 16 decode, time scale 0.5", 16, 16, 0.5, 0),
+    "decodebound": ("Decode-bound: full trace, 16 prefill + 2 decode, time scale 0.5", 16, 2, 0.5, 50_000),
+    "slow": ("Workers 1.5x slower than the cost model they report: full trace, 6 prefill + 2 decode, time scale 0.5, "
+             "first 3,000 requests", 6, 2, 0.5, 50_000),
+}  # fmt: skip
+TITLE_SWINGING = "Swinging load: bursts that fill one decode batch while their prefills are in flight"
+TITLE_HOT = "Hot prefixes on small caches, no store: 8 prefill + 8 decode"
+SECTIONS = ("admit", *FULL_TRACE, "swinging", "hot")
+ADMISSION_POLICIES = ["cache_aware", "cache_aware+early_rejection", "cache_aware+predictive_rejection",
+                      "cache_aware+local_prefill+predictive_rejection"]  # fmt: skip
+
+
+def admit_section() -> list[str]:
     lines = [
-        "# Conductor benchmark",
-        "",
-        f"Measured {datetime.date.today().isoformat()} on {platform.machine()}, {platform.python_version()}, "
-        f"a shared 2-core machine (expect +-30% between runs).",
-        "",
-        "Command: `.venv/bin/python bench/conductor.py` (writes this file).",
-        "",
-        "## 1. Admit-decision latency: 64 instances, 1,000,000 indexed blocks",
+        f"## {TITLE_ADMIT}",
         "",
         "48 prefill + 15 decode + 1 store instance; 20,000 admissions of 64-block prompts with cached prefixes "
         "of 0-64 blocks spread over 1-3 prefill caches and the store's DRAM and disk tiers; each request is "
@@ -149,7 +166,7 @@ def main() -> None:
         "| policy | admitted | rejected | admit p50 us | admit p99 us | admit max us | CPU p50 us | CPU p99 us "
         "| wire p50 us | wire p99 us |",
         "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    ]  # fmt: skip
     p50s = []
     for policy in ("least_loaded", "cache_aware", "cache_aware+replication+predictive_rejection"):
         r = admit_latency(policy)
@@ -163,32 +180,108 @@ def main() -> None:
               f"preempted. The machine's own noise, timed the same way: a fixed busy loop of p50 {noise[0]:.0f} us "
               f"has p99 {noise[1]:.0f} us in the same run (load average at the time: "
               f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} on 2 cores)."]  # fmt: skip
-    if not args.trace.is_file():
-        lines += ["", f"(no trace at {args.trace}: the simulator sections were skipped)"]
-        args.out.write_text("\n".join(lines) + "\n")
-        return
-    runs = [("2. Simulator wall time and 3. policy table: full trace, 16 prefill + 16 decode, time scale 1",
-             16, 16, 1.0, 50_000),
-            ("3. Policy table: full trace, 16 prefill + 16 decode, time scale 0.5 (twice the load)", 16, 16, 0.5, 50_000),
-            ("Without a store (prefill caches only): 16 prefill + 16 decode, time scale 0.5", 16, 16, 0.5, 0),
-            ("Decode-bound: full trace, 16 prefill + 2 decode, time scale 0.5", 16, 2, 0.5, 50_000)]  # fmt: skip
-    for title, num_prefill, num_decode, scale, store_blocks in runs:
-        trace = load_trace(args.trace, scale)
-        summaries, walls = [], []
-        for policy in POLICIES:
-            started = time.perf_counter()
-            result = simulate(SimConfig(num_prefill, num_decode, policy, store_blocks=store_blocks), trace)
-            walls.append(time.perf_counter() - started)
-            summaries.append(summarize(result))
-            print(f"{title[:20]} {policy}: {walls[-1]:.1f} s", file=sys.stderr)
-        lines += ["", f"## {title}", "",
-                  f"`kvserve simulate --trace {args.trace.name} --prefill {num_prefill} --decode {num_decode} "
-                  f"--time-scale {scale:g} --store-blocks {store_blocks} --policy {','.join(POLICIES)}` "
-                  f"({len(trace)} requests over {trace[-1].arrival_s:.0f} s; SLO TTFT 2 s, TBT 150 ms; seed 0; "
-                  f"the reference GPU-class cost model; prefill caches of 2,000 blocks, a {store_blocks:,}-block store).",
-                  "",
-                  table(summaries, markdown=True), "",
-                  "Simulator wall time (s): " + ", ".join(f"{p} {w:.1f}" for p, w in zip(POLICIES, walls)) + "."]  # fmt: skip
+    return lines
+
+
+def policy_table(title: str, command: str, about: str, runs: list[tuple[str, SimConfig]], trace) -> list[str]:
+    summaries, walls = [], []
+    for policy, config in runs:
+        started = time.perf_counter()
+        summaries.append(summarize(simulate(config, trace)))
+        walls.append(time.perf_counter() - started)
+        print(f"{title[:20]} {policy}: {walls[-1]:.1f} s", file=sys.stderr)
+    return [f"## {title}", "", f"`{command}` ({about})", "", table(summaries, markdown=True), "",
+            "Simulator wall time (s): " + ", ".join(f"{p} {w:.1f}" for (p, _), w in zip(runs, walls)) + "."]  # fmt: skip
+
+
+def full_trace_section(key: str, path: Path) -> list[str]:
+    title, num_prefill, num_decode, scale, store_blocks = FULL_TRACE[key]
+    slow = key == "slow"
+    trace = load_trace(path, scale, max_requests=3_000 if slow else None)
+    policies = ADMISSION_POLICIES if slow else POLICIES
+    runs = [(p, SimConfig(num_prefill, num_decode, p, store_blocks=store_blocks, slowdown=1.5 if slow else 1.0))
+            for p in policies]  # fmt: skip
+    command = (f"kvserve simulate --trace {path.name} --prefill {num_prefill} --decode {num_decode} "
+               f"--time-scale {scale:g} --store-blocks {store_blocks} --policy {','.join(policies)}")  # fmt: skip
+    about = (f"{len(trace)} requests over {trace[-1].arrival_s:.0f} s; SLO TTFT 2 s, TBT 150 ms; seed 0; "
+             f"the reference GPU-class cost model{', the simulated workers 1.5x slower than it' if slow else ''}; "
+             f"prefill caches of 2,000 blocks, a {store_blocks:,}-block store")  # fmt: skip
+    return policy_table(title, command, about, runs, trace)
+
+
+def swinging_section() -> list[str]:
+    trace = swinging()
+    policies = ["cache_aware", *ADMISSION_POLICIES[1:]]
+    runs = [(p, SimConfig(32, 1, p)) for p in policies]
+    about = (f"`services/conductor/simulator/scenarios.py`; {len(trace)} requests: 8 bursts of 120 in 4 s, 40 s "
+             f"apart, prompts of 6k-14k tokens, 100-600 output tokens; 32 prefill + 1 decode instance; bench only")
+    return policy_table(TITLE_SWINGING, "swinging()", about, runs, trace)
+
+
+def hot_section() -> list[str]:
+    trace = hot_prefix(rate=5.0, prefixes=20)
+    policies = ["least_loaded", "cache_aware", "cache_aware+replication"]
+    runs = [(p, SimConfig(8, 8, p, store_blocks=0, prefill_cache_blocks=400)) for p in policies]
+    about = (f"`services/conductor/simulator/scenarios.py`; {len(trace)} requests at 5 a second, each a 40-block "
+             f"document (one of 20, Zipf popularity) and 256-2,048 tokens of its own; prefill caches of 400 blocks, "
+             f"no store; bench only")  # fmt: skip
+    return policy_table(TITLE_HOT, "hot_prefix(rate=5.0, prefixes=20)", about, runs, trace)
+
+
+def previous_sections(path: Path) -> dict[str, list[str]]:
+    """The sections of an earlier run's file, by title (what --sections leaves as it was)."""
+    sections: dict[str, list[str]] = {}
+    if path.is_file():
+        current = None
+        for line in path.read_text().splitlines():
+            if line.startswith("## "):
+                current = sections.setdefault(line[3:], [])
+            if current is not None:
+                current.append(line)
+    for lines in sections.values():
+        while lines and not lines[-1]:
+            lines.pop()
+    return sections
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root = Path(__file__).resolve().parent.parent
+    parser.add_argument("--trace", type=Path, default=root.parent / "shared" / "traces" / "conversation_trace.jsonl")
+    parser.add_argument("--out", type=Path, default=root / "bench" / "results" / "conductor.md")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"which to run, of {','.join(SECTIONS)} (default: all); the others are kept as "
+                             f"the file has them")  # fmt: skip
+    args = parser.parse_args()
+    chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
+    if unknown := [s for s in chosen if s not in SECTIONS]:
+        parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
+    old = previous_sections(args.out)
+    titles = {"admit": TITLE_ADMIT, **{k: v[0] for k, v in FULL_TRACE.items()}, "swinging": TITLE_SWINGING,
+              "hot": TITLE_HOT}  # fmt: skip
+    lines = [
+        "# Conductor benchmark",
+        "",
+        f"Measured on {platform.machine()}, {platform.python_version()}, a shared 2-core machine (expect +-30% "
+        f"between runs); sections last run {datetime.date.today().isoformat()}: {', '.join(chosen)}.",
+        "",
+        "Command: `.venv/bin/python bench/conductor.py [--sections admit,scale1,...]` (writes this file; sections "
+        "not run are kept as they were).",
+    ]  # fmt: skip
+    for key in SECTIONS:
+        if key not in chosen:
+            lines += ["", *old.get(titles[key], [f"## {titles[key]}", "", "(not run yet)"])]
+        elif key == "admit":
+            lines += ["", *admit_section()]
+        elif not args.trace.is_file() and key in FULL_TRACE:
+            lines += ["", f"## {titles[key]}", "", f"(no trace at {args.trace}: skipped)"]
+        elif key in FULL_TRACE:
+            lines += ["", *full_trace_section(key, args.trace)]
+        else:
+            lines += ["", *(swinging_section() if key == "swinging" else hot_section())]
+    notes = "Notes on the runs above (by hand)"
+    if notes in old:
+        lines += ["", *old[notes]]
     args.out.write_text("\n".join(lines) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)
 

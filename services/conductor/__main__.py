@@ -1,6 +1,6 @@
 """python -m services.conductor — settings from KVSERVE_* variables (see settings.py).
 
-KVSERVE_POLICY (cache_aware; add +early_rejection or +predictive_rejection to refuse early),
+KVSERVE_POLICY (cache_aware+predictive_rejection; cache_aware alone never refuses),
 KVSERVE_SLO_TTFT_MS (2000), KVSERVE_SLO_TBT_MS (150), KVSERVE_INSTANCE_TIMEOUT (3 s),
 KVSERVE_BLOCK_SIZE (16), KVSERVE_BALANCING_THRESHOLD (2.0),
 KVSERVE_EXPECTED_OUTPUT_TOKENS (512), KVSERVE_LOG_LEVEL (INFO).

@@ -17,6 +17,7 @@ broken promises, and one that is pessimistic gives the capacity back. Per
 instance once it has enough samples, else over the whole cluster.
 """
 
+from bisect import bisect_left, insort
 from collections import deque
 from dataclasses import dataclass
 
@@ -33,30 +34,33 @@ class MarginConfig:
 
 
 class RatioWindow:
-    """The last ``size`` observed/predicted ratios and their ``quantile`` (cached)."""
+    """The last ``size`` observed/predicted ratios and their ``quantile``, kept sorted as
+    they come and go, so reading it costs O(1) (admission reads several per request)."""
 
     def __init__(self, size: int, quantile: float, low: float = MIN_MARGIN, high: float = MAX_MARGIN) -> None:
-        self.ratios: deque[float] = deque(maxlen=size)
-        self.quantile, self.low, self.high = quantile, low, high
-        self._value: float | None = None
+        self.ratios: deque[float] = deque()
+        self.size, self.quantile, self.low, self.high = size, quantile, low, high
+        self._sorted: list[float] = []
 
     def __len__(self) -> int:
         return len(self.ratios)
 
     def observe(self, observed: float, predicted: float) -> None:
-        if predicted > _TINY and observed >= 0:
-            self.ratios.append(observed / predicted)
-            self._value = None
+        if predicted <= _TINY or observed < 0 or self.size <= 0:
+            return
+        ratio = observed / predicted
+        if len(self.ratios) == self.size:
+            del self._sorted[bisect_left(self._sorted, self.ratios.popleft())]
+        self.ratios.append(ratio)
+        insort(self._sorted, ratio)
 
     def value(self) -> float:
         """The quantile of the window, within [low, high]; 1 while it is empty."""
-        if self._value is None:
-            if not self.ratios:
-                return 1.0
-            ordered = sorted(self.ratios)
-            q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-            self._value = min(self.high, max(self.low, q))
-        return self._value
+        ordered = self._sorted
+        if not ordered:
+            return 1.0
+        q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
+        return min(self.high, max(self.low, q))
 
 
 class Margins:

@@ -15,6 +15,9 @@ CLUSTER_ENV = {
     "KVSERVE_NUM_BLOCKS": "192",
     "KVSERVE_STORE_CAPACITY_BYTES": str(128 << 20),
 }
+    # routing without refusals: these clusters load a slow shared machine on purpose, and
+    # admission is the conductor's tests' subject (test_conductor.py)
+    "KVSERVE_POLICY": "cache_aware",
 
 
 # Clusters a test may have used: a failing test's report carries their logs (tests/conftest.py).

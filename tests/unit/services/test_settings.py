@@ -55,7 +55,7 @@ def test_the_documented_defaults(clean_env):
     assert (gateway.max_model_len, gateway.max_attempts, gateway.request_timeout) == (None, 3, 120.0)
     assert (gateway.header_timeout, gateway.body_timeout, gateway.keepalive_timeout, gateway.max_connections) == (10.0, 30.0, 5.0, 1024)
     conductor = ConductorSettings.from_env()
-    assert (conductor.policy, conductor.instance_timeout, conductor.slo_ttft_s, conductor.slo_tbt_s) == ("cache_aware", 3.0, 2.0, 0.15)
+    assert (conductor.policy, conductor.instance_timeout, conductor.slo_ttft_s, conductor.slo_tbt_s) == ("cache_aware+predictive_rejection", 3.0, 2.0, 0.15)
     assert (conductor.block_size, conductor.balancing_threshold, conductor.expected_output_tokens) == (16, 2.0, 512)
     prefill = PrefillSettings.from_env()
     assert (prefill.max_chunk_tokens, prefill.max_batch_tokens, prefill.use_store, prefill.store_replicas) == (512, 2048, True, 1)
