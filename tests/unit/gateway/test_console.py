@@ -19,8 +19,8 @@ from libs.common.schema import (
     DecisionView,
     Heartbeat,
     PrefillBeat,
-    StoreBeat,
     PrefixView,
+    StoreBeat,
 )
 from services.gateway.app import Gateway
 from services.gateway.console_data import BUCKET_S, RequestLog, Served, console_state
