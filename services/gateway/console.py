@@ -38,6 +38,7 @@ VIEW_TIMEOUT = 1.0  # seconds a conductor gets to answer the console
 VIEW_MAX_AGE = 0.9  # the conductors' views are asked for at most this often, whoever asks
 FEED_PERIOD = 1.0  # seconds between two events of the live feed when nothing else happens
 FEED_MIN_GAP = 0.25  # ... and at least this between two events, however many requests end
+INLINE_STATE_REQUESTS = 2_000  # with more requests in the log, the state is built off the event loop
 MAX_DECISIONS = 20
 
 
@@ -71,17 +72,30 @@ class Console:
         self._views: tuple[float, list[ConductorViewReply], list[str]] = (float("-inf"), [], [])
         self._views_lock = asyncio.Lock()
         self._files: dict[str, bytes] = {}
+        self._built: tuple[float, int, dict[str, Any]] | None = None  # (when, log version, state), for every page
+        self._build_lock = asyncio.Lock()
 
     # --- the data ----------------------------------------------------------------------
     async def state(self) -> dict[str, Any]:
-        views, unreachable = await self._conductor_views()
-        now = time.time()
-        gateway = {
-            "instance_id": self.service.instance_id, "model": self.generations.model.model_id,
-            "in_flight": self.generations.num_in_flight, "uptime_s": round(now - self.service.started_at, 3),
-        }  # fmt: skip
-        heard = self.generations.peers.heard()
-        return console_state(gateway, heard, views, unreachable, self.requests.recent(), now, MAX_DECISIONS)
+        """The state every page and `kvserve status` get: built once for all of them while
+        no request ends (for up to FEED_MIN_GAP), off the event loop when the log is long."""
+        async with self._build_lock:
+            views, unreachable = await self._conductor_views()
+            version = self.requests.version
+            if self._built is not None and self._built[1] == version and time.monotonic() - self._built[0] < FEED_MIN_GAP:
+                return self._built[2]
+            now = time.time()
+            gateway = {
+                "instance_id": self.service.instance_id, "model": self.generations.model.model_id,
+                "in_flight": self.generations.num_in_flight, "uptime_s": round(now - self.service.started_at, 3),
+            }  # fmt: skip
+            args = (gateway, self.generations.peers.heard(), views, unreachable, self.requests.recent(), now, MAX_DECISIONS)
+            if len(args[4]) > INLINE_STATE_REQUESTS:
+                state = await asyncio.to_thread(console_state, *args)
+            else:
+                state = console_state(*args)
+            self._built = (time.monotonic(), version, state)
+            return state
 
     async def _conductor_views(self) -> tuple[list[ConductorViewReply], list[str]]:
         """Every live conductor's view, asked at most every VIEW_MAX_AGE seconds

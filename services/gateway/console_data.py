@@ -71,9 +71,11 @@ class RequestLog:
         self.clock = clock
         self._served: deque[Served] = deque(maxlen=max_served)
         self._changed = asyncio.Event()
+        self.version = 0  # one more for every request logged
 
     def add(self, served: Served) -> None:
         self._served.append(served)
+        self.version += 1
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -198,14 +200,15 @@ def _served(s: Served, slo_ttft: float | None, slo_tbt: float | None) -> dict[st
 
 def _summary(window: list[Served], slo_ttft: float | None, slo_tbt: float | None) -> dict[str, Any]:
     prompt = sum(s.num_prompt_tokens for s in window)
+    cached = sum(s.num_cached_tokens for s in window)
     met = None if slo_ttft is None else sum(s.met(slo_ttft, slo_tbt) for s in window)
+    ttft_p50, ttft_p90 = _quantiles([s.ttft_s for s in window])
+    tpot_p50, tpot_p90 = _quantiles([s.tpot_s for s in window])
     return {
         "window_s": WINDOW_S, "ttft_s": slo_ttft, "tbt_s": slo_tbt, "requests": len(window), "met": met,
         "attainment": met / len(window) if window and met is not None else None,
-        "ttft_p50_s": _quantile([s.ttft_s for s in window], 0.5), "ttft_p90_s": _quantile([s.ttft_s for s in window], 0.9),
-        "tpot_p50_s": _quantile([s.tpot_s for s in window], 0.5), "tpot_p90_s": _quantile([s.tpot_s for s in window], 0.9),
-        "prompt_tokens": prompt, "cached_tokens": sum(s.num_cached_tokens for s in window),
-        "cache_hit": sum(s.num_cached_tokens for s in window) / prompt if prompt else None,
+        "ttft_p50_s": ttft_p50, "ttft_p90_s": ttft_p90, "tpot_p50_s": tpot_p50, "tpot_p90_s": tpot_p90,
+        "prompt_tokens": prompt, "cached_tokens": cached, "cache_hit": cached / prompt if prompt else None,
     }  # fmt: skip
 
 
@@ -219,18 +222,18 @@ def _series(window: list[Served], slo_ttft: float | None, slo_tbt: float | None,
         if 0 <= i < n:
             buckets[i].append(s)
     series: dict[str, list] = {"t": [end - (n - i) * BUCKET_S for i in range(n)], "requests": [len(b) for b in buckets]}
-    for name, field, q in (("ttft_p50_s", "ttft_s", 0.5), ("ttft_p90_s", "ttft_s", 0.9),
-                           ("tpot_p50_s", "tpot_s", 0.5), ("tpot_p90_s", "tpot_s", 0.9)):  # fmt: skip
-        series[name] = [_quantile([getattr(s, field) for s in b], q) for b in buckets]
+    for field in ("ttft_s", "tpot_s"):
+        p50s, p90s = zip(*(_quantiles([getattr(s, field) for s in b]) for b in buckets))
+        series[f"{field[:4]}_p50_s"], series[f"{field[:4]}_p90_s"] = list(p50s), list(p90s)
     series["attainment"] = [
         sum(s.met(slo_ttft, slo_tbt) for s in b) / len(b) if b and slo_ttft is not None else None for b in buckets
     ]
     return series
 
 
-def _quantile(values: Sequence[float | None], q: float) -> float | None:
-    """The nearest-rank ``q`` quantile of the values that are not None."""
-    present = sorted(v for v in values if v is not None)
+def _quantiles(values: Sequence[float | None], qs: Sequence[float] = (0.5, 0.9)) -> tuple[float | None, ...]:
+    """The nearest-rank quantiles ``qs`` of the values that are not None (one sort for all)."""
+    present = sorted([v for v in values if v is not None])
     if not present:
-        return None
-    return present[max(math.ceil(q * len(present)) - 1, 0)]
+        return (None,) * len(qs)
+    return tuple(present[max(math.ceil(q * len(present)) - 1, 0)] for q in qs)

@@ -23,6 +23,7 @@ from libs.common.schema import (
     StoreBeat,
 )
 from services.gateway.app import Gateway
+from services.gateway.console import INLINE_STATE_REQUESTS
 from services.gateway.console_data import BUCKET_S, RequestLog, Served, console_state
 from services.gateway.dispatch import SLOOverride
 from services.gateway.routes import init_app
@@ -209,3 +210,15 @@ async def test_the_feed_is_server_sent_events_and_ends_when_the_gateway_stops(co
 
 async def next_event(response) -> dict:
     return json.loads((await response.content.readuntil(b"\n\n")).removeprefix(b"data: "))
+
+
+async def test_a_long_log_is_summed_up_off_the_event_loop_and_a_new_request_shows_at_once(console):
+    client, gateway, _ = console
+    log = gateway.generations.observers[0].__self__
+    for i in range(INLINE_STATE_REQUESTS + 1):
+        log.add(served(f"r{i}", log.clock(), 0.3, 0.05))
+    state = await (await client.get("/console/api/state", headers=AUTH)).json()
+    assert state["slo"]["requests"] == INLINE_STATE_REQUESTS + 1 and state["slo"]["attainment"] == 1.0
+    log.add(served("one-more", log.clock(), 5.0, 0.05))  # within FEED_MIN_GAP of the last build
+    state = await (await client.get("/console/api/state", headers=AUTH)).json()
+    assert state["requests"][0]["request_id"] == "one-more" and state["slo"]["requests"] == INLINE_STATE_REQUESTS + 2
