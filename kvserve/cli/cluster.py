@@ -39,8 +39,9 @@ from libs.common.errors import KVServeError
 from libs.common.model.default_model import DEFAULT_MODEL_ID, resolve_model_path
 from libs.common.nats_server import NatsServer
 from libs.common.schema import Heartbeat
+from libs.common.vocabulary import Role
 
-ROLES = ("conductor", "store", "prefill", "decode", "gateway")  # also the start order
+ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # also the start order
 GATEWAY_ID = "gateway-0"
 # SIGTERM to SIGKILL. Longer than any service's own stop: the gateway drains in-flight
 # requests for up to 10 s (SHUTDOWN_GRACE, services/gateway/app.py), so twice that.
@@ -96,7 +97,8 @@ class LocalCluster:
             raise ValueError("a cluster needs at least one prefill and one decode worker")
         if unknown := set(modules or {}) - set(ROLES):
             raise ValueError(f"no such service: {', '.join(sorted(unknown))}")
-        self.counts = {"conductor": 1, "store": int(store), "prefill": prefill, "decode": decode, "gateway": 1}
+        self.counts = {Role.CONDUCTOR: 1, Role.STORE: int(store), Role.PREFILL: prefill, Role.DECODE: decode,
+                       Role.GATEWAY: 1}  # fmt: skip
         self.cpu_plan: dict[str, CpuShare] = plan_cpus(self.counts, available_cpus(), cpus)  # by instance id
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.gateway_port = gateway_port
@@ -334,14 +336,14 @@ class LocalCluster:
             env["KVSERVE_MODEL"] = str(self.model_path)
         if self.api_key is not None:
             env["KVSERVE_API_KEY"] = self.api_key
-        if role == "gateway":
+        if role == Role.GATEWAY:
             env.update(KVSERVE_GATEWAY_HOST=self.gateway_host, KVSERVE_GATEWAY_PORT=str(self.gateway_port))
-        if role in ("prefill", "decode") and self._runtime is not None:
+        if role in (Role.PREFILL, Role.DECODE) and self._runtime is not None:
             # a restarted worker reuses its first run's calibration (libs/common/cost_model.py)
             env["KVSERVE_CALIBRATION_FILE"] = str(Path(self._runtime.name) / f"{instance_id}.calibration.json")
-        if role == "store" and self.store_dir is not None:
+        if role == Role.STORE and self.store_dir is not None:
             env["KVSERVE_STORE_DIR"] = str(self.store_dir / instance_id)
-        if not self.counts["store"]:
+        if not self.counts[Role.STORE]:
             env["KVSERVE_USE_STORE"] = "0"  # prefill workers then never ask a store that is not there
         env.update(self.cpu_plan[instance_id].env())
         env.update(self.extra_env)

@@ -4,7 +4,10 @@
 import threading
 from typing import TextIO
 
-_COLOURS = {"conductor": "35", "store": "34", "prefill": "33", "decode": "32", "gateway": "36", "kvserve": "1"}
+from libs.common.vocabulary import Role
+
+_COLOURS = {Role.CONDUCTOR: "35", Role.STORE: "34", Role.PREFILL: "33", Role.DECODE: "32", Role.GATEWAY: "36",
+            "kvserve": "1"}  # fmt: skip
 
 
 class Console:

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from libs.common.cpu_share import format_cpu_list, parse_cpu_list
+from libs.common.vocabulary import Role
 
-WORKER_ROLES = ("prefill", "decode")  # also the order cores are handed out in
+WORKER_ROLES = (Role.PREFILL, Role.DECODE)  # also the order cores are handed out in
 
 
 @dataclass(frozen=True)

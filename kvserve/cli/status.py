@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.common.errors import KVServeError
+from libs.common.vocabulary import Role
 
 STATE_PATH = "/console/api/state"
 MAX_DECISIONS = 8
@@ -144,7 +145,8 @@ def _slo_line(slo: dict[str, Any]) -> str:
 
 def _instance_row(i: dict[str, Any]) -> list[str]:
     kv = "-" if i["kv_usage"] is None else f"{_pct(i['kv_usage'])} of {i['kv_capacity_blocks']}"
-    work = {"prefill": f"{i['queued_tokens']} tok queued", "decode": f"batch {i['batch_size']}"}.get(i["role"], "-")
+    work_of = {Role.PREFILL: f"{i['queued_tokens']} tok queued", Role.DECODE: f"batch {i['batch_size']}"}
+    work = work_of.get(i["role"], "-")
     tiers = ", ".join(f"{t} {n}" for t, n in i["tiers"].items() if n) or "-"
     return [i["instance_id"], i["role"], str(i["load"]), kv, work, tiers, f"{i['last_heard_s']:.1f}s ago"]
 

@@ -19,8 +19,8 @@ import threading
 from libs.common.settings import ProcessSettings
 
 
-def parse(spec: str, instance_id: str) -> frozenset[str]:
-    """The failpoints ``spec`` arms in the process ``instance_id``."""
+def parse(spec: str, instance_id: str | None) -> frozenset[str]:
+    """The failpoints ``spec`` arms in the process ``instance_id`` (None: a process without one)."""
     active = set()
     for entry in spec.split(","):
         entry = entry.strip()

@@ -25,7 +25,8 @@ log = logging.getLogger("kvserve.nats")
 SERVICE_ROLES = tuple(Role)
 # observer: watches heartbeats and reads metrics (`kvserve up`'s own watcher);
 # admin: every subject, for an operator's tools and tests, never given to a service.
-USERS = SERVICE_ROLES + ("observer", "admin")
+OBSERVER, ADMIN = "observer", "admin"
+USERS = SERVICE_ROLES + (OBSERVER, ADMIN)
 SERVER_CONFIG = Path("nats-server") / "nats.conf"  # under the auth directory
 CREDENTIALS = "credentials.json"  # under the auth directory, in a folder per user
 MIN_SECRET_LENGTH = 16
@@ -51,10 +52,10 @@ def inbox_prefix(user: str) -> str:
 # outright, not only through allow_responses: nats-server forgets which replies a client
 # owes when it reconnects, so without this an answer computed across a NATS restart is
 # refused and its requester waits out its timeout. Reading an inbox stays its owner's alone.
-REQUESTERS = ("gateway", "conductor", "prefill", "observer")
+REQUESTERS = (Role.GATEWAY, Role.CONDUCTOR, Role.PREFILL, OBSERVER)
 
 
-def _service(role: str, publish: tuple[str, ...], subscribe: tuple[str, ...], requests: bool) -> Permissions:
+def _service(role: Role, publish: tuple[str, ...], subscribe: tuple[str, ...], requests: bool) -> Permissions:
     """What every service does (heartbeats, roll calls, metrics, replies) plus what ``role`` does."""
     inbox = (inbox_prefix(role) + ".>",) if requests else ()
     replies = tuple(inbox_prefix(user) + ".>" for user in REQUESTERS)
@@ -66,45 +67,45 @@ def _service(role: str, publish: tuple[str, ...], subscribe: tuple[str, ...], re
 
 PERMISSIONS: dict[str, Permissions] = {
     # The gateway alone admits and submits requests, cancels them and reads their tokens.
-    "gateway": _service(
-        "gateway",
+    Role.GATEWAY: _service(
+        Role.GATEWAY,
         publish=(s.CONDUCTOR_ADMIT, s.CONDUCTOR_PROGRESS, s.PREFILL_SUBMIT_ALL, s.DECODE_PREFILL_ALL, s.CANCEL,
                  s.METRICS_ALL, s.CONDUCTOR_VIEW_ALL),
         subscribe=(s.HEARTBEAT_ALL, s.TOKENS_ALL),
         requests=True,
     ),  # fmt: skip
-    "conductor": _service(
-        "conductor",
+    Role.CONDUCTOR: _service(
+        Role.CONDUCTOR,
         publish=(s.KV_SNAPSHOT_ALL,),
         subscribe=(s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CONDUCTOR_PROGRESS, s.CONDUCTOR_ADMIT, s.CONDUCTOR_VIEW_ALL),
         requests=True,
     ),
     # Prefill and decode workers alone publish tokens.
-    "prefill": _service(
-        "prefill",
+    Role.PREFILL: _service(
+        Role.PREFILL,
         publish=(s.TOKENS_ALL, s.DECODE_RESERVE_ALL, s.DECODE_ADMIT_ALL, s.DECODE_RELEASE_ALL, s.STORE_OPS_ALL,
                  s.KV_EVENTS_ALL),
-        subscribe=(s.PREFILL_SUBMIT_ALL, s.CANCEL, s.heartbeat("decode"), s.heartbeat("store"), s.KV_SNAPSHOT_ALL),
+        subscribe=(s.PREFILL_SUBMIT_ALL, s.CANCEL, s.heartbeat(Role.DECODE), s.heartbeat(Role.STORE), s.KV_SNAPSHOT_ALL),
         requests=True,
     ),  # fmt: skip
-    "decode": _service(
-        "decode",
+    Role.DECODE: _service(
+        Role.DECODE,
         publish=(s.TOKENS_ALL,),
         subscribe=(s.DECODE_RESERVE_ALL, s.DECODE_ADMIT_ALL, s.DECODE_RELEASE_ALL, s.DECODE_PREFILL_ALL, s.CANCEL),
         requests=False,
     ),
-    "store": _service(
-        "store",
+    Role.STORE: _service(
+        Role.STORE,
         publish=(s.KV_EVENTS_ALL,),
         subscribe=(s.STORE_OPS_ALL, s.KV_SNAPSHOT_ALL),
         requests=False,
     ),
-    "observer": Permissions(
+    OBSERVER: Permissions(
         publish=(s.METRICS_ALL,),
-        subscribe=(s.HEARTBEAT_ALL, inbox_prefix("observer") + ".>"),
+        subscribe=(s.HEARTBEAT_ALL, inbox_prefix(OBSERVER) + ".>"),
         responds=False,
     ),
-    "admin": Permissions(publish=(">",), subscribe=(">",), responds=False),
+    ADMIN: Permissions(publish=(">",), subscribe=(">",), responds=False),
 }
 
 

@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from libs.common import nats_auth, schema, subjects
+from libs.common.ids import InstanceId
 from libs.common.metrics import REGISTRY
 from libs.common.schema import BadMessageError, ErrorReply, Heartbeat, Message
 from libs.common.settings import ServiceSettings
@@ -39,7 +40,7 @@ class Service:
         self._tasks: set[asyncio.Task] = set()
 
     @property
-    def instance_id(self) -> str:
+    def instance_id(self) -> InstanceId:
         return self.settings.instance_id
 
     # --- lifecycle ------------------------------------------------------------

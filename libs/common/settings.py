@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from libs.common.cpu_share import available_cpus, format_cpu_list, parse_cpu_list
+from libs.common.ids import InstanceId
 from libs.common.nats_auth import NatsAuthError, load_credentials
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -74,7 +75,7 @@ def service_env(role: str) -> dict[str, Any]:
     return dict(
         role=role,
         nats_url=env_str("NATS_URL", DEFAULT_NATS_URL),
-        instance_id=env_str("INSTANCE_ID", f"{role}-{secrets.token_hex(3)}"),
+        instance_id=InstanceId(env_str("INSTANCE_ID", f"{role}-{secrets.token_hex(3)}")),
         host_id=env_str("HOST_ID", socket.gethostname()),
         heartbeat_interval=env_float("HEARTBEAT_INTERVAL", 1.0),
         nats_credentials=credentials,
@@ -91,7 +92,7 @@ class ServiceSettings:
 
     role: str
     nats_url: str
-    instance_id: str
+    instance_id: InstanceId
     host_id: str
     heartbeat_interval: float = 1.0
     nats_credentials: str | None = None  # a 0600 JSON file: {"user", "password"} or {"token"}
@@ -170,7 +171,7 @@ class ProcessSettings:
     native_kernels: bool = True  # KVSERVE_NATIVE_KERNELS=0: every kernel uses its PyTorch path
     compiler: str = "cc"  # the C compiler native kernels are built with (CC)
     failpoints: str = ""  # KVSERVE_FAILPOINTS: ``name`` or ``instance_id:name`` entries, comma separated
-    instance_id: str = ""  # KVSERVE_INSTANCE_ID as set (unset: ""), which ``instance_id:name`` failpoints match
+    instance_id: InstanceId | None = None  # KVSERVE_INSTANCE_ID as set, which ``instance_id:name`` failpoints match
 
     @classmethod
     def from_env(cls) -> Self:
@@ -179,5 +180,5 @@ class ProcessSettings:
             native_kernels=env_str("NATIVE_KERNELS", "1") != "0",
             compiler=os.environ.get("CC", "cc"),
             failpoints=env_str("FAILPOINTS", ""),
-            instance_id=env_str("INSTANCE_ID", ""),
+            instance_id=InstanceId(env_str("INSTANCE_ID", "")) or None,
         )

@@ -76,7 +76,7 @@ class Handoff:
     async def reserve(self, request: PrefillRequest, decode_id: str, num_tokens: int) -> Transfer:
         message = ReserveRequest(request_id=request.request_id, num_tokens=num_tokens,
                                  prefill_id=self.service.instance_id, contract=self.host.contract,
-                                 host_id=self.host.transfers.writer_host_id or None)  # fmt: skip
+                                 host_id=self.host.transfers.writer_host_id)  # fmt: skip
         try:
             reply = await self.service.request(subjects.decode_reserve(decode_id), message, ReserveReply,
                                                timeout=RESERVE_TIMEOUT)  # fmt: skip

@@ -161,7 +161,7 @@ class StoreClient:
 
     async def _put(self, name: str, hashes: list[bytes], blocks: list[int]) -> None:
         reply = await self._call(self.calls.put(name, hashes, self.host.block_nbytes,
-                                                host_id=self.host.transfers.writer_host_id or None))  # fmt: skip
+                                                host_id=self.host.transfers.writer_host_id))  # fmt: skip
         if reply is None or not reply.missing:
             return
         spans = [Span(self.host.block_offset(blocks[i]), offset, self.host.block_nbytes)

@@ -80,10 +80,10 @@ class TransferEngine:
             forced.open_receiver()
 
     @property
-    def writer_host_id(self) -> str:
-        """What to tell a receiver about to issue us a ticket: our host id, or "" when we
+    def writer_host_id(self) -> str | None:
+        """What to tell a receiver about to issue us a ticket: our host id, or None when we
         send only through a transport that reaches other hosts (so the receiver listens)."""
-        return "" if self._sends_off_host else self.host_id
+        return None if self._sends_off_host else self.host_id
 
     def _open_receivers(self) -> str | None:
         """The address a ticket gives a sender that may be on another host, if any."""

@@ -105,7 +105,7 @@ def test_a_bad_value_is_refused_with_its_name(role, variable, value, clean_env):
 def test_what_every_process_reads_alike(clean_env, tmp_path):
     settings = ProcessSettings.from_env()
     assert (settings.cache_dir, settings.native_kernels) == (Path("~/.cache/kvserve").expanduser(), True)
-    assert (settings.failpoints, settings.instance_id) == ("", "")
+    assert (settings.failpoints, settings.instance_id) == ("", None)
     clean_env.setenv("KVSERVE_CACHE_DIR", str(tmp_path))
     clean_env.setenv("KVSERVE_NATIVE_KERNELS", "0")
     clean_env.setenv("CC", "clang")
@@ -117,7 +117,7 @@ def test_what_every_process_reads_alike(clean_env, tmp_path):
 def test_failpoints_armed_bare_or_for_this_instance_only():
     spec = "store.stall_disk_write, decode-0:transfer.stall_receive,prefill-0:prefill.stall_before_compute,"
     assert failpoints.parse(spec, "decode-0") == {"store.stall_disk_write", "transfer.stall_receive"}
-    assert failpoints.parse(spec, "") == {"store.stall_disk_write"}
+    assert failpoints.parse(spec, None) == {"store.stall_disk_write"}
     assert failpoints.parse("", "decode-0") == frozenset()
 
 

@@ -141,5 +141,5 @@ async def test_an_engine_whose_peers_are_all_local_listens_on_no_port(segments):
 
 def test_forced_tcp_listens_from_the_start_and_says_so_to_receivers(segments):
     engine = segments.engine("host-a", listen="127.0.0.1:0", transport="tcp")
-    assert engine.transports["tcp"].listener is not None and engine.writer_host_id == ""
+    assert engine.transports["tcp"].listener is not None and engine.writer_host_id is None
     assert segments.engine("host-a").writer_host_id == "host-a"
