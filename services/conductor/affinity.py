@@ -77,5 +77,5 @@ def stay_or_move(ctx: AdmitContext, route: Route, home: Home) -> tuple[Route, st
             decode = stay
         else:
             said.append(f"decode moved from {there.instance_id} to {decode.instance_id}: predicted TBT "
-                        f"{decode.tbt_s * 1e3:.1f} ms there, {stay.tbt_s * 1e3:.1f} ms on {there.instance_id}")  # fmt: skip
+                        f"{decode.tbt_s * 1e3:.1f} ms there, {stay.tbt_s * 1e3:.1f} ms on {there.instance_id}")
     return Route(prefill, decode), "; ".join(said)

@@ -221,9 +221,12 @@ class AdmitContext:
         return DecodeEstimate(d.instance_id, d.cost.decode_step_time(size, mean_context), size, fits)
 
     def decode_tbt(self, d: Instance) -> float:
-        """`decode_all`'s TBT alone (for comparing candidates)."""
+        """`decode_all`'s TBT alone, times the speed ``d``'s measured TBTs show (for comparing
+        candidates: workers calibrated side by side on a busy machine can each be measured
+        far from how they then run, and would otherwise draw every request to one)."""
         count, context = self.batch_all(d)
-        return d.cost.decode_step_time(count + 1, context + self.added_context())
+        step = d.cost.decode_step_time(count + 1, context + self.added_context())
+        return step * self.margins.decode_speed(d.instance_id)
 
     def decode_now(self, d: Instance) -> DecodeEstimate:
         """Against the batch decoding now (what plain early rejection sees)."""

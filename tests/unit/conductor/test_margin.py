@@ -11,7 +11,7 @@ from services.conductor.scheduler import Scheduler
 from services.conductor.simulator.report import kept
 from services.conductor.simulator.simulation import SimConfig, Simulation
 from services.conductor.simulator.trace import TraceRequest
-from tests.unit.conductor.helpers import beat, cluster, config, request
+from tests.unit.conductor.helpers import beat, cluster, coefficients, config, request
 
 
 def test_a_window_gives_its_quantile_within_bounds_and_one_while_empty():
@@ -82,3 +82,15 @@ def test_an_idle_cluster_admits_what_fits_whatever_the_margins_say():
     clock.now = 0.5
     s.first_token("a")  # the queue is empty again
     assert s.admit(request("d", tokens=40, blocks=[])).admitted
+
+
+def test_decode_workers_are_compared_as_they_run_not_as_they_calibrated():
+    # d0 calibrated on a busy machine: its cost model says 21 ms a step alone, d1's 11 ms
+    slow_calibration = beat("d0", "decode", cost=coefficients(decode_base=0.02))
+    view, index, clock = cluster(beat("p0", "prefill"), slow_calibration, beat("d1", "decode"))
+    s = Scheduler(build_policy("cache_aware"), view, index, config())
+    assert s.admit(request("a")).decode_id == "d1"
+    for _ in range(5):  # d0's requests decode twice as fast as its model says, d1's as fast
+        s.margins.observe_tbt("d0", observed=0.0105, predicted=0.021)
+        s.margins.observe_tbt("d1", observed=0.011, predicted=0.011)
+    assert s.admit(request("b")).decode_id == "d0"  # 10.5 ms as it runs; d1 has "a": 12 ms
