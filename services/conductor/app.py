@@ -118,6 +118,8 @@ class Conductor(Service):
                 code=d.error_code, message=d.error_message, retry_after_s=d.retry_after_s,
                 predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s,
             )  # fmt: skip
+        if d.affinity is not None:
+            self.log.debug("%s of session %s: %s", request.request_id, request.session_id, d.affinity)
         return AdmitReply(
             prefill_id=d.prefill_id, decode_id=d.decode_id, prefill_on_decode=d.prefill_on_decode,
             predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s, cached_tokens=d.cached_tokens,
@@ -132,7 +134,7 @@ class Conductor(Service):
         if progress.kind == "first_token":
             self.scheduler.first_token(progress.request_id, progress.ttft_s)
         else:
-            self.scheduler.finished(progress.request_id)
+            self.scheduler.finished(progress.request_id, progress.num_output_tokens)
 
     async def _expire_loop(self) -> None:
         while True:
