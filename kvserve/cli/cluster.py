@@ -60,7 +60,9 @@ class LocalCluster:
 
     ``modules`` maps a role to the module run for it (``services.<role>`` by
     default), so the launcher itself can be tested with stand-in services.
-    ``env`` is added to every service's environment, last.
+    ``env`` is added to every service's environment, last. With ``metrics_port``, each
+    service serves its own /metrics and /healthz on a port of its own from it up
+    (`metrics_ports`).
 
     Each worker gets its share of this machine's cores (kvserve/cli/cpus.py): ``cpus``
     gives a worker role its own cores (``{"prefill": (0, 1), "decode": (2, 3)}``);
@@ -92,6 +94,7 @@ class LocalCluster:
         supervise: bool = False,
         restart_delays: tuple[float, float] = (RESTART_DELAY_FIRST, RESTART_DELAY_MAX),
         cpus: dict[str, tuple[int, ...]] | None = None,
+        metrics_port: int | None = None,
     ) -> None:
         if prefill < 1 or decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode worker")
@@ -101,6 +104,7 @@ class LocalCluster:
                        Role.GATEWAY: 1}  # fmt: skip
         self.cpu_plan: dict[str, CpuShare] = plan_cpus(self.counts, available_cpus(), cpus)  # by instance id
         self.store_dir = Path(store_dir) if store_dir is not None else None
+        self.metrics_port = metrics_port  # the first of the ports each service serves /metrics on; None: none
         self.gateway_port = gateway_port
         self.gateway_host = gateway_host
         self.nats_host = nats_host  # the address nats-server listens on (another host's services must reach it)
@@ -298,6 +302,14 @@ class LocalCluster:
         """Write ``text`` to the cluster's log, whole, between service lines."""
         self._console.echo(text, label)
 
+    def metrics_ports(self) -> dict[str, int]:
+        """Each instance's own /metrics and /healthz port: ``metrics_port`` and up, in
+        the order conductor, store, prefill workers, decode workers, gateway."""
+        if self.metrics_port is None:
+            return {}
+        ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
+        return {instance_id: self.metrics_port + n for n, instance_id in enumerate(ids)}
+
     # --- internals ------------------------------------------------------------
     def _resolve_model(self) -> None:
         """Prepare the model once, here, and fix the dtype every worker must share
@@ -346,6 +358,8 @@ class LocalCluster:
         if not self.counts[Role.STORE]:
             env["KVSERVE_USE_STORE"] = "0"  # prefill workers then never ask a store that is not there
         env.update(self.cpu_plan[instance_id].env())
+        if self.metrics_port is not None:
+            env["KVSERVE_METRICS_PORT"] = str(self.metrics_ports()[instance_id])
         env.update(self.extra_env)
         if "OMP_NUM_THREADS" in self.extra_env and "KVSERVE_THREADS" not in self.extra_env:
             env["KVSERVE_THREADS"] = self.extra_env["OMP_NUM_THREADS"]  # the threads asked for, not the plan's

@@ -86,6 +86,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "divide its cores; a role left out gets the cores left). Default: the workers divide this machine's "
         "cores evenly, prefill first",
     )  # fmt: skip
+    parser.add_argument(
+        "--metrics-port", type=_port, metavar="PORT",
+        help="also serve each service's own /metrics and /healthz (on 127.0.0.1), on ports from PORT up: "
+        "conductor, store, prefill workers, decode workers, gateway (default: none; the gateway's /metrics "
+        "has every instance's metrics)",
+    )  # fmt: skip
     add_model_options(parser)
     parser.set_defaults(run=run)
 
@@ -103,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key_file or args.api_key,
         supervise=True,
         cpus=args.cpus,
+        metrics_port=args.metrics_port,
     )
     return serve(cluster, timeout=args.timeout)
 
@@ -148,11 +155,15 @@ def banner(cluster: LocalCluster) -> str:
         curl += ' -H "Authorization: Bearer $KVSERVE_API_KEY"'
     curl += " -d " + shlex.quote(json.dumps(body))
     key_note = "(with KVSERVE_API_KEY set to the API key in your shell)\n" if cluster.api_key else ""
+    ports = cluster.metrics_ports()
+    metrics = f"metrics: {url.removesuffix('/v1')}/metrics" + (
+        "; per service: " + ", ".join(f"{i} :{port}" for i, port in ports.items()) if ports else "") + "\n"
     cores = "; ".join(f"{i} {share.describe()}" for i, share in cluster.cpu_plan.items() if share.cpus is not None)
     return (
         f"\nkvserve is up: {url}\n"
         f"model: {cluster.model_id} ({cluster.dtype}, {cluster.device})\n"
         f"cores: {cores}\n"
+        f"{metrics}"
         f"try it:\n  {curl}\n{key_note}"
         f"Ctrl-C stops the cluster.\n"
     )

@@ -16,6 +16,7 @@ from typing import TypeVar
 import torch
 
 from libs.common.contract import make_contract
+from libs.common.metrics import Metrics
 from libs.common.cpu_share import apply_cpu_share, format_cpu_list
 from libs.common.model.engine import Engine, EngineConfig
 from libs.common.model.loader import LoadedModel, build_engine, load_model
@@ -47,10 +48,11 @@ class EngineHost:
         transfer: TransferSettings,
         max_chunk_tokens: int = 512,
         enable_prefix_cache: bool = True,
+        metrics: Metrics | None = None,
     ) -> "EngineHost":
         """Load the model, place a KV pool of ``settings.num_blocks`` blocks in a new
         shm segment, and open the transfer engine on it (its TCP listener opens when a
-        peer on another host is to write here)."""
+        peer on another host is to write here), counting transfers on ``metrics``."""
         torch.set_grad_enabled(False)
         removed = remove_stale_segments()
         if removed:
@@ -78,6 +80,7 @@ class EngineHost:
             timeout=transfer.timeout,
             max_connections=transfer.max_connections,
             idle_timeout=transfer.idle_timeout,
+            metrics=metrics,
         )
         transfers.register(segment)
         log.info(

@@ -20,7 +20,8 @@ from nats.aio.msg import Msg
 
 from libs.common import nats_auth, schema, subjects
 from libs.common.ids import InstanceId
-from libs.common.metrics import REGISTRY
+from libs.common import metrics_server
+from libs.common.metrics import Metrics, model_name
 from libs.common.schema import BadMessageError, ErrorReply, Heartbeat, Message
 from libs.common.settings import ServiceSettings
 from libs.common.vocabulary import ErrorCode
@@ -38,6 +39,11 @@ class Service:
         self.reconnects = 0  # times the NATS connection came back: messages sent meanwhile may be lost
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
+        self.metrics = Metrics(settings.instance_id, settings.role, model_name(settings.model_spec))
+        self.metrics.gauge("kvserve_start_time_seconds", "When this process started (Unix time): a restart changes it",
+                           ).set(self.started_at)  # fmt: skip
+        self._nats_reconnects = self.metrics.counter("kvserve_nats_reconnects_total", "Times the NATS connection came back")
+        self.metrics_address: str | None = None  # base URL of /metrics and /healthz, when served
 
     @property
     def instance_id(self) -> InstanceId:
@@ -50,6 +56,7 @@ class Service:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, self.stopping.set)
                 stack.callback(loop.remove_signal_handler, sig)
+            await self._serve_metrics(stack)
             self.nc = await self._connect()
             stack.push_async_callback(self._drain)
             await self.subscribe(subjects.metrics(self.instance_id), schema.MetricsRequest, self._on_metrics)
@@ -71,7 +78,26 @@ class Service:
         """Stop taking work (called before NATS drains)."""
 
     async def _on_metrics(self, request: schema.MetricsRequest, msg: Msg) -> schema.MetricsReply:
-        return schema.MetricsReply(text=REGISTRY.render())
+        return schema.MetricsReply(text=self.metrics.exposition())
+
+    async def _serve_metrics(self, stack: AsyncExitStack) -> None:
+        """Serve /metrics and /healthz on KVSERVE_METRICS_PORT, when it is set."""
+        s = self.settings
+        if s.metrics_port is None:
+            return
+        app = metrics_server.init_app(self.metrics, self.health_problems, self.instance_id)
+        runner, self.metrics_address = await metrics_server.serve(app, s.metrics_host, s.metrics_port)
+        stack.push_async_callback(runner.cleanup)
+        self.log.info("metrics on %s/metrics", self.metrics_address)
+
+    def health_problems(self) -> list[str]:
+        """Why this service cannot do its work now; [] when it can."""
+        problems = []
+        if self.nc is None or not self.nc.is_connected:
+            problems.append("not connected to NATS")
+        if self.stopping.is_set():
+            problems.append("stopping")
+        return problems
 
     async def _on_roll_call(self, request: schema.RollCall, msg: Msg) -> None:
         await self.publish(subjects.heartbeat(self.settings.role), self.heartbeat())
@@ -92,6 +118,7 @@ class Service:
 
         async def reconnected() -> None:
             self.reconnects += 1
+            self._nats_reconnects.inc()
             where = self.nc.connected_url if self.nc else None
             self.log.info("reconnected to NATS at %s", f"{where.hostname}:{where.port}" if where else "?")
 

@@ -80,7 +80,21 @@ def service_env(role: str) -> dict[str, Any]:
         heartbeat_interval=env_float("HEARTBEAT_INTERVAL", 1.0),
         nats_credentials=credentials,
         log_level=env_str("LOG_LEVEL", "INFO"),
+        model_spec=env_str("MODEL", "") or None,
+        metrics_host=env_str("METRICS_HOST", "127.0.0.1"),
+        metrics_port=env_port("METRICS_PORT"),
     )
+
+
+def env_port(name: str) -> int | None:
+    """A TCP port, 0 for any free one; None when the variable is unset or empty."""
+    raw = os.environ.get(f"KVSERVE_{name}", "")
+    if not raw:
+        return None
+    port = env_int(name, 0)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"KVSERVE_{name} must be a TCP port (0-65535), got {raw!r}")
+    return port
 
 
 @dataclass(frozen=True)
@@ -97,6 +111,9 @@ class ServiceSettings:
     heartbeat_interval: float = 1.0
     nats_credentials: str | None = None  # a 0600 JSON file: {"user", "password"} or {"token"}
     log_level: str = "INFO"
+    model_spec: str | None = None  # KVSERVE_MODEL as set: the model_name label of the service's metrics
+    metrics_host: str = "127.0.0.1"  # where /metrics and /healthz are served (KVSERVE_METRICS_HOST) ...
+    metrics_port: int | None = None  # ... and on which port (KVSERVE_METRICS_PORT; None: not served, 0: any)
 
     @classmethod
     def from_env(cls, role: str) -> Self:

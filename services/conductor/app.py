@@ -24,13 +24,12 @@ from libs.common.schema import (
     KVEventBatch,
     KVSnapshotReply,
     KVSnapshotRequest,
-    MetricsReply,
-    MetricsRequest,
     RequestProgress,
 )
 from libs.common.service import Service
 from services.conductor.admission import build_policy
 from services.conductor.cluster import ClusterView, Instance
+from services.conductor.conductor_metrics import ConductorMetrics
 from services.conductor.explain import DecisionLog
 from services.conductor.index import KVIndex
 from services.conductor.scheduler import Scheduler
@@ -53,6 +52,7 @@ class Conductor(Service):
         self.decisions = DecisionLog(self.scheduler.policy.name)  # for the console
         self.scheduler.explain = self.decisions.record
         self._snapshots: set[str] = set()  # instances whose snapshot is being fetched
+        self.conductor_metrics = ConductorMetrics(self.metrics, self.scheduler, self.index, self.tracker)
 
     async def start(self, stack: AsyncExitStack) -> None:
         c = self.settings
@@ -108,7 +108,7 @@ class Conductor(Service):
 
     # --- requests ---------------------------------------------------------------------
     async def on_admit(self, request: AdmitRequest, msg: Msg) -> AdmitReply | ErrorReply:
-        d = self.scheduler.admit(request)
+        d = self.conductor_metrics.timed(lambda: self.scheduler.admit(request))
         if not d.admitted:
             if d.error_code == "rejected":
                 self.log.info("rejected %s: %s", request.request_id, d.error_message)
@@ -147,23 +147,3 @@ class Conductor(Service):
         beat = super().heartbeat()
         beat.payload = ConductorBeat(load=len(self.scheduler.admitted))
         return beat
-
-    async def _on_metrics(self, request: MetricsRequest, msg: Msg) -> MetricsReply:
-        reply = await super()._on_metrics(request, msg)
-        return MetricsReply(text=reply.text + self.metrics_text())
-
-    def metrics_text(self) -> str:
-        """The conductor's own metrics, Prometheus text format: admissions, rejections by
-        reason, the index size, KV event gaps and the TTFT prediction error histogram."""
-        s = self.scheduler
-        lines = [
-            "# TYPE kvserve_conductor_admitted_total counter",
-            f"kvserve_conductor_admitted_total {s.num_admitted}",
-            "# TYPE kvserve_conductor_rejected_total counter",
-            *(f'kvserve_conductor_rejected_total{{reason="{k}"}} {v}' for k, v in sorted(s.rejections.items())),
-            "# TYPE kvserve_conductor_kv_index_blocks gauge",
-            f"kvserve_conductor_kv_index_blocks {self.index.num_blocks}",
-            "# TYPE kvserve_conductor_kv_event_gaps_total counter",
-            f"kvserve_conductor_kv_event_gaps_total {self.tracker.gaps}",
-        ]
-        return "\n".join(lines) + "\n" + s.errors.render()

@@ -32,6 +32,7 @@ from libs.common.schema import (
 )
 from libs.common.service import Service
 from libs.common.vocabulary import ErrorCode, FinishReason
+from libs.common.worker_metrics import WorkerMetrics
 from services.decode.leases import LeaseTable
 from services.decode.local_prefill import LocalPrefill
 from services.decode.settings import DecodeSettings
@@ -43,13 +44,16 @@ class DecodeWorker(Service):
     def __init__(self, settings: DecodeSettings) -> None:
         super().__init__(settings)
         self.host = EngineHost.create(
-            settings.model, self.instance_id, settings.host_id, settings.transfer, enable_prefix_cache=settings.enable_prefix_cache
+            settings.model, self.instance_id, settings.host_id, settings.transfer, enable_prefix_cache=settings.enable_prefix_cache,
+            metrics=self.metrics,
         )
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
         self.leases = LeaseTable(settings.lease_seconds)
         self.running: list[Sequence] = []
         self.waiting: list[Sequence] = []  # preempted: their KV is recomputed when blocks free up
+        self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
+                                            num_running=lambda: len(self.running), num_waiting=lambda: len(self.waiting))
         self.cancelled = RecentIds()
         self._work = asyncio.Event()
         self._blocks_freed = asyncio.Condition()

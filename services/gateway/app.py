@@ -19,6 +19,7 @@ from libs.common.schema import GatewayBeat, Heartbeat
 from libs.common.service import Service
 from services.gateway.generation import Generations
 from services.gateway.listener import ConnectionGuard, serve
+from services.gateway.request_metrics import RequestMetrics, SLOTargets
 from services.gateway.routes import init_app
 from services.gateway.served_model import ServedModel
 from services.gateway.settings import GatewaySettings
@@ -34,6 +35,7 @@ class Gateway(Service):
         self.address: str | None = None  # base URL, e.g. http://127.0.0.1:8000, once listening
         self.peers = PeerDirectory()  # every live instance: for readiness, worker liveness and /metrics
         self._generations = None if model is None else Generations(self, settings, self.peers, model)
+        self.request_metrics = RequestMetrics(self.metrics, SLOTargets(settings.slo_ttft_s, settings.slo_tbt_s))
 
     @property
     def generations(self) -> Generations:
@@ -54,6 +56,7 @@ class Gateway(Service):
         await self.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
         guard = ConnectionGuard(s.header_timeout, s.keepalive_timeout, s.max_connections)
         app = init_app(self, self.generations, guard)
+        self.generations.observers.append(self.request_metrics.observe)  # told of every request once it is over
         runner = await serve(app, s.host, s.port, guard, shutdown_timeout=SHUTDOWN_GRACE)
         stack.push_async_callback(runner.cleanup)
         port = runner.addresses[0][1]

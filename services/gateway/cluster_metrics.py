@@ -1,10 +1,11 @@
 """The whole cluster's metrics, as /metrics serves them: this process's own and
-every live instance's, asked over NATS, each labelled by its instance."""
+every live instance's, asked over NATS, merged into one exposition (each metric
+once, its samples from every instance, told apart by their ``instance`` label)."""
 
 import asyncio
 
 from libs.common import subjects
-from libs.common.metrics import REGISTRY, merge_by_instance
+from libs.common.metrics import merge_expositions
 from libs.common.peers import PeerDirectory
 from libs.common.schema import ErrorReply, MetricsReply, MetricsRequest
 from libs.common.service import Service
@@ -32,4 +33,4 @@ async def cluster_metrics(service: Service, peers: PeerDirectory) -> str:
         return reply.text
 
     texts = dict(zip(others, await asyncio.gather(*(ask(i) for i in others))))
-    return merge_by_instance({service.instance_id: REGISTRY.render(), **texts})
+    return merge_expositions({service.instance_id: service.metrics.exposition(), **texts})

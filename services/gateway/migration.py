@@ -64,6 +64,8 @@ class MigratingRun:
         self._delivered: list[int] = []  # generated tokens handed to the caller, over every attempt
         self._offset = 0  # tokens delivered before the current attempt started
         self._started_at = 0.0
+        self.taken_at: float | None = None  # time.monotonic() when a worker first took it (admitted and submitted)
+        self.delivery_times: list[float] = []  # time.monotonic() of each delivery of generated tokens, in order
 
     # --- what the headers and the final chunk say ------------------------------------
     @property
@@ -122,6 +124,8 @@ class MigratingRun:
                 await self._start_attempt()
         if chunks and self.ttft_s is None:
             self.ttft_s = self._served[0].ttft_s if self.migrations == 0 else time.monotonic() - self._started_at
+        if any(chunk.token_ids for chunk in chunks):
+            self.delivery_times.append(time.monotonic())
         return [self._continued(chunk) for chunk in chunks]
 
     def _continued(self, chunk: TokenChunk) -> TokenChunk:
@@ -152,6 +156,8 @@ class MigratingRun:
                 continue
             self._attempt, self._offset = run, len(self._delivered)
             self._served.append(run)
+            if self.taken_at is None:
+                self.taken_at = time.monotonic()
             return
 
     def _excluded(self) -> frozenset[str]:

@@ -25,6 +25,8 @@ class GatewaySettings(ServiceSettings):
     body_timeout: float = 30.0  # seconds a request body may take to arrive once its head has
     keepalive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     max_connections: int = 1024  # open client connections; beyond it new ones get 503 and are closed
+    slo_ttft_s: float = 2.0  # the default latency targets requests are judged by in the metrics,
+    slo_tbt_s: float = 0.15  # as the conductor's (KVSERVE_SLO_TTFT_MS, KVSERVE_SLO_TBT_MS)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -43,6 +45,8 @@ class GatewaySettings(ServiceSettings):
                 raise ValueError(f"KVSERVE_GATEWAY_{name.upper()} must be a positive number of seconds, got {seconds}")
         if self.max_connections < 1:
             raise ValueError(f"KVSERVE_GATEWAY_MAX_CONNECTIONS must be at least 1, got {self.max_connections}")
+        if not (0 < self.slo_ttft_s < float("inf") and 0 < self.slo_tbt_s < float("inf")):
+            raise ValueError("KVSERVE_SLO_TTFT_MS and KVSERVE_SLO_TBT_MS must be positive")
         if self.api_key == "":
             raise ValueError("KVSERVE_API_KEY must not be empty (leave it unset to serve without one)")
 
@@ -62,4 +66,6 @@ class GatewaySettings(ServiceSettings):
             body_timeout=env_float("GATEWAY_BODY_TIMEOUT", 30.0),
             keepalive_timeout=env_float("GATEWAY_KEEPALIVE_TIMEOUT", 5.0),
             max_connections=env_int("GATEWAY_MAX_CONNECTIONS", 1024),
+            slo_ttft_s=env_float("SLO_TTFT_MS", 2000.0) / 1e3,
+            slo_tbt_s=env_float("SLO_TBT_MS", 150.0) / 1e3,
         )

@@ -73,21 +73,22 @@ class StoreClient:
         return self._ring
 
     # --- reads --------------------------------------------------------------------------
-    async def fetch_prefix(self, seq: Sequence) -> int:
+    async def fetch_prefix(self, seq: Sequence) -> dict[str, int]:
         """Fill the prompt's next uncached full blocks from the stores, when loading is
-        predicted faster than computing them; return how many were fetched."""
+        predicted faster than computing them; return the tokens fetched, by the tier
+        they came from."""
         bs = self.host.engine.cache.block_size
         first = seq.num_computed_tokens // bs
         usable = (seq.num_prompt_tokens - 1) // bs  # the last token is always computed
         ring = self.ring()
         if first >= usable or not len(ring):
-            return 0
+            return {}
         hashes = self.host.engine.cache.prompt_hashes(seq)[first:usable]
         holders = await self._locate(ring, hashes)
         run = next((i for i, held in enumerate(holders) if held is None), len(holders))
         count = self.policy.blocks_worth_loading([held[1] for held in holders[:run]], first * bs, seq.num_prompt_tokens)
         if count == 0:
-            return 0
+            return {}
         started = time.perf_counter()
         found = await self._get(hashes[:count], holders[:count], seq.block_table[first : first + count])
         got = next((i for i, tier in enumerate(found) if tier is None), len(found))
@@ -95,7 +96,10 @@ class StoreClient:
         seq.num_computed_tokens += got * bs
         seq.num_cached_tokens += got * bs
         self.hits += got
-        return got
+        fetched: dict[str, int] = {}
+        for tier in found[:got]:
+            fetched[tier] = fetched.get(tier, 0) + bs
+        return fetched
 
     async def _locate(self, ring: HashRing, hashes: list[bytes]) -> list[tuple[str, str] | None]:
         """For each block: (store, tier) of its fastest copy among its owners, or None."""

@@ -25,7 +25,8 @@ from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
 from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
-from libs.common.vocabulary import ErrorCode, FinishReason, Role
+from libs.common.vocabulary import ErrorCode, FinishReason, KVTier, Role
+from libs.common.worker_metrics import WorkerMetrics
 from services.prefill.handoff import Handoff, HandoffError, Transfer
 from services.prefill.kv_reports import KVReports
 from services.prefill.settings import PrefillSettings
@@ -47,11 +48,15 @@ class PrefillWorker(Service):
         self.host = EngineHost.create(
             settings.model, self.instance_id, settings.host_id, settings.transfer,
             max_chunk_tokens=settings.max_chunk_tokens, enable_prefix_cache=settings.enable_prefix_cache,
+            metrics=self.metrics,
         )  # fmt: skip
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.in_flight: dict[str, Job] = {}
+        self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
+                                            num_running=lambda: len(self.in_flight) - self.queue.qsize(),
+                                            num_waiting=self.queue.qsize)  # fmt: skip
         self.cancelled = RecentIds()
         self.store = StoreClient(self, self.host, settings.store_replicas) if settings.use_store else None
         self.handoff = Handoff(self, self.host)
@@ -129,8 +134,10 @@ class PrefillWorker(Service):
         except KVServeError as e:
             await self._fail(job, ErrorInfo(code=ErrorCode.NO_CAPACITY, message=str(e)))
             return None
+        hits = {KVTier.DEVICE: seq.num_cached_tokens}
         if self.store is not None:
-            await self.store.fetch_prefix(seq)
+            hits |= await self.store.fetch_prefix(seq)
+        self.worker_metrics.prefix_lookup(seq.num_prompt_tokens, hits)
         try:
             job.transfer = await self._lease(job)
         except HandoffError as e:

@@ -52,6 +52,7 @@ from services.store.disk import DiskTier
 from services.store.manifest import claim_directory
 from services.store.puts import PendingPut, PendingPuts
 from services.store.settings import StoreSettings
+from services.store.store_metrics import declare_store_metrics
 from services.store.tier import LowerTier, TierStats
 from services.store.tiers import TieredStore
 
@@ -80,13 +81,15 @@ class StoreService(Service):
         t = settings.transfer
         self.transfers = TransferEngine(settings.host_id, listen=f"{t.listen_host}:0", transport=t.transport,
                                         connections=t.connections, timeout=t.timeout,
-                                        max_connections=t.max_connections, idle_timeout=t.idle_timeout)  # fmt: skip
+                                        max_connections=t.max_connections, idle_timeout=t.idle_timeout,
+                                        metrics=self.metrics)  # fmt: skip
         self.transfers.register(self.segment)
         lower: list[LowerTier] = []  # the tiers below DRAM, fastest first: a new tier is one entry here
         if settings.disk_bytes:
             lower.append(DiskTier(BlockFiles(settings.directory, digest, block_nbytes), settings.disk_bytes))
         self.events = KVEventLog(self.instance_id)
         self.tiers = TieredStore(self.segment, block_nbytes, lower, self.events)
+        declare_store_metrics(self.metrics, self.tiers)
         self.puts = PendingPuts(self._put_expired)
         self.load_per_block: dict[str, float] = {}  # measured seconds to serve one block, by tier
         self._ops_subscription = None

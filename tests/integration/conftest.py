@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.cli.cluster import LocalCluster
 
@@ -14,10 +15,10 @@ from kvserve.cli.cluster import LocalCluster
 CLUSTER_ENV = {
     "KVSERVE_NUM_BLOCKS": "192",
     "KVSERVE_STORE_CAPACITY_BYTES": str(128 << 20),
-}
     # routing without refusals: these clusters load a slow shared machine on purpose, and
     # admission is the conductor's tests' subject (test_conductor.py)
     "KVSERVE_POLICY": "cache_aware",
+}
 
 
 # Clusters a test may have used: a failing test's report carries their logs (tests/conftest.py).
@@ -55,6 +56,13 @@ def wait_until(condition: Callable[[], bool], timeout: float, interval: float = 
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout}s")
         time.sleep(interval)  # polling with a deadline, not synchronising on a guess
+
+
+def metric_value(exposition: str, sample: str, **labels: str) -> float:
+    """The sum of ``sample`` over the series of a Prometheus exposition whose labels
+    include ``labels`` (0 when there is none)."""
+    return sum(s.value for family in text_string_to_metric_families(exposition) for s in family.samples
+               if s.name == sample and labels.items() <= s.labels.items())  # fmt: skip
 
 
 async def wait_until_async(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:

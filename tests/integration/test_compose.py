@@ -221,3 +221,85 @@ def test_the_dockerfile_installs_cpu_torch_before_the_project():
     assert "KVSERVE_CACHE_DIR=/models" in " ".join(lines)  # where `model prepare` put it, at run time too
     user = [line for line in lines if line.startswith("USER ")]
     assert user and user[-1] not in ("USER root", "USER 0")
+
+
+# --- docker compose --profile observability up ------------------------------------------
+OBSERVABILITY = ("prometheus", "grafana")
+METRIC_NAME = re.compile(r"\bkvserve_[a-z0-9_]+\b")
+
+
+def bind_mounts(service: dict) -> dict[str, Path]:
+    """Container path -> the file or folder of this repository mounted there."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target, *_ = volume.split(":")
+        if source.startswith("./"):
+            found[target] = ROOT / source
+    return found
+
+
+def test_the_observability_profile_adds_prometheus_and_grafana_pinned_and_only_on_request(compose):
+    services = compose["services"]
+    for name, image in (("prometheus", "prom/prometheus:v"), ("grafana", "grafana/grafana:")):
+        service = services[name]
+        assert service["profiles"] == ["observability"]
+        assert service["image"].startswith(image) and re.search(r":v?\d+\.\d+\.\d+$", service["image"])  # a tag, not latest
+        assert all(str(port).startswith("127.0.0.1:") for port in service["ports"])  # loopback only
+        assert all(path.exists() for path in bind_mounts(service).values())
+    assert all("profiles" not in services[name] for name in SERVICES)  # kvserve itself runs without the profile
+
+
+def test_every_service_serves_its_metrics_where_prometheus_looks(compose):
+    services = compose["services"]
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in config["scrape_configs"] if j["job_name"] == "kvserve")
+    assert job["honor_labels"] is True  # kvserve's own `instance` label wins over host:port
+    (sd,) = job["dns_sd_configs"]
+    assert set(sd["names"]) == set(SERVICES) and sd["type"] == "A"
+    for name in SERVICES:
+        env = environment(services[name])
+        assert int(env["KVSERVE_METRICS_PORT"]) == sd["port"] == 9400
+        assert env["KVSERVE_METRICS_HOST"] == "0.0.0.0"  # reachable from the Prometheus container ...
+        published = [str(p) for p in services[name].get("ports", [])]
+        assert not any(p.split(":")[-1] == "9400" or p.endswith(":9400") for p in published)  # ... and no further
+    mounted = bind_mounts(services["prometheus"])
+    assert mounted["/etc/prometheus/prometheus.yml"] == ROOT / "deploy" / "prometheus" / "prometheus.yml"
+    assert all(Path(rules) in map(Path, mounted) for rules in config["rule_files"])
+
+
+def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose):
+    grafana = compose["services"]["grafana"]
+    mounted = bind_mounts(grafana)
+    provisioning = mounted["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    url = urlsplit(source["url"])
+    assert source["type"] == "prometheus" and url.hostname == "prometheus" and f"{url.port}" in str(
+        compose["services"]["prometheus"]["ports"][0])  # fmt: skip
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "kvserve.yml").read_text())["providers"]
+    dashboards = mounted[provider["options"]["path"]]
+    dashboard = json.loads((dashboards / "kvserve.json").read_text())
+    assert dashboard["uid"] and dashboard["panels"]
+    home = environment(grafana)["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert Path(home).parent == Path(provider["options"]["path"]) and (dashboards / Path(home).name).exists()
+    uses = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
+    assert uses == {"${datasource}"}  # every query goes to the chosen Prometheus
+
+
+def declared_metrics() -> set[str]:
+    """Every kvserve_* name the code declares, as it is scraped (counters end in _total)."""
+    names = set()
+    for folder in ("libs", "services"):
+        for path in (ROOT / folder).rglob("*.py"):
+            names |= set(re.findall(r'"(kvserve_[a-z0-9_]+)"', path.read_text()))
+    return names
+
+
+def test_the_dashboard_and_the_alerts_query_only_metrics_the_code_declares():
+    declared = declared_metrics()
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "dashboards" / "kvserve.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    alerts = yaml.safe_load((ROOT / "deploy" / "prometheus" / "alerts.yml").read_text())
+    exprs += [rule["expr"] for group in alerts["groups"] for rule in group["rules"]]
+    used = {re.sub(r"_(bucket|sum|count)$", "", name) for expr in exprs for name in METRIC_NAME.findall(expr)}
+    assert used and not used - declared, f"queried but never declared: {sorted(used - declared)}"
+    assert "kvserve_time_to_first_token_seconds" in used and "kvserve_prefix_cache_hits_total" in used

@@ -15,7 +15,7 @@ from kvserve.cli.cluster import LocalCluster
 from libs.common import schema, subjects
 from libs.common.cost_model import CostModel
 from libs.common.schema import MetricsReply, MetricsRequest
-from tests.integration.conftest import CLUSTER_ENV
+from tests.integration.conftest import CLUSTER_ENV, metric_value
 from tests.integration.test_one_request import reference
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -144,9 +144,8 @@ def test_the_conductor_exports_its_ttft_prediction_error_and_index_size(cluster)
             await nc.close()
         return schema.decode(reply.data, MetricsReply).text
 
-    lines = asyncio.run(fetch()).splitlines()
-    metrics = dict(line.rsplit(" ", 1) for line in lines if line.strip() and not line.startswith("#"))
-    assert int(metrics["kvserve_conductor_ttft_prediction_error_seconds_count"]) >= 3  # the requests above
-    assert int(metrics["kvserve_conductor_admitted_total"]) >= 3
-    assert int(metrics['kvserve_conductor_rejected_total{reason="ttft_slo"}']) >= 3
-    assert int(metrics["kvserve_conductor_kv_index_blocks"]) > len(PREFIX) // 8 // 16  # the shared prefix at least
+    text = asyncio.run(fetch())
+    assert metric_value(text, "kvserve_conductor_ttft_prediction_error_seconds_count") >= 3  # the requests above
+    assert metric_value(text, "kvserve_requests_admitted_total") >= 3
+    assert metric_value(text, "kvserve_requests_rejected_total", reason="ttft_slo") >= 3
+    assert metric_value(text, "kvserve_conductor_kv_index_blocks") > len(PREFIX) // 8 // 16  # the shared prefix at least

@@ -6,7 +6,7 @@ import asyncio
 import nats
 
 from libs.common import schema, subjects
-from tests.integration.conftest import wait_until
+from tests.integration.conftest import metric_value, wait_until
 from tests.unit.transfer.proc_net import listening_ports
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -21,8 +21,7 @@ def shm_transfers(cluster, instance_id: str) -> float:
         finally:
             await nc.close()
 
-    lines = [line for line in asyncio.run(ask()).splitlines() if line.startswith('kvserve_transfers_total{transport="shm"}')]
-    return float(lines[0].split()[-1]) if lines else 0.0
+    return metric_value(asyncio.run(ask()), "kvserve_transfers_total", transport="shm")
 
 
 def test_workers_and_store_on_one_host_open_no_transfer_listener(cluster, openai_client):

@@ -11,7 +11,7 @@ from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine
 from libs.common.sampling_params import SamplingParams
-from tests.integration.conftest import start_cluster
+from tests.integration.conftest import metric_value, start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -40,15 +40,13 @@ def test_kv_goes_over_tcp_and_the_answer_is_unchanged(smollm):
         out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
         assert out.choices[0].message.content == expected.text
         text = metrics_of(cluster, "prefill-0")
-        tcp = [line for line in text.splitlines() if line.startswith('kvserve_transfer_bytes_total{transport="tcp"}')]
-        assert tcp and float(tcp[0].split()[-1]) > 0
-        assert 'kvserve_transfer_bytes_total{transport="shm"}' not in text
+        assert metric_value(text, "kvserve_transfer_bytes_total", transport="tcp") > 0
+        assert metric_value(text, "kvserve_transfer_bytes_total", transport="shm") == 0
         received = metrics_of(cluster, "decode-0")
-        assert float(next(line for line in received.splitlines()
-                          if line.startswith("kvserve_transfer_received_bytes_total")).split()[-1]) > 0  # fmt: skip
+        assert metric_value(received, "kvserve_transfer_received_bytes_total") > 0
         # the gateway's /metrics gathers every instance's, labelled by instance
         scraped = urllib.request.urlopen(cluster.gateway_url + "/metrics", timeout=10).read().decode()
-        assert 'kvserve_transfer_bytes_total{instance="prefill-0",transport="tcp"}' in scraped
-        assert 'kvserve_transfer_received_bytes_total{instance="decode-0"}' in scraped
+        assert metric_value(scraped, "kvserve_transfer_bytes_total", instance="prefill-0", transport="tcp") > 0
+        assert metric_value(scraped, "kvserve_transfer_received_bytes_total", instance="decode-0") > 0
     finally:
         cluster.stop()

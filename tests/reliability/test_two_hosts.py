@@ -15,7 +15,7 @@ import pytest
 
 from kvserve.cli.cluster import LocalCluster
 from kvserve.replay.streams import ChatLoad, run_streams
-from tests.integration.conftest import CLUSTER_ENV, STARTED, wait_until
+from tests.integration.conftest import CLUSTER_ENV, STARTED, metric_value, wait_until
 from tests.reliability import netns
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -91,10 +91,8 @@ def test_the_decode_worker_on_another_host_gets_its_kv_over_tcp_and_a_cut_link_e
 
     wait_until(serves, timeout=60)
     metrics = asyncio.run(_metrics(cluster.gateway_url))
-    tcp_bytes = [line for line in metrics.splitlines()
-                 if line.startswith("kvserve_transfer_bytes_total") and 'transport="tcp"' in line
-                 and 'instance="prefill-0"' in line]  # fmt: skip
-    assert any(float(line.rsplit(" ", 1)[1]) > 0 for line in tcp_bytes), "no KV crossed the TCP data plane"
+    tcp_bytes = metric_value(metrics, "kvserve_transfer_bytes_total", transport="tcp", instance="prefill-0")
+    assert tcp_bytes > 0, "no KV crossed the TCP data plane"
 
 
 async def _metrics(base_url: str) -> str:

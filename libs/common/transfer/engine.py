@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from libs.common.metrics import REGISTRY
+from libs.common.metrics import Metrics
 from libs.common.schema import WriteTicket
 from libs.common.transfer.descriptors import Cause, Descriptor, Span, TransferError
 from libs.common.transfer.ranges import RangeSet
@@ -26,17 +26,11 @@ from libs.common.transfer.registry import TRANSPORTS
 from libs.common.transfer.segment import SHM_DIR, SharedSegment
 from libs.common.transfer.shm import ShmTransport, copy_spans
 from libs.common.transfer.tickets import OpenTicket, TicketBook, claim, ticket_id
+from libs.common.transfer.transfer_metrics import TransferMetrics
 from libs.common.transfer.transport import Transport
 from libs.common.transfer.writers import MAX_LANE_THREADS, Writer
 
 AUTO = "auto"  # the first transport that reaches the receiver
-_BYTES = REGISTRY.counter("kvserve_transfer_bytes_total", "Bytes moved by the transfer engine", ["transport"])
-_COUNT = REGISTRY.counter("kvserve_transfers_total", "Transfers completed", ["transport"])
-_FAILURES = REGISTRY.counter("kvserve_transfer_failures_total", "Transfers failed, by cause", ["cause"])
-_SECONDS = REGISTRY.histogram(
-    "kvserve_transfer_seconds", "Transfer duration", [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-                                                      1, 2.5, 5, 10], ["transport"]
-)  # fmt: skip
 
 
 class TransferEngine:
@@ -51,12 +45,14 @@ class TransferEngine:
         timeout: float = 30.0,
         max_connections: int = 64,
         idle_timeout: float = 60.0,
+        metrics: Metrics | None = None,
     ) -> None:
         """``listen`` ("host:port", port 0 for any): where a TCP listener binds, so peers on
         other hosts can write here, once one may (see `expect`); ``transport`` forces one
         transport (a name in `registry.TRANSPORTS`) for sending, and one that reaches other
         hosts is opened for receiving at once. The listener serves at most
-        ``max_connections`` connections and closes those idle ``idle_timeout`` seconds."""
+        ``max_connections`` connections and closes those idle ``idle_timeout`` seconds.
+        ``metrics``: the process's, where the engine counts (a private set when None)."""
         if transport != AUTO and transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {(AUTO, *TRANSPORTS)}, got {transport!r}")
         self.host_id = host_id
@@ -72,6 +68,7 @@ class TransferEngine:
         self._segments: dict[str, SharedSegment] = {}
         self._local: set[str] = set()
         self._lock = threading.Lock()
+        self.metrics = TransferMetrics(metrics, list(TRANSPORTS))
         self.transports: dict[str, Transport] = {name: kind(self) for name, kind in TRANSPORTS.items()}
         forced = self.transports.get(transport)
         # sending only through a transport that reaches other hosts: receive through it from the start
@@ -166,7 +163,7 @@ class TransferEngine:
         except OSError as e:
             raise TransferError(Cause.PEER_GONE, f"cannot claim a ticket of {ticket.segment}: {e}") from e
         if not taken:
-            _FAILURES.inc(Cause.BAD_TOKEN)
+            self.metrics.failures.labels(ShmTransport.name, Cause.BAD_TOKEN).inc()
             raise TransferError(Cause.BAD_TOKEN, f"a ticket of {ticket.segment} was already used by another writer")
 
     async def finish(self, writer: Writer) -> None:
@@ -174,11 +171,9 @@ class TransferEngine:
         try:
             await writer.finish()
         except TransferError as e:
-            _FAILURES.inc(e.cause)
+            self.metrics.failures.labels(writer.transport, e.cause).inc()
             raise
-        _BYTES.inc(writer.transport, amount=writer.bytes)
-        _COUNT.inc(writer.transport)
-        _SECONDS.observe(time.monotonic() - writer.started_at, writer.transport)
+        self.metrics.succeeded(writer.transport, writer.bytes, time.monotonic() - writer.started_at)
 
     async def abort(self, writer: Writer) -> None:
         """Stop a writer whose transfer is no longer wanted, and wait for its threads."""
@@ -219,9 +214,7 @@ class TransferEngine:
         for (src, dst), spans in by_pair.items():
             copy_spans(self.segment(src).tensor, self.segment(dst).tensor, spans)
         if batch:
-            _BYTES.inc(ShmTransport.name, amount=sum(d.length for d in batch))
-            _COUNT.inc(ShmTransport.name)
-            _SECONDS.observe(time.perf_counter() - start, ShmTransport.name)
+            self.metrics.succeeded(ShmTransport.name, sum(d.length for d in batch), time.perf_counter() - start)
 
     def close(self) -> None:
         for transport in self.transports.values():

@@ -10,6 +10,7 @@ from typing import ClassVar, Protocol
 from libs.common.schema import WriteTicket
 from libs.common.transfer.segment import SharedSegment
 from libs.common.transfer.tickets import TicketBook
+from libs.common.transfer.transfer_metrics import TransferMetrics
 from libs.common.transfer.writers import Writer
 
 
@@ -24,6 +25,7 @@ class Host(Protocol):
     idle_timeout: float  # ... and closes those idle this long
     tickets: TicketBook  # the tickets this engine has issued
     pool: Executor  # the threads that run writers' lanes
+    metrics: TransferMetrics  # where transfers and the listener's refusals are counted
 
     def segment(self, name: str) -> SharedSegment: ...
 

@@ -12,7 +12,6 @@ from libs.common.model.sampling import sample
 from libs.common.model.sequence import Sequence
 from libs.common.schema import WriteTicket
 from libs.common.transfer import Cause, Span, TransferEngine, TransferError, Transport
-from libs.common.transfer.engine import _COUNT
 from libs.common.transfer.registry import TRANSPORTS
 from libs.common.transfer.segment import SharedSegment
 from libs.common.transfer.writers import SerialWriter, Writer
@@ -53,7 +52,7 @@ async def test_a_transfer_goes_through_the_registered_transport(segments):
     src = segments.segment(sender, 256 * KiB)
     src.tensor.copy_(torch.randint(0, 256, (src.nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5)))
     spans = [Span(0, 100 * KiB, 3 * KiB + 1), Span(7, 0, 64 * KiB), Span(200 * KiB, 160 * KiB, 50 * KiB)]
-    before = _COUNT.value("memcpy")
+    before = sender.metrics.transfers.value("memcpy")
 
     ticket = receiver.expect(dst.name, [(s.dst_offset, s.length) for s in spans], ttl=30,
                              sender_host=sender.writer_host_id)  # fmt: skip
@@ -65,7 +64,7 @@ async def test_a_transfer_goes_through_the_registered_transport(segments):
     for s in spans:
         expected[s.dst_offset : s.dst_offset + s.length] = src.tensor[s.src_offset : s.src_offset + s.length]
     assert torch.equal(dst.tensor, expected)
-    assert _COUNT.value("memcpy") == before + 1
+    assert sender.metrics.transfers.value("memcpy") == before + 1
     assert isinstance(sender.transports["memcpy"], MemcpyTransport)
 
 

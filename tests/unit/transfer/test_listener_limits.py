@@ -9,7 +9,7 @@ from contextlib import ExitStack
 import pytest
 
 from libs.common.transfer import Span, TransferEngine, TransferError
-from libs.common.transfer.tcp.listener import _IDLE_CLOSED, _REFUSED, TcpListener
+from libs.common.transfer.tcp.listener import TcpListener
 from libs.common.transfer.tcp.wire import FRAME, Status, greeting
 from tests.integration.conftest import wait_until
 
@@ -41,7 +41,7 @@ async def test_connections_over_the_cap_are_closed_at_once_and_counted(segments)
     sender = segments.engine("host-b", transport="tcp")
     src = segments.segment(sender, 64 * KiB)
     src.tensor.fill_(5)
-    refused = _REFUSED.value("too_many_connections")
+    refused = engine.metrics.refused.value("too_many_connections")
     with ExitStack() as stack:
         socks = connections(stack, listener_of(engine).address, 10)
         wait_until(lambda: sum(map(readable, socks)) == 6, timeout=10)
@@ -49,7 +49,7 @@ async def test_connections_over_the_cap_are_closed_at_once_and_counted(segments)
         assert all(s.recv(2) == bytes([Status.BUSY]) for s in turned_away)  # told why, then closed
         assert all(s.recv(1) == b"" for s in turned_away)
         assert listener_of(engine).open_connections == 4 and listener_of(engine).refused_connections == 6
-        assert _REFUSED.value("too_many_connections") == refused + 6
+        assert engine.metrics.refused.value("too_many_connections") == refused + 6
 
         ticket = engine.expect(dst.name, [(0, KiB)], ttl=30)
         with pytest.raises(TransferError) as caught:  # the four idle ones hold every place
@@ -64,7 +64,7 @@ async def test_connections_over_the_cap_are_closed_at_once_and_counted(segments)
 
 def test_idle_connections_are_closed(segments):
     engine, dst = listening(segments, idle_timeout=0.2)
-    closed = _IDLE_CLOSED.value()
+    closed = engine.metrics.idle_closed.value()
     with ExitStack() as stack:
         silent = connections(stack, listener_of(engine).address, 3)
         stalled = connections(stack, listener_of(engine).address, 1)[0]  # greets, starts a frame, then stops
@@ -75,7 +75,7 @@ def test_idle_connections_are_closed(segments):
         wait_until(lambda: listener_of(engine).open_connections == 0, timeout=30)
         assert all(s.recv(1) == b"" for s in silent)
         assert stalled.recv(1) == bytes([Status.FAILED])
-    assert _IDLE_CLOSED.value() == closed + 3
+    assert engine.metrics.idle_closed.value() == closed + 3
     assert engine.close_ticket(ticket.token).failed == "timeout"
 
 

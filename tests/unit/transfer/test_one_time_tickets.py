@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from libs.common.transfer import Span, TransferError
-from libs.common.transfer.tcp.listener import _REFUSED
 from libs.common.transfer.tcp.wire import END_OFFSET, FRAME, Status, greeting
 from tests.unit.transfer.proc_net import listening_ports
 
@@ -51,7 +50,7 @@ def test_a_replayed_greeting_is_refused_logged_and_writes_nothing(receiver, capl
         assert sock.recv(1) == bytes([Status.OK])
         sock.sendall(FRAME.pack(0, KiB) + b"a" * KiB + FRAME.pack(END_OFFSET, 0))
         assert sock.recv(1) == bytes([Status.OK])
-    replays = _REFUSED.value("replayed")
+    replays = engine.metrics.refused.value("replayed")
     with caplog.at_level(logging.WARNING, logger="libs.common.transfer.tcp.listener"), connect(ticket.address) as sock:
         sock.sendall(sniffed + FRAME.pack(KiB, KiB) + b"x" * KiB)  # the same greeting, then bytes for the rest
         assert sock.recv(1) == bytes([Status.REFUSED])
@@ -59,7 +58,7 @@ def test_a_replayed_greeting_is_refused_logged_and_writes_nothing(receiver, capl
     record = engine.close_ticket(ticket.token)
     assert record.bytes_received == KiB
     assert bytes(dst.tensor[:KiB].tolist()) == b"a" * KiB and dst.tensor[KiB:].count_nonzero() == 0
-    assert _REFUSED.value("replayed") == replays + 1
+    assert engine.metrics.refused.value("replayed") == replays + 1
     refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
     assert len(refusals) == 1 and "replayed" in refusals[0]
     assert all(ticket.token not in r.getMessage() for r in caplog.records)  # the token is never logged

@@ -17,22 +17,17 @@ import asyncio
 import logging
 import socket
 import threading
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from libs.common import failpoints
-from libs.common.metrics import REGISTRY
 from libs.common.transfer.descriptors import Cause
 from libs.common.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status
 from libs.common.transfer.tickets import OpenTicket, Refusal, TicketBook
+from libs.common.transfer.transfer_metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
 
 CLOSE_WAIT_SECONDS = 5.0  # at close, how long connections get to end before they are dropped
-_REFUSED = REGISTRY.counter(
-    "kvserve_transfer_refused_total", "TCP transfer connections and frames refused, by reason", ["reason"]
-)
-_IDLE_CLOSED = REGISTRY.counter("kvserve_transfer_idle_closed_total", "TCP transfer connections closed for idling")
 
 
 class TcpListener:
@@ -41,7 +36,7 @@ class TcpListener:
         host: str,
         port: int,
         tickets: TicketBook,
-        on_frame_bytes: Callable[[int], None],
+        metrics: TransferMetrics | None = None,
         *,
         max_connections: int = 64,
         idle_timeout: float = 60.0,
@@ -51,7 +46,7 @@ class TcpListener:
         self.tickets = tickets
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
-        self._on_bytes = on_frame_bytes
+        self.metrics = metrics if metrics is not None else TransferMetrics()
         self._sock = socket.create_server((host, port), backlog=128)
         self._sock.setblocking(False)
         self.address = "%s:%d" % self._sock.getsockname()[:2]
@@ -123,7 +118,7 @@ class TcpListener:
 
     def _refuse_connection(self, conn: socket.socket, peer) -> None:
         self.refused_connections += 1
-        _REFUSED.inc(Refusal.TOO_MANY)
+        self.metrics.refused.labels(Refusal.TOO_MANY).inc()
         if self.refused_connections == 1 or self.refused_connections % 100 == 0:
             log.warning("TCP transfer listener %s: %d connections open, closed one from %s (%d so far)",
                         self.address, len(self._conns), peer[0], self.refused_connections)  # fmt: skip
@@ -166,7 +161,7 @@ class TcpListener:
                     return await self._refuse(conn, peer, Refusal.BAD_GREETING, Refusal.BAD_GREETING.text)
                 await _recv_exact(conn, view[len(MAGIC) :])
         except TimeoutError:
-            _IDLE_CLOSED.inc()
+            self.metrics.idle_closed.inc()
             log.debug("closed a TCP transfer connection from %s, idle for %gs", peer[0], self.idle_timeout)
             return None
         except (OSError, EOFError) as e:
@@ -182,7 +177,7 @@ class TcpListener:
 
     async def _refuse(self, conn: socket.socket, peer, reason: Refusal, what: str) -> None:
         log.warning("refused a TCP transfer from %s:%s: %s", peer[0], peer[1], what)
-        _REFUSED.inc(reason)
+        self.metrics.refused.labels(reason).inc()
         try:
             await asyncio.get_running_loop().sock_sendall(conn, bytes([Status.REFUSED]))
         except OSError:
@@ -224,11 +219,11 @@ class TcpListener:
                 reason = ticket.reserve(offset, length)
                 if reason is not None:
                     log.warning("refused a frame from %s: [%d, +%d) %s", peer[0], offset, length, reason.text)
-                    _REFUSED.inc(reason)
+                    self.metrics.refused.labels(reason).inc()
                     return Status.BAD_FRAME
                 _recv_exact_blocking(conn, ticket.view[offset : offset + length])
                 ticket.arrived(offset, length)
-                self._on_bytes(length)
+                self.metrics.received.inc(length)
         except EOFError as e:
             ticket.failed = Cause.TRUNCATED
             log.warning("TCP transfer from %s truncated: %s", peer[0], e)

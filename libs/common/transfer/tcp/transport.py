@@ -7,7 +7,6 @@ only): a process whose peers are all on its host listens on no port.
 import logging
 import threading
 
-from libs.common.metrics import REGISTRY
 from libs.common.schema import WriteTicket
 from libs.common.transfer.segment import SharedSegment
 from libs.common.transfer.tcp.connection import IdleConnections
@@ -17,8 +16,6 @@ from libs.common.transfer.transport import Host, Transport
 from libs.common.transfer.writers import Writer
 
 log = logging.getLogger(__name__)
-
-_RECEIVED = REGISTRY.counter("kvserve_transfer_received_bytes_total", "Bytes received over TCP")
 
 
 class TcpTransport(Transport):
@@ -41,7 +38,7 @@ class TcpTransport(Transport):
         with self._lock:
             if self.listener is None and self.host.listen is not None:
                 address, port = self.host.listen.rsplit(":", 1)
-                self.listener = TcpListener(address, int(port), self.host.tickets, lambda n: _RECEIVED.inc(amount=n),
+                self.listener = TcpListener(address, int(port), self.host.tickets, self.host.metrics,
                                             max_connections=self.host.max_connections,
                                             idle_timeout=self.host.idle_timeout)  # fmt: skip
                 log.info("transfer listener on %s", self.listener.address)
