@@ -26,12 +26,10 @@ class ConductorMetrics:
             lambda: {(r,): n for r, n in ({r: 0 for r in REJECTION_REASONS} | scheduler.rejections).items()},
             ["reason"],
         )
-        m.histogram_function("kvserve_conductor_ttft_prediction_error_seconds",
-                             "TTFT measured minus TTFT predicted at admission (negative: it came early)",
-                             lambda: {(): _cumulative(scheduler.errors)})  # fmt: skip
-        m.counter_function("kvserve_conductor_ttft_prediction_abs_error_seconds_total",
-                           "The sum of the absolute TTFT prediction errors (over _count: the mean absolute error)",
-                           lambda: {(): scheduler.errors.sum_abs})  # fmt: skip
+        declare_prediction_error(m, "kvserve_conductor_ttft_prediction_error_seconds",
+                                 "kvserve_conductor_ttft_prediction_abs_error_seconds_total", "TTFT", scheduler.errors)
+        declare_prediction_error(m, "kvserve_conductor_tbt_prediction_error_seconds",
+                                 "kvserve_conductor_tbt_prediction_abs_error_seconds_total", "TBT", scheduler.tbt_errors)
         m.gauge_function("kvserve_conductor_kv_index_blocks", "KV blocks in the conductor's global index",
                          lambda: {(): index.num_blocks})  # fmt: skip
         m.counter_function("kvserve_conductor_kv_event_gaps_total",
@@ -50,9 +48,9 @@ class ConductorMetrics:
             self.decision_seconds.observe(time.perf_counter() - started)
 
 
-def _cumulative(errors: PredictionErrors) -> tuple[list[tuple[float, float]], float]:
-    running, buckets = 0, []
-    for bound, n in zip([*errors.bounds, float("inf")], errors.buckets):
-        running += n
-        buckets.append((bound, running))
-    return buckets, errors.sum
+def declare_prediction_error(m: Metrics, name: str, abs_name: str, what: str, errors: PredictionErrors) -> None:
+    """A prediction's error as a histogram (signed: negative buckets are early) and the sum of its size."""
+    m.histogram_function(name, f"{what} measured minus {what} predicted at admission (negative: it was faster)",
+                         lambda: {(): (errors.cumulative(), errors.sum)})  # fmt: skip
+    m.counter_function(abs_name, f"The sum of the absolute {what} prediction errors (over _count: the mean absolute error)",
+                       lambda: {(): errors.sum_abs})  # fmt: skip

@@ -71,17 +71,13 @@ class PredictionErrors:
     def mean_abs(self) -> float:
         return self.sum_abs / self.count if self.count else 0.0
 
-    def render(self, name: str = "kvserve_conductor_ttft_prediction_error_seconds") -> str:
-        """The Prometheus text format (the cumulative histogram of actual - predicted)."""
-        lines = [f"# HELP {name} {self.what} measured minus {self.what} predicted at admission",
-                 f"# TYPE {name} histogram"]  # fmt: skip
-        running = 0
+    def cumulative(self) -> list[tuple[float, int]]:
+        """(upper bound, observations at or below it) for each bucket, the last bound inf."""
+        running, out = 0, []
         for bound, n in zip([*self.bounds, float("inf")], self.buckets):
             running += n
-            lines.append(f'{name}_bucket{{le="{"+Inf" if bound == float("inf") else f"{bound:g}"}"}} {running}')
-        lines += [f"{name}_sum {self.sum:g}", f"{name}_count {self.count}",
-                  f"# TYPE {name}_abs_sum counter", f"{name}_abs_sum {self.sum_abs:g}"]  # fmt: skip
-        return "\n".join(lines) + "\n"
+            out.append((bound, running))
+        return out
 
 
 class Scheduler:

@@ -11,7 +11,7 @@ from libs.common.model.block_pool import BlockPool
 from libs.common.worker_metrics import WorkerMetrics
 from services.conductor.conductor_metrics import ConductorMetrics
 from services.conductor.policies import Decision
-from services.conductor.scheduler import PredictionErrors
+from services.conductor.scheduler import TBT_ERROR_BUCKETS, PredictionErrors
 from services.store.store_metrics import declare_store_metrics
 from services.store.tier import TierStats
 
@@ -74,7 +74,10 @@ def test_the_conductor_reports_admissions_rejections_and_its_prediction_error():
     errors = PredictionErrors()
     for e in (-0.3, 0.02, 0.7):
         errors.observe(e)
-    scheduler = SimpleNamespace(num_admitted=3, rejections={"ttft_slo": 2, "no_prefill": 1}, errors=errors, admitted={})
+    tbt_errors = PredictionErrors(TBT_ERROR_BUCKETS, "TBT")
+    tbt_errors.observe(0.004)
+    scheduler = SimpleNamespace(num_admitted=3, rejections={"ttft_slo": 2, "no_prefill": 1}, errors=errors,
+                                tbt_errors=tbt_errors, admitted={})  # fmt: skip
     m = Metrics("conductor-0", "conductor", "M")
     c = ConductorMetrics(m, scheduler, SimpleNamespace(num_blocks=12), SimpleNamespace(gaps=1))
     decision = c.timed(lambda: Decision(prefill_id="p", decode_id="d"))
@@ -88,3 +91,6 @@ def test_the_conductor_reports_admissions_rejections_and_its_prediction_error():
     assert abs(found[("kvserve_conductor_ttft_prediction_error_seconds_sum", frozenset())] - 0.42) < 1e-9
     assert found[("kvserve_conductor_ttft_prediction_error_seconds_bucket", frozenset({("le", "0.0")}))] == 1
     assert found[("kvserve_conductor_ttft_prediction_error_seconds_bucket", frozenset({("le", "+Inf")}))] == 3
+    assert abs(found[("kvserve_conductor_ttft_prediction_abs_error_seconds_total", frozenset())] - 1.02) < 1e-9
+    assert found[("kvserve_conductor_tbt_prediction_error_seconds_bucket", frozenset({("le", "0.005")}))] == 1
+    assert found[("kvserve_conductor_tbt_prediction_error_seconds_bucket", frozenset({("le", "0.0")}))] == 0
