@@ -89,8 +89,9 @@ class Console:
                 "instance_id": self.service.instance_id, "model": self.generations.model.model_id,
                 "in_flight": self.generations.num_in_flight, "uptime_s": round(now - self.service.started_at, 3),
             }  # fmt: skip
-            args = (gateway, self.generations.peers.heard(), views, unreachable, self.requests.recent(), now, MAX_DECISIONS)
-            if len(args[4]) > INLINE_STATE_REQUESTS:
+            served = self.requests.recent()
+            args = (gateway, self.generations.peers.heard(), views, unreachable, served, now, MAX_DECISIONS)
+            if len(served) > INLINE_STATE_REQUESTS:
                 state = await asyncio.to_thread(console_state, *args)
             else:
                 state = console_state(*args)
