@@ -76,8 +76,9 @@ PERMISSIONS: dict[str, Permissions] = {
     ),  # fmt: skip
     Role.CONDUCTOR: _service(
         Role.CONDUCTOR,
-        publish=(s.KV_SNAPSHOT_ALL,),
-        subscribe=(s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CONDUCTOR_PROGRESS, s.CONDUCTOR_ADMIT, s.CONDUCTOR_VIEW_ALL),
+        publish=(s.KV_SNAPSHOT_ALL, s.CONDUCTOR_ADMITTED),
+        subscribe=(s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CONDUCTOR_PROGRESS, s.CONDUCTOR_ADMIT, s.CONDUCTOR_VIEW_ALL,
+                   s.CONDUCTOR_ADMITTED),
         requests=True,
     ),
     # Prefill and decode workers alone publish tokens.

@@ -57,6 +57,7 @@ class KVContract(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     layout: str  # KVLayout.describe(): shape and dtype of one block
     hash_scheme: str
+    quantization: str = "none"  # the weights' precision: KV computed with other weights is other KV
 
     def mismatch(self, other: "KVContract") -> str | None:
         """None if compatible, else a sentence naming every field that differs."""
@@ -255,6 +256,24 @@ class AdmitReply(Message):
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     cached_tokens: dict[KVTier, int] = msgspec.field(default_factory=dict)  # predicted reuse, by tier
+
+
+class ConductorAdmission(Message):
+    """Conductor replica -> every replica: an admission it made and the load it books
+    on its instances, which each peer books into its own view as if it had made it."""
+
+    conductor_id: InstanceId  # the replica that admitted it
+    request_id: RequestId
+    prefill_id: InstanceId
+    decode_id: InstanceId
+    work_s: float  # predicted seconds it adds to the prefill queue
+    prefill_speed: float  # the prefill instance's learned slowness, already in work_s
+    num_prompt_tokens: int
+    max_tokens: int
+    expected_output_tokens: int
+    predicted_ttft_s: float
+    predicted_tbt_s: float | None = None
+    session_id: str | None = None
 
 
 class RequestProgress(Message):

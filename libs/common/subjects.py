@@ -32,6 +32,7 @@ ROLL_CALL = f"{PREFIX}.rollcall"
 CONDUCTOR_ADMIT = f"{PREFIX}.conductor.admit"  # request/reply, queue group "conductor"
 CONDUCTOR_QUEUE = "conductor"
 CONDUCTOR_PROGRESS = f"{PREFIX}.conductor.progress"  # gateway -> every conductor: RequestProgress
+CONDUCTOR_ADMITTED = f"{PREFIX}.conductor.admitted"  # conductor -> every conductor replica: ConductorAdmission
 
 
 def conductor_view(instance_id: str) -> str:

@@ -1,7 +1,8 @@
 """The conductor service: keeps the cluster view from heartbeats and the global
 KV index from KV events, answers admission requests with a (prefill, decode)
 pair or an early rejection, and settles its predictions from the gateways'
-progress reports. Every decision is `scheduler.py`'s; this is the NATS side.
+progress reports. Replicas run active-active: each books its peers' admissions
+(`replicas.py`). Every decision is `scheduler.py`'s; this is the NATS side.
 """
 
 import asyncio
@@ -16,6 +17,7 @@ from libs.common.schema import (
     AdmitReply,
     AdmitRequest,
     BadMessageError,
+    ConductorAdmission,
     ConductorBeat,
     ConductorViewReply,
     ConductorViewRequest,
@@ -32,6 +34,7 @@ from services.conductor.cluster import ClusterView, Instance
 from services.conductor.conductor_metrics import ConductorMetrics
 from services.conductor.explain import DecisionLog
 from services.conductor.index import KVIndex
+from services.conductor.replicas import Replicas
 from services.conductor.scheduler import Scheduler
 from services.conductor.settings import ConductorSettings
 
@@ -52,6 +55,7 @@ class Conductor(Service):
         self.decisions = DecisionLog(self.scheduler.policy.name)  # for the console
         self.scheduler.explain = self.decisions.record
         self._snapshots: set[str] = set()  # instances whose snapshot is being fetched
+        self.replicas = Replicas(self.instance_id, self.scheduler)  # active-active: peers' admissions booked here
         self.conductor_metrics = ConductorMetrics(self.metrics, self.scheduler, self.index, self.tracker)
 
     async def start(self, stack: AsyncExitStack) -> None:
@@ -60,6 +64,7 @@ class Conductor(Service):
         await self.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
         await self.subscribe(subjects.KV_EVENTS_ALL, KVEventBatch, self.on_kv_events)
         await self.subscribe(subjects.CONDUCTOR_PROGRESS, RequestProgress, self.on_progress)
+        await self.subscribe(subjects.CONDUCTOR_ADMITTED, ConductorAdmission, self.on_peer_admission)
         await self.subscribe(subjects.CONDUCTOR_ADMIT, AdmitRequest, self.on_admit, queue=subjects.CONDUCTOR_QUEUE)
         await self.subscribe(subjects.conductor_view(self.instance_id), ConductorViewRequest, self.on_view)
         expiry = self.spawn(self._expire_loop())
@@ -118,6 +123,8 @@ class Conductor(Service):
                 code=d.error_code, message=d.error_message, retry_after_s=d.retry_after_s,
                 predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s,
             )  # fmt: skip
+        if (shared := self.replicas.shared(request.request_id)) is not None:
+            await self.publish(subjects.CONDUCTOR_ADMITTED, shared)  # before the reply: peers book it first
         if d.affinity is not None:
             self.log.debug("%s of session %s: %s", request.request_id, request.session_id, d.affinity)
         return AdmitReply(
@@ -130,6 +137,10 @@ class Conductor(Service):
         slo = self.scheduler.config.slo
         return self.decisions.view(self.instance_id, self.index, slo, request.max_decisions, request.max_prefixes)
 
+    async def on_peer_admission(self, message: ConductorAdmission, msg: Msg) -> None:
+        if self.replicas.on_peer_admission(message):
+            self.log.debug("booked %s, admitted by %s", message.request_id, message.conductor_id)
+
     async def on_progress(self, progress: RequestProgress, msg: Msg) -> None:
         if progress.kind == "first_token":
             self.scheduler.first_token(progress.request_id, progress.ttft_s)
@@ -140,10 +151,11 @@ class Conductor(Service):
         while True:
             await asyncio.sleep(10.0)
             now = self.view.clock()
+            # peers' too: a replica that dies leaves its requests to the progress reports, or to this
             for request_id in [r for r, a in self.scheduler.admitted.items() if now - a.admitted_at > ADMITTED_MAX_AGE]:
                 self.scheduler.finished(request_id)
 
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
-        beat.payload = ConductorBeat(load=len(self.scheduler.admitted))
+        beat.payload = ConductorBeat(load=self.scheduler.num_own)
         return beat

@@ -30,15 +30,47 @@ class SchedulerConfig:
     margin: MarginConfig = field(default_factory=MarginConfig)
 
 
-@dataclass
-class Admitted:
+@dataclass(frozen=True)
+class Booking:
+    """What an admission adds to its instances' predicted load: one made here, or a
+    peer replica's (`replicas.py`), which is booked and settled the same way."""
+
+    request_id: str
     prefill_id: str  # where its prefill runs (the decode worker itself under conditional disaggregation)
     decode_id: str
+    work_s: float  # predicted seconds it adds to the prefill queue
+    prefill_speed: float
+    num_prompt_tokens: int
+    max_tokens: int
+    expected_output_tokens: int
     predicted_ttft_s: float
     predicted_tbt_s: float | None
+    session_id: str | None = None
+
+
+@dataclass
+class Admitted:
+    booking: Booking
     admitted_at: float
+    origin: str | None = None  # the peer replica that admitted it; None: this one
     first_token_at: float | None = None
     modelled_at_first_s: float = 0.0  # its decode instance's `DecodeLoad.modelled_s` at its first token
+
+    @property
+    def prefill_id(self) -> str:
+        return self.booking.prefill_id
+
+    @property
+    def decode_id(self) -> str:
+        return self.booking.decode_id
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        return self.booking.predicted_ttft_s
+
+    @property
+    def predicted_tbt_s(self) -> float | None:
+        return self.booking.predicted_tbt_s
 
 
 # prediction error buckets, seconds (actual - predicted; negative: it came early)
@@ -121,20 +153,43 @@ class Scheduler:
             self.rejections[key] = self.rejections.get(key, 0) + 1
             return decision
         self.num_admitted += 1
-        now = ctx.now
-        prefill, decode = self.view.get(decision.prefill_id), self.view.get(decision.decode_id)
-        prefill.prefill.add(request.request_id, decision.work_s, now, decision.prefill_speed)
-        decode.decode.add(request.request_id, ctx.num_tokens, now + decision.predicted_ttft_s, request.max_tokens,
-                          ctx.expected_output_tokens)  # fmt: skip
-        self.view.assigned(decision.prefill_id)
-        if decision.decode_id != decision.prefill_id:
-            self.view.assigned(decision.decode_id)
-        if request.session_id is not None:
-            self.sessions.set(request.session_id, Home(decision.prefill_id, decision.decode_id))
-        self.admitted[request.request_id] = Admitted(
-            decision.prefill_id, decision.decode_id, decision.predicted_ttft_s, decision.predicted_tbt_s, now
-        )
+        booking = Booking(
+            request.request_id, decision.prefill_id, decision.decode_id, decision.work_s, decision.prefill_speed,
+            ctx.num_tokens, request.max_tokens, ctx.expected_output_tokens, decision.predicted_ttft_s,
+            decision.predicted_tbt_s, request.session_id,
+        )  # fmt: skip
+        self.book(booking, ctx.now)
         return decision
+
+    def book(self, booking: Booking, now: float, origin: str | None = None) -> bool:
+        """Add an admission to its instances' predicted load: this scheduler's own
+        (``origin`` None) or peer replica ``origin``'s. A request booked twice (its
+        gateway asked again when a replica did not answer) keeps its later booking,
+        but never a peer's over this scheduler's own. False: not booked."""
+        previous = self.admitted.get(booking.request_id)
+        if previous is not None:
+            if origin is not None and previous.origin is None:
+                return False
+            del self.admitted[booking.request_id]
+            self._release(booking.request_id, previous, now)
+        b = booking
+        if (prefill := self.view.get(b.prefill_id)) is not None:  # a peer may know an instance this view does not yet
+            prefill.prefill.add(b.request_id, b.work_s, now, b.prefill_speed)
+        if (decode := self.view.get(b.decode_id)) is not None:
+            decode.decode.add(b.request_id, b.num_prompt_tokens, now + b.predicted_ttft_s, b.max_tokens,
+                              b.expected_output_tokens)  # fmt: skip
+        self.view.assigned(b.prefill_id)
+        if b.decode_id != b.prefill_id:
+            self.view.assigned(b.decode_id)
+        if b.session_id is not None:
+            self.sessions.set(b.session_id, Home(b.prefill_id, b.decode_id))
+        self.admitted[b.request_id] = Admitted(b, now, origin)
+        return True
+
+    @property
+    def num_own(self) -> int:
+        """Requests admitted here and not yet finished (the rest are peer replicas')."""
+        return sum(1 for a in self.admitted.values() if a.origin is None)
 
     def first_token(self, request_id: str, ttft_s: float | None = None) -> None:
         """The request's prefill is done; ``ttft_s`` as measured, when known."""
@@ -151,7 +206,8 @@ class Scheduler:
             decode.decode.started(request_id, now)
             decode.decode.set_step(modelled_step(decode, now))
         measured = ttft_s if ttft_s is not None else now - record.admitted_at
-        self.errors.observe(measured - record.predicted_ttft_s)
+        if record.origin is None:  # a peer's is its own to report
+            self.errors.observe(measured - record.predicted_ttft_s)
         self.margins.observe_ttft(record.prefill_id, measured, record.predicted_ttft_s)
 
     def finished(self, request_id: str, num_output_tokens: int = 0) -> None:
@@ -165,15 +221,19 @@ class Scheduler:
         modelled = decode.decode.advance(now) if decode is not None else None
         if record.first_token_at is not None and num_output_tokens >= 2 and now > record.first_token_at:
             measured = (now - record.first_token_at) / (num_output_tokens - 1)
-            if record.predicted_tbt_s:
+            if record.predicted_tbt_s and record.origin is None:
                 self.tbt_errors.observe(measured - record.predicted_tbt_s)
             if modelled is not None and modelled > record.modelled_at_first_s:
                 # against the steps the model gives the batch it ran in (which later admissions
                 # were allowed to grow up to the SLO), not the batch it was admitted into
                 model_tbt = (modelled - record.modelled_at_first_s) / (now - record.first_token_at)
                 self.margins.observe_tbt(record.decode_id, measured, model_tbt)
+        self._release(request_id, record, now)
+
+    def _release(self, request_id: str, record: Admitted, now: float) -> None:
+        """Take the request's booking off its instances' load."""
         if (prefill := self.view.get(record.prefill_id)) is not None:
             prefill.prefill.done(request_id, now)
-        if decode is not None:
+        if (decode := self.view.get(record.decode_id)) is not None:
             decode.decode.done(request_id)
             decode.decode.set_step(modelled_step(decode, now))

@@ -50,6 +50,9 @@ from services.gateway.served_model import PreparedRequest
 from services.gateway.worker_watch import WorkerWatch
 
 CONTROL_TIMEOUT = 5.0  # seconds the conductor and a prefill worker have to answer
+# An admission unanswered this long is asked again, so it reaches another conductor replica if
+# the first died holding it (asking twice is safe: a replica keeps one booking per request).
+ADMIT_ATTEMPT_TIMEOUT = 1.5
 MIN_WAIT = 0.001  # seconds: a wait on the token subject that is due now still takes what is there
 RECONNECT_CHECK = 0.5  # seconds: a silent token subject is checked this often for a NATS reconnect
 _MISSING_ROLE_CODES = (ErrorCode.NO_PREFILL, ErrorCode.NO_DECODE, ErrorCode.NO_INSTANCES)
@@ -148,7 +151,7 @@ class RequestRun:
         )
         self._may_be_running = True  # from here on the conductor may have admitted it
         try:
-            reply = await self.service.request(subjects.CONDUCTOR_ADMIT, admit, AdmitReply, self.control_timeout)
+            reply = await self._ask_conductor(admit)
         except NO_ANSWER as e:
             if isinstance(e, nats.errors.NoRespondersError):
                 self._may_be_running = False  # no conductor heard of it
@@ -162,6 +165,19 @@ class RequestRun:
         if self.watch is not None:
             self.watch.watch(self.decode_id, Role.DECODE)
             self.watch.watch(self.prefill_id, Role.DECODE if reply.prefill_on_decode else Role.PREFILL)
+
+    async def _ask_conductor(self, admit: AdmitRequest) -> AdmitReply | ErrorReply:
+        """The admission's answer from any conductor replica within the control timeout,
+        split into attempts of at most ADMIT_ATTEMPT_TIMEOUT: the queue group hands each
+        attempt to a live replica, so one that died holding the request costs one attempt."""
+        attempts = max(1, math.ceil(self.control_timeout / ADMIT_ATTEMPT_TIMEOUT))
+        timeout = self.control_timeout / attempts
+        for _ in range(attempts - 1):
+            try:
+                return await self.service.request(subjects.CONDUCTOR_ADMIT, admit, AdmitReply, timeout)
+            except nats.errors.TimeoutError:
+                log.warning("no conductor answered admission %s within %.2gs: asking again", self.request_id, timeout)
+        return await self.service.request(subjects.CONDUCTOR_ADMIT, admit, AdmitReply, timeout)
 
     async def _submit(self) -> None:
         p = self.prepared
