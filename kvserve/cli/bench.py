@@ -32,13 +32,26 @@ is good when it completed with TTFT <= --slo-ttft-ms and TPOT <= --slo-tbt-ms.
 Several --time-scale values make a load sweep: one run each, in order, with
 prompts seeded seed, seed+1, ... so no run hits the previous run's cache.
 --out gets a JSON file per run (every request), summary.md, ttft_cdf.png and,
-for a sweep, goodput_vs_load.png."""
+for a sweep, goodput_vs_load.png.
+
+--find-capacity searches for the effective request capacity instead: the
+highest offered load (req/s) at which at least --target-attainment of the
+requests sent meet both SLOs (rejected ones do not). It probes --start-scale,
+halves the time scale while probes pass (doubling it while they fail) until the
+capacity is bracketed, then bisects the bracket in log space, --max-probes runs
+in all, probe i with prompt seed seed+i. It reports the capacity (the offered
+rate of the heaviest passing probe), the bracket's width in req/s, the peak
+goodput, attainment and goodput per probe, or "no capacity" when no load tried
+reached the target. --out gets a JSON file per probe, capacity.md and
+capacity.png (attainment and goodput against offered load)."""
 
 EPILOG = """\
 examples:
   kvserve bench --trace ../shared/traces/conversation_trace.jsonl \\
       --base-url http://127.0.0.1:8000 --max-requests 200 --max-output 32
-  kvserve bench --trace T.jsonl --base-url http://127.0.0.1:8080 --time-scale 1 0.5 0.25 --out bench/out/sweep"""
+  kvserve bench --trace T.jsonl --base-url http://127.0.0.1:8080 --time-scale 1 0.5 0.25 --out bench/out/sweep
+  kvserve bench --trace T.jsonl --base-url http://127.0.0.1:8000 --max-requests 100 --spread \\
+      --find-capacity --start-scale 4 --max-probes 6 --out bench/out/capacity"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,8 +76,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument("--block-tokens", type=_positive, default=16, metavar="T", help="tokens per hash id (default 16)")
     p.add_argument(
-        "--time-scale", type=_non_negative, nargs="+", default=[1.0], metavar="X",
+        "--time-scale", type=_non_negative, nargs="+", default=None, metavar="X",
         help="arrival time = trace timestamp x X (default 1; 0.5 is twice the rate); several make a sweep",
+    )  # fmt: skip
+    p.add_argument(
+        "--find-capacity", action="store_true",
+        help="search the time scale for the highest load meeting --target-attainment (see above)",
+    )  # fmt: skip
+    p.add_argument(
+        "--target-attainment", type=_fraction, default=None, metavar="F",
+        help="with --find-capacity: the share of requests sent that must meet both SLOs (default 0.9)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-probes", type=_positive, default=None, metavar="N",
+        help="with --find-capacity: runs the search may make (default 6)",
+    )  # fmt: skip
+    p.add_argument(
+        "--start-scale", type=_positive_float, default=None, metavar="X",
+        help="with --find-capacity: the first probe's time scale (default 1)",
     )  # fmt: skip
     p.add_argument(
         "--spread", action="store_true",
@@ -88,7 +117,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per-request limit (default 600)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR", help="where results go (default bench/out/<time>)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(run=run)
+    p.set_defaults(run=run, usage_error=p.error)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,10 +127,17 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs
     from kvserve.replay.trace import load_trace
 
+    search_options = {"--target-attainment": args.target_attainment, "--max-probes": args.max_probes,
+                      "--start-scale": args.start_scale}  # fmt: skip
+    if args.find_capacity and args.time_scale is not None:
+        args.usage_error("--find-capacity chooses the time scales itself: give --start-scale, not --time-scale")
+    if not args.find_capacity and any(v is not None for v in search_options.values()):
+        given = [k for k, v in search_options.items() if v is not None]
+        args.usage_error(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only with --find-capacity")
     requests = load_trace(args.trace, args.max_requests, args.start)
     settings = SweepSettings(
         vocab=load_vocab(args.tokenizer),
-        time_scales=args.time_scale,
+        time_scales=args.time_scale or [1.0],
         block_tokens=args.block_tokens,
         seed=args.seed,
         max_input=args.max_input,
@@ -112,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
     endpoint = Endpoint(args.base_url, args.model, args.api_key, args.timeout)
     out = args.out or Path("bench/out") / time.strftime("bench-%Y%m%d-%H%M%S")
     label = args.label or args.base_url
+    if args.find_capacity:
+        return find_capacity(args, endpoint, requests, settings, out, label)
     results = run_sweep(
         endpoint, requests, settings, label=label, out_dir=out, trace_name=str(args.trace), progress=args.progress
     )
@@ -119,6 +157,28 @@ def run(args: argparse.Namespace) -> int:
     print(runs_table([summary for _, summary in results]))
     print("wrote " + ", ".join(str(p) for p in written) + f" and one JSON file per run in {out}")
     return 0 if all(s.completed for _, s in results) else 1
+
+
+def find_capacity(args: argparse.Namespace, endpoint, requests, settings, out: Path, label: str) -> int:
+    from kvserve.replay import capacity
+    from kvserve.replay.report import capacity_verdict, probes_table
+    from kvserve.replay.sweep import capacity_measure, write_capacity_outputs
+
+    measure = capacity_measure(
+        endpoint, requests, settings, label=label, out_dir=out, trace_name=str(args.trace), progress=args.progress
+    )
+    result = capacity.find_capacity(
+        measure,
+        start_scale=args.start_scale or 1.0,
+        max_probes=args.max_probes or 6,
+        target=args.target_attainment or 0.9,
+        label=label,
+    )
+    written = write_capacity_outputs(result, settings.slo, out, title=f"kvserve bench --find-capacity: {label}")
+    print(probes_table(result))
+    print(capacity_verdict(result))
+    print("wrote " + ", ".join(str(p) for p in written) + f" and one JSON file per probe in {out}")
+    return 0 if any(p.summary and p.summary.completed for p in result.probes) else 1
 
 
 def load_vocab(spec: str | None) -> list[int]:
@@ -151,4 +211,25 @@ def _non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
+    return value
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text)
+    if not (value > 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a share of requests in (0, 1], e.g. 0.9; got {text}")
     return value

@@ -3,7 +3,8 @@ its latency percentiles. Formatting only; the numbers come from ``metrics``."""
 
 from collections.abc import Sequence
 
-from kvserve.replay.metrics import Distribution, Summary, goodput_at_attainment
+from kvserve.replay.capacity import Capacity
+from kvserve.replay.metrics import SLO, Distribution, Summary, goodput_at_attainment
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -57,4 +58,59 @@ def markdown(summaries: Sequence[Summary], title: str = "Trace replay", target: 
         )
     for s in summaries:
         parts.append(f"## {s.label} at time scale {s.time_scale:g}\n\n{latency_table(s)}")
+    return "\n".join(parts)
+
+
+def capacity_verdict(capacity: Capacity) -> str:
+    """One sentence: the capacity and how closely it is bracketed, or that there is none."""
+    target, best, above = capacity.target, capacity.best, capacity.first_failure_above
+    peak = capacity.peak_goodput
+    if best is None:
+        lightest = min(capacity.probes, key=lambda p: p.offered_rps)
+        return (
+            f"no capacity: no load tried reached {target:.0%} SLO attainment (the lightest, "
+            f"{lightest.offered_rps:.3f} req/s, attained {lightest.slo_attainment:.1%}); "
+            f"peak goodput {peak.goodput_rps:.3f} req/s at {peak.offered_rps:.3f} req/s offered"
+        )
+    if above is None:
+        return (
+            f"capacity at least {best.offered_rps:.3f} req/s: every load tried reached {target:.0%} "
+            f"SLO attainment, so the heaviest (time scale {best.time_scale:g}) is only a lower bound; "
+            f"peak goodput {peak.goodput_rps:.3f} req/s"
+        )
+    return (
+        f"capacity {best.offered_rps:.3f} req/s at {target:.0%} SLO attainment (time scale "
+        f"{best.time_scale:g}, {best.slo_attainment:.1%} attained); {above.offered_rps:.3f} req/s "
+        f"attained {above.slo_attainment:.1%}, so the capacity is known to within "
+        f"{capacity.precision_rps:.3f} req/s; peak goodput {peak.goodput_rps:.3f} req/s"
+    )
+
+
+def probes_table(capacity: Capacity) -> str:
+    """One row per probe, in the order the search ran them."""
+    lines = [
+        "| probe | time scale | offered req/s | SLO attained | goodput req/s | meets target |",
+        "|---:|---:|---:|---:|---:|---|",
+    ]
+    for i, p in enumerate(capacity.probes):
+        lines.append(
+            f"| {i} | {p.time_scale:.4g} | {p.offered_rps:.3f} | {p.slo_attainment:.1%} | {p.goodput_rps:.3f} "
+            f"| {'yes' if capacity.passes(p) else 'no'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def capacity_markdown(capacity: Capacity, slo: SLO, title: str = "Capacity search") -> str:
+    """The document ``kvserve bench --find-capacity`` writes: verdict, probes, then each run's latencies."""
+    parts = [
+        f"# {title}\n",
+        f"Effective request capacity: the highest offered load at which at least {capacity.target:.0%} of "
+        f"the requests sent meet TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms "
+        "(rejected and failed requests do not).\n",
+        f"**{capacity_verdict(capacity)}.**\n",
+        probes_table(capacity),
+    ]
+    summaries = [p.summary for p in capacity.probes if p.summary is not None]
+    if summaries:
+        parts.append(runs_table(summaries))
     return "\n".join(parts)

@@ -1,9 +1,10 @@
 """One trace window replayed at several time scales against one endpoint, and
 the files a replay leaves: a JSON file per run (every request, plus its
 summary), ``summary.md``, ``ttft_cdf.png`` and, for several runs,
-``goodput_vs_load.png``.
+``goodput_vs_load.png``; and a capacity search's probes (``capacity_measure``)
+with ``capacity.md`` and ``capacity.png``.
 
-Run ``i`` of a sweep synthesizes its prompts with seed ``seed + i``: the same
+Run ``i`` of a sweep (probe ``i`` of a capacity search) synthesizes its prompts with seed ``seed + i``: the same
 lengths and the same sharing, but different tokens, so a run never finds the
 previous run's prompts in the server's cache and the runs can share one server.
 """
@@ -13,15 +14,17 @@ import os
 import re
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvserve.replay import plots, report
+from kvserve.replay.capacity import Capacity, Measure, Probe
 from kvserve.replay.client import Endpoint, plan, replay
 from kvserve.replay.metrics import SLO, Summary, summarize
 from kvserve.replay.prompts import PromptSynthesizer
 from kvserve.replay.records import Run
-from kvserve.replay.trace import TraceRequest
+from kvserve.replay.trace import TraceRequest, arrival_offsets_ms
+from libs.common.errors import KVServeError
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,52 @@ def write_outputs(results: Sequence[tuple[Run, Summary]], out_dir: Path, title: 
     if len(results) > 1:
         written.append(plots.goodput_vs_load(summaries, out_dir / "goodput_vs_load.png"))
     return written
+
+
+def unit_offered_rps(requests: Sequence[TraceRequest], spread: bool = False) -> float:
+    """The window's offered rate at time scale 1 (``Run.offered_rps``'s definition);
+    a rate needs at least two arrivals that are not simultaneous."""
+    offsets = arrival_offsets_ms(list(requests), spread)
+    span_s = (max(offsets.values()) - min(offsets.values())) / 1000.0
+    if span_s <= 0:
+        raise KVServeError(
+            f"the {len(requests)} requests of this trace window arrive at once: a load search needs a window "
+            "whose arrivals span some time (more requests, or --spread)"
+        )
+    return (len(requests) - 1) / span_s
+
+
+def capacity_measure(
+    endpoint: Endpoint,
+    requests: Sequence[TraceRequest],
+    settings: SweepSettings,
+    *,
+    label: str,
+    out_dir: Path | None = None,
+    trace_name: str = "",
+    progress: bool = True,
+) -> Measure:
+    """A capacity search's probe: the window replayed once at the time scale asked,
+    probe ``i`` with prompt seed ``settings.seed + i``."""
+    unit_rps = unit_offered_rps(requests, settings.spread)
+
+    def measure(time_scale: float, probe: int) -> Probe:
+        one = replace(settings, time_scales=[time_scale], seed=settings.seed + probe)
+        [(_, summary)] = run_sweep(
+            endpoint, requests, one, label=label, out_dir=out_dir, trace_name=trace_name, progress=progress
+        )
+        offered = summary.offered_rps if summary.offered_rps is not None else unit_rps / time_scale
+        return Probe(time_scale, offered, summary.slo_attainment, summary.goodput_rps, summary)
+
+    return measure
+
+
+def write_capacity_outputs(capacity: Capacity, slo: SLO, out_dir: Path, title: str = "Capacity search") -> list[Path]:
+    """capacity.md and capacity.png for one search, in ``out_dir``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md = out_dir / "capacity.md"
+    md.write_text(report.capacity_markdown(capacity, slo, title))
+    return [md, plots.capacity_curves([capacity], out_dir / "capacity.png")]
 
 
 def _slug(text: str) -> str:

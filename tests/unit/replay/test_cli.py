@@ -58,3 +58,28 @@ def test_bench_sweep_writes_every_request_a_summary_and_plots(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| fake | 1 |" in summary and "| fake | 0.5 |" in summary
     assert "Goodput at 90% SLO attainment" in summary
+
+
+def test_find_capacity_probes_heavier_loads_with_fresh_seeds_and_writes_its_report(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in TRACE) + "\n")
+    tiny_tokenizer(tmp_path / "tokenizer.json")
+    server = FakeServer({}, default=Script(ttft_s=0.0, itl_s=(0.0,)))  # every request meets the SLOs
+    out = tmp_path / "out"
+    with serving_in_thread(server) as url:
+        code = main([
+            "bench", "--trace", str(trace), "--base-url", url, "--tokenizer", str(tmp_path / "tokenizer.json"),
+            "--block-tokens", "8", "--max-output", "2", "--find-capacity", "--start-scale", "2", "--max-probes", "2",
+            "--seed", "10", "--label", "fake", "--out", str(out), "--no-progress",
+        ])  # fmt: skip
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["capacity.md", "capacity.png", "fake-x1.json", "fake-x2.json"]
+    # every probe passed, so the second halved the time scale, with the next seed
+    first, second = (json.loads((out / name).read_text()) for name in ("fake-x2.json", "fake-x1.json"))
+    assert (first["settings"]["seed"], second["settings"]["seed"]) == (10, 11)
+    assert (first["summary"]["offered_rps"], second["summary"]["offered_rps"]) == (5.0, 10.0)  # 2 gaps over 0.4 s, 0.2 s
+    prompts = [b["prompt"] for b in server.bodies]
+    assert len(prompts) == 6 and not set(map(tuple, prompts[:3])) & set(map(tuple, prompts[3:]))
+    report = (out / "capacity.md").read_text()
+    assert "**capacity at least 10.000 req/s: every load tried reached 90% SLO attainment" in report
+    assert "| 0 | 2 | 5.000 | 100.0% |" in report and "| 1 | 1 | 10.000 | 100.0% |" in report
