@@ -1,5 +1,6 @@
 """Side by side on one trace window, at the same loads, on this machine: kvserve
-disaggregated (store + cache-aware conductor), kvserve with prefix caching off,
+as `kvserve up` starts it (its default policy), kvserve disaggregated (store +
+cache-aware conductor), kvserve with prefix caching off,
 kvserve with one colocated worker, and llama.cpp's llama-server on the same GGUF.
 
 Each configuration is started, warmed up, swept over the time scales with
@@ -10,6 +11,13 @@ comparison.md and the plots go to --out; optional py-spy profiles of every
 kvserve service during the first load go there too.
 
     .venv/bin/python bench/replay.py --requests 200 --time-scales 8 4 2
+
+--find-capacity searches each configuration's effective request capacity
+instead of sweeping (`kvserve bench --find-capacity`'s search; probe i with seed
+seed+i in every configuration) and writes bench/results/capacity.md (or
+--capacity-report) with capacity.png beside it:
+
+    .venv/bin/python bench/replay.py --requests 120 --find-capacity --start-scale 4 --max-probes 6
 """
 
 import argparse
@@ -17,6 +25,7 @@ import contextlib
 import datetime
 import os
 import platform
+import shlex
 import shutil
 import signal
 import socket
@@ -33,15 +42,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.capacity import document as capacity_document  # noqa: E402
 from kvserve.cli.bench import load_vocab  # noqa: E402
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
 from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path  # noqa: E402
+from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
+from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
 from kvserve.replay.metrics import SLO, Summary, goodput_at_attainment, summarize  # noqa: E402
 from kvserve.replay.prompts import PromptSynthesizer  # noqa: E402
 from kvserve.replay.records import Run  # noqa: E402
-from kvserve.replay.report import runs_table  # noqa: E402
-from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs  # noqa: E402
+from kvserve.replay.plots import capacity_curves  # noqa: E402
+from kvserve.replay.report import capacity_verdict, probes_table, runs_table  # noqa: E402
+from kvserve.replay.sweep import SweepSettings, capacity_measure, run_sweep, write_outputs  # noqa: E402
 from kvserve.replay.trace import load_trace  # noqa: E402
 
 LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
@@ -85,6 +98,8 @@ def configs(worker_threads: int | None) -> list[Config]:
     policy = "cache_aware" if policy_exists("cache_aware") else "least_loaded"
     note = "" if policy == "cache_aware" else "no cache_aware policy in this checkout: ran least_loaded"
     out = [
+        Config("kvserve-default", "kvserve 1 prefill + 1 decode, store, as `kvserve up` configures them", "kvserve",
+               dict(prefill=1, decode=1, store=True), {**threads}),
         Config("kvserve-disagg", "kvserve 1 prefill + 1 decode, store, prefix cache on", "kvserve",
                dict(prefill=1, decode=1, store=True), {"KVSERVE_POLICY": policy, **threads}, note),
         Config("kvserve-nocache", "kvserve 1 prefill + 1 decode, no store, prefix cache off", "kvserve",
@@ -245,6 +260,31 @@ def report_only(out: Path, slo: SLO) -> int:
     return 0
 
 
+def write_capacity(args, capacities, settings, started, requests, notes, cpu_notes) -> int:
+    report = args.capacity_report
+    report.parent.mkdir(parents=True, exist_ok=True)
+    plot = capacity_curves(list(capacities.values()), report.with_suffix(".png"))
+    first, last = requests[0].index, requests[-1].index
+    window = (
+        f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load average at start "
+        f"{os.getloadavg()[0]:.2f}. Trace `{args.trace.name}` requests {first}-{last}, "
+        f"{settings.block_tokens}-token blocks, inputs at most {settings.max_input} tokens, at most "
+        f"{settings.max_output} output tokens{', bucketed arrivals spread' if settings.spread else ''}; "
+        f"kvserve in {args.dtype}."
+    )
+    note_lines = [f"{name}: {note}" for name, note in notes.items() if note]
+    text = capacity_document(
+        capacities, settings.slo, heading="Effective request capacity: kvserve against llama.cpp",
+        command=f".venv/bin/python {shlex.join(sys.argv)}", window=window, plot_name=plot.name,
+        notes=[*note_lines, "CPU seconds during each search (from /proc): "
+               + "; ".join(line.removeprefix("- ") for line in cpu_notes)],
+    )  # fmt: skip
+    report.write_text(text)
+    print(text)
+    print(f"wrote {report}, {plot} and one JSON file per probe in {args.out}")
+    return 0
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the servers as Ctrl-C does
 
@@ -274,8 +314,26 @@ def main() -> int:
                     help="seconds a request may take in all; past it, it is an error (never good anyway)")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: rebuild summary.md, comparison.md and the plots from the JSON in --out")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "replay")
+    ap.add_argument("--find-capacity", action="store_true",
+                    help="search each configuration's effective request capacity instead of sweeping --time-scales")
+    ap.add_argument("--target-attainment", type=float, default=0.9,
+                    help="with --find-capacity: the share of requests sent that must meet both SLOs (default 0.9)")
+    ap.add_argument("--max-probes", type=int, default=6, help="with --find-capacity: runs per configuration (default 6)")
+    ap.add_argument("--start-scale", type=float, default=4.0,
+                    help="with --find-capacity: the first probe's time scale (default 4)")
+    ap.add_argument("--capacity-report", type=Path, default=ROOT / "bench" / "results" / "capacity.md",
+                    help="with --find-capacity: where the comparison goes, its plot beside it as .png "
+                    "(default bench/results/capacity.md)")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="runs, logs and reports (default bench/out/replay, with --find-capacity bench/out/capacity)")
     args = ap.parse_args()
+    if args.out is None:
+        args.out = ROOT / "bench" / "out" / ("capacity" if args.find_capacity else "replay")
+    if args.find_capacity:
+        try:
+            validate_search(start_scale=args.start_scale, max_probes=args.max_probes, target=args.target_attainment)
+        except ValueError as e:
+            ap.error(str(e))
     if args.report_only:
         return report_only(args.out, SLO(args.slo_ttft_ms, args.slo_tbt_ms))
 
@@ -290,6 +348,7 @@ def main() -> int:
     started = datetime.datetime.now().astimezone()
     print(f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")
     all_results, by_config, notes, cpu_notes = [], {}, {}, []
+    capacities: dict[str, Capacity] = {}
     for config in configs(args.worker_threads):
         if args.configs and config.name not in args.configs:
             continue
@@ -307,8 +366,17 @@ def main() -> int:
             profilers = []
             if args.profile_seconds and config.kind == "kvserve":
                 profilers = start_profiles(pids, args.profile_seconds, args.out, config.name)
-            results = run_sweep(endpoint, requests, settings, label=config.name, out_dir=args.out,
-                                trace_name=str(args.trace))  # fmt: skip
+            if args.find_capacity:
+                measure = capacity_measure(endpoint, requests, settings, label=config.name, out_dir=args.out,
+                                           trace_name=str(args.trace))  # fmt: skip
+                capacities[config.name] = find_capacity(
+                    measure, start_scale=args.start_scale, max_probes=args.max_probes,
+                    target=args.target_attainment, label=config.name,
+                )  # fmt: skip
+                results = [(None, p.summary) for p in capacities[config.name].probes]
+            else:
+                results = run_sweep(endpoint, requests, settings, label=config.name, out_dir=args.out,
+                                    trace_name=str(args.trace))  # fmt: skip
             for p in profilers:
                 p.wait()
             cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
@@ -316,6 +384,10 @@ def main() -> int:
         all_results += results
         by_config[config.name] = [s for _, s in results]
         print(runs_table(by_config[config.name]))
+        if config.name in capacities:
+            print(probes_table(capacities[config.name]) + capacity_verdict(capacities[config.name]))
+    if args.find_capacity:
+        return write_capacity(args, capacities, settings, started, requests, notes, cpu_notes)
     write_outputs(all_results, args.out, title="Trace replay: kvserve against llama.cpp")
     text = [
         f"# Trace replay comparison, {started:%Y-%m-%d %H:%M %Z}\n",

@@ -84,6 +84,7 @@ def capacity_curves(capacities: Sequence[Capacity], path: Path) -> Path:
     left.set_ylabel("SLO attainment (% of requests sent)")
     left.set_ylim(0, 102)
     right.set_ylabel("goodput (req/s meeting both SLOs)")
+    right.set_ylim(bottom=0)
     for ax in (left, right):
         ax.set_xscale("log")
         for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):

@@ -1,0 +1,45 @@
+"""bench/replay.py --find-capacity's comparison table: capacities, brackets, and
+ratios to llama.cpp and to kvserve without prefix cache (peak goodput where a
+side has no capacity)."""
+
+from bench.capacity import comparison_table, document
+from kvserve.replay.capacity import Capacity, Probe
+from kvserve.replay.metrics import SLO
+
+
+def searched(label: str, *points: tuple[float, float]) -> Capacity:
+    """(offered req/s, attainment) per probe; goodput = attainment x load."""
+    return Capacity(label, 0.9, tuple(Probe(1.0 / rps, rps, met, met * rps) for rps, met in points))
+
+
+RESULTS = {
+    "kvserve-default": searched("kvserve-default", (1.0, 1.0), (2.0, 0.95), (4.0, 0.5), (2.828, 0.92)),
+    "kvserve-nocache": searched("kvserve-nocache", (1.0, 0.95), (2.0, 0.6), (1.414, 0.8)),
+    "llama.cpp": searched("llama.cpp", (1.0, 0.3), (0.5, 0.8), (0.25, 0.85)),
+}
+
+
+def test_capacities_brackets_and_ratios_per_configuration():
+    rows = comparison_table(RESULTS).splitlines()
+    assert rows[0] == (
+        "| configuration | capacity req/s | bracket width req/s | peak goodput req/s (at offered req/s) | probes "
+        "| vs llama.cpp | vs kvserve-nocache |"
+    )
+    assert rows[2] == "| kvserve-default | 2.828 | 1.172 | 2.602 (2.828) | 4 | 6.50× peak goodput | 2.83× |"
+    assert rows[3] == "| kvserve-nocache | 1.000 | 0.414 | 1.200 (2.000) | 3 | 3.00× peak goodput | 1.00× |"
+    assert rows[4] == "| llama.cpp | no capacity | – | 0.400 (0.500) | 3 | 1.00× peak goodput | 0.33× peak goodput |"
+
+
+def test_a_lower_bound_is_marked_and_a_missing_baseline_leaves_its_column_out():
+    always = searched("kvserve-colocated", (1.0, 1.0), (2.0, 0.97))
+    rows = comparison_table({"kvserve-colocated": always}).splitlines()
+    assert rows[0].endswith("| probes |")
+    assert rows[2] == "| kvserve-colocated | ≥ 2.000 | – | 1.940 (2.000) | 2 |"
+
+
+def test_the_document_names_the_command_the_plot_and_each_configuration():
+    text = document(RESULTS, SLO(2000, 150), heading="H", command="python bench/replay.py --find-capacity",
+                    window="W", plot_name="capacity.png")  # fmt: skip
+    assert "Command: `python bench/replay.py --find-capacity`" in text and "`capacity.png`" in text
+    assert "## llama.cpp\n\nno capacity: no load tried reached 90% SLO attainment" in text
+    assert "TTFT <= 2000 ms and TPOT <= 150 ms" in text
