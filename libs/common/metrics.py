@@ -54,13 +54,17 @@ class Family:
     """A metric whose identity labels are bound: callers give only its own labels,
     in the order it declared them."""
 
-    def __init__(self, metric, identity: tuple[str, ...], registry: CollectorRegistry) -> None:
+    def __init__(
+        self, metric: prometheus_client.metrics.MetricWrapperBase, name: str, labelnames: Sequence[str],
+        identity: tuple[str, ...], registry: CollectorRegistry,
+    ) -> None:  # fmt: skip
         self._metric = metric
         self._identity = identity
         self._registry = registry
-        self.name = metric._name
-        self.kind = metric._type
-        self.labelnames = metric._labelnames[len(identity) :]
+        self.name = name
+        self.labelnames = tuple(labelnames)
+        # the series `value` reads: a counter's own name (it ends in _total), a histogram's count
+        self._read_as = name + "_count" if isinstance(metric, prometheus_client.Histogram) else name
 
     def labels(self, *values: object):
         """The child for these label values (prometheus_client's Counter/Gauge/Histogram child)."""
@@ -85,9 +89,8 @@ class Family:
     # reading back (tests, and code that reports what it counted)
     def value(self, *values: object) -> float:
         """A counter's or gauge's current value; a histogram's number of observations."""
-        suffix = {"counter": "_total", "histogram": "_count"}.get(self.kind, "")
         own = dict(zip(self.labelnames, (str(v) for v in values)))
-        found = self._registry.get_sample_value(self.name + suffix, {**self._identity_labels(), **own})
+        found = self._registry.get_sample_value(self._read_as, {**self._identity_labels(), **own})
         return 0.0 if found is None else found
 
     def _identity_labels(self) -> dict[str, str]:
@@ -126,7 +129,7 @@ class Metrics:
                 raise ValueError(f"{name} is declared twice, differently")
             return existing
         metric = kind(name, help_text, [*IDENTITY_LABELS, *labels], registry=self.registry, **options)
-        family = Family(metric, self.identity, self.registry)
+        family = Family(metric, name, labels, self.identity, self.registry)
         self._families[name] = family
         if not labels:
             family.labels()  # in the scrape at zero from the start

@@ -77,7 +77,7 @@ def test_the_conductor_reports_admissions_rejections_and_its_prediction_error():
     tbt_errors = PredictionErrors(TBT_ERROR_BUCKETS, "TBT")
     tbt_errors.observe(0.004)
     scheduler = SimpleNamespace(num_admitted=3, rejections={"ttft_slo": 2, "no_prefill": 1}, errors=errors,
-                                tbt_errors=tbt_errors, admitted={})  # fmt: skip
+                                tbt_errors=tbt_errors, admitted={}, num_own=0)  # fmt: skip
     m = Metrics("conductor-0", "conductor", "M")
     c = ConductorMetrics(m, scheduler, SimpleNamespace(num_blocks=12), SimpleNamespace(gaps=1))
     decision = c.timed(lambda: Decision(prefill_id="p", decode_id="d"))
