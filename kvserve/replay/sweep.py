@@ -96,9 +96,10 @@ def unit_offered_rps(requests: Sequence[TraceRequest], spread: bool = False) -> 
     offsets = arrival_offsets_ms(list(requests), spread)
     span_s = (max(offsets.values()) - min(offsets.values())) / 1000.0
     if span_s <= 0:
+        count = f"{len(requests)} request{'s' if len(requests) != 1 else ''}"
         raise KVServeError(
-            f"the {len(requests)} requests of this trace window arrive at once: a load search needs a window "
-            "whose arrivals span some time (more requests, or --spread)"
+            f"this trace window's arrivals span no time ({count}): a load search needs arrivals spread over "
+            "time (a longer window, or --spread)"
         )
     return (len(requests) - 1) / span_s
 

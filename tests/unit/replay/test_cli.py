@@ -83,3 +83,16 @@ def test_find_capacity_probes_heavier_loads_with_fresh_seeds_and_writes_its_repo
     report = (out / "capacity.md").read_text()
     assert "**capacity at least 10.000 req/s: every load tried reached 90% SLO attainment" in report
     assert "| 0 | 2 | 5.000 | 100.0% |" in report and "| 1 | 1 | 10.000 | 100.0% |" in report
+
+
+def test_find_capacity_refuses_a_window_whose_requests_arrive_at_once(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps(TRACE[0]) + "\n")
+    tiny_tokenizer(tmp_path / "tokenizer.json")
+    code = main([
+        "bench", "--trace", str(trace), "--base-url", "http://127.0.0.1:9", "--tokenizer", str(tmp_path / "tokenizer.json"),
+        "--find-capacity", "--out", str(tmp_path / "out"), "--no-progress",
+    ])  # fmt: skip
+    assert code == 1
+    assert "this trace window's arrivals span no time (1 request): a load search needs" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()  # refused before any probe
