@@ -54,9 +54,10 @@ class ClusterError(KVServeError):
 
 
 class LocalCluster:
-    """nats-server plus conductor, stores (``store``: how many, or True for one), N
-    prefill, M decode workers and a gateway. With ``store_dir``, each store keeps its
-    disk tier in ``store_dir/<instance id>``, so a restarted store finds its blocks.
+    """nats-server plus conductors (``conductors``: replicas, active-active), stores
+    (``store``: how many, or True for one), N prefill, M decode workers and a gateway.
+    With ``store_dir``, each store keeps its disk tier
+    in ``store_dir/<instance id>``, so a restarted store finds its blocks.
 
     ``modules`` maps a role to the module run for it (``services.<role>`` by
     default), so the launcher itself can be tested with stand-in services.
@@ -79,6 +80,7 @@ class LocalCluster:
         *,
         prefill: int = 1,
         decode: int = 1,
+        conductors: int = 1,
         store: int | bool = True,
         store_dir: str | Path | None = None,
         gateway_port: int = 8000,
@@ -98,9 +100,11 @@ class LocalCluster:
     ) -> None:
         if prefill < 1 or decode < 1:
             raise ValueError("a cluster needs at least one prefill and one decode worker")
+        if conductors < 1:
+            raise ValueError("a cluster needs at least one conductor")
         if unknown := set(modules or {}) - set(ROLES):
             raise ValueError(f"no such service: {', '.join(sorted(unknown))}")
-        self.counts = {Role.CONDUCTOR: 1, Role.STORE: int(store), Role.PREFILL: prefill, Role.DECODE: decode,
+        self.counts = {Role.CONDUCTOR: conductors, Role.STORE: int(store), Role.PREFILL: prefill, Role.DECODE: decode,
                        Role.GATEWAY: 1}  # fmt: skip
         self.cpu_plan: dict[str, CpuShare] = plan_cpus(self.counts, available_cpus(), cpus)  # by instance id
         self.store_dir = Path(store_dir) if store_dir is not None else None

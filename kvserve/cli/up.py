@@ -41,6 +41,7 @@ EPILOG = """\
 examples:
   kvserve up                              one worker of each kind on http://127.0.0.1:8000/v1
   kvserve up --prefill 2 --decode 2       more workers
+  kvserve up --conductors 2               two conductor replicas: either may die
   kvserve up --host 0.0.0.0 --api-key s3cret
   kvserve up --model path/to/hf-folder --dtype float32
   kvserve up --cpus prefill=0-5,decode=6,7  cores 0-5 to prefill, 6 and 7 to decode"""
@@ -56,6 +57,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--prefill", type=_positive, default=1, metavar="N", help="prefill workers (default 1)")
     parser.add_argument("--decode", type=_positive, default=1, metavar="M", help="decode workers (default 1)")
+    parser.add_argument(
+        "--conductors", type=_positive, default=1, metavar="N",
+        help="conductor replicas, active-active: each answers admissions and books the others', so one "
+        "that dies loses no request (default 1)",
+    )  # fmt: skip
     parser.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000; 0 picks a free one)")
     parser.add_argument(
         "--host", default="127.0.0.1", help="gateway listen address (default 127.0.0.1; 0.0.0.0 for every interface)"
@@ -100,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(
         prefill=args.prefill,
         decode=args.decode,
+        conductors=args.conductors,
         store=args.store,
         gateway_port=args.port,
         gateway_host=args.host,

@@ -12,6 +12,8 @@ writes a block file's header and half its payload to the temp file, fsyncs it,
 then blocks forever (a crash mid-write, once the process is killed).
 ``prefill.stall_before_compute`` — a prefill worker acknowledges requests, then
 never computes them (a hung worker that still sends heartbeats).
+``conductor.stall_admit`` — a conductor takes admission requests and never answers
+them (a replica that dies holding requests, once the process is killed).
 """
 
 import threading

@@ -11,7 +11,7 @@ from contextlib import AsyncExitStack
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from libs.common import subjects
+from libs.common import failpoints, subjects
 from libs.common.kv_events import KVEventTracker
 from libs.common.schema import (
     AdmitReply,
@@ -113,6 +113,9 @@ class Conductor(Service):
 
     # --- requests ---------------------------------------------------------------------
     async def on_admit(self, request: AdmitRequest, msg: Msg) -> AdmitReply | ErrorReply:
+        if failpoints.active("conductor.stall_admit"):
+            self.log.warning("failpoint conductor.stall_admit: holding %s unanswered", request.request_id)
+            await asyncio.Event().wait()
         d = self.conductor_metrics.timed(lambda: self.scheduler.admit(request))
         if not d.admitted:
             if d.error_code == "rejected":

@@ -36,7 +36,7 @@ class ConductorMetrics:
                            "KV event batches found missing (each makes the conductor fetch a snapshot)",
                            lambda: {(): tracker.gaps})  # fmt: skip
         m.gauge_function("kvserve_conductor_requests_in_flight", "Admitted requests not reported finished yet",
-                         lambda: {(): len(scheduler.admitted)})  # fmt: skip
+                         lambda: {(): scheduler.num_own})  # fmt: skip
         self.decision_seconds = m.histogram("kvserve_conductor_decision_seconds",
                                             "Seconds the conductor took to decide on one request", FAST_BUCKETS)
 

@@ -17,6 +17,7 @@ import yaml
 from kvserve.cli.main import main as kvserve
 from libs.common.nats_auth import load_credentials
 from libs.common.nats_server import find_nats_server
+from libs.common.settings import service_env
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("conductor", "store", "prefill", "decode", "gateway")
@@ -193,6 +194,18 @@ def test_nothing_prevents_scaling(compose):
         assert "container_name" not in service, f"{name} has a container_name: --scale would fail"
     for name in ("conductor", "prefill", "decode", "gateway"):
         assert "KVSERVE_INSTANCE_ID" not in environment(compose["services"][name])  # random per process
+
+
+def test_the_conductor_scales_to_replicas_with_ids_of_their_own(compose, monkeypatch):
+    """`docker compose up --scale conductor=2`: no host port to collide on, and each
+    container's process draws its own instance id from the same environment."""
+    conductor = compose["services"]["conductor"]
+    assert "ports" not in conductor and "deploy" not in conductor
+    for name, value in environment(conductor).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("KVSERVE_NATS_CREDENTIALS")  # the file is the container's
+    ids = {service_env("conductor")["instance_id"] for _ in range(2)}
+    assert len(ids) == 2 and all(i.startswith("conductor-") for i in ids)
 
 
 def test_the_store_keeps_its_identity_and_its_disk_tier_across_restarts(compose):
