@@ -13,14 +13,12 @@ from nats.aio.msg import Msg
 from libs.common import subjects
 from libs.common.engine_host import EngineHost
 from libs.common.errors import OutOfKVBlocksError
-from libs.common.model.sampling import sample
+from libs.common.model.scheduler import Scheduler, StepFailed, run_step, token_stop
 from libs.common.model.sequence import Sequence
-from libs.common.model.stopping import check_finish
 from libs.common.recent import RecentIds
 from libs.common.schema import (
     Ack,
     Cancel,
-    ErrorInfo,
     ErrorReply,
     HandoffRequest,
     DecodeBeat,
@@ -28,10 +26,10 @@ from libs.common.schema import (
     ReleaseRequest,
     ReserveReply,
     ReserveRequest,
-    TokenChunk,
 )
 from libs.common.service import Service
-from libs.common.vocabulary import ErrorCode, FinishReason
+from libs.common.token_chunks import error_chunk, token_chunk
+from libs.common.vocabulary import ErrorCode
 from libs.common.worker_metrics import WorkerMetrics
 from services.decode.leases import LeaseTable
 from services.decode.local_prefill import LocalPrefill
@@ -50,10 +48,12 @@ class DecodeWorker(Service):
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
         self.leases = LeaseTable(settings.lease_seconds)
-        self.running: list[Sequence] = []
-        self.waiting: list[Sequence] = []  # preempted: their KV is recomputed when blocks free up
+        # the batch: changed on the engine thread only (through host.run); heartbeats read it
+        self.scheduler = Scheduler(self.engine.cache, token_stop(self.eos_ids, self.engine.max_model_len),
+                                   settings.max_batch_size)  # fmt: skip
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
-                                            num_running=lambda: len(self.running), num_waiting=lambda: len(self.waiting))
+                                            num_running=lambda: len(self.scheduler.running),
+                                            num_waiting=lambda: len(self.scheduler.waiting))
         self.cancelled = RecentIds()
         self._work = asyncio.Event()
         self._blocks_freed = asyncio.Condition()
@@ -76,16 +76,16 @@ class DecodeWorker(Service):
     async def on_reserve(self, request: ReserveRequest, msg: Msg) -> ReserveReply | ErrorReply:
         if mismatch := self.host.contract.mismatch(request.contract):
             return ErrorReply(code=ErrorCode.CONTRACT_MISMATCH, message=f"{self.instance_id}: {mismatch}")
-        needed = self.engine.cache.blocks_needed(request.num_tokens)
-        if needed > self.engine.cache.block_pool.num_blocks:
+        cache = self.engine.cache
+        needed = cache.blocks_needed(request.num_tokens)
+        if needed > cache.num_blocks:
             return ErrorReply(code=ErrorCode.NO_CAPACITY, message="the prompt is larger than this worker's KV pool")
-        pool = self.engine.cache.block_pool
         try:
             async with asyncio.timeout(self.settings.reserve_wait_seconds), self._blocks_freed:
                 while True:
-                    await self._blocks_freed.wait_for(lambda: pool.can_allocate(needed))
+                    await self._blocks_freed.wait_for(lambda: cache.can_allocate_blocks(needed))
                     try:
-                        block_ids = await self.host.run(pool.allocate, needed)
+                        block_ids = await self.host.run(cache.allocate_blocks, needed)
                         break
                     except OutOfKVBlocksError:  # a decode step took them first
                         continue
@@ -119,8 +119,7 @@ class DecodeWorker(Service):
             num_computed_tokens=len(request.token_ids) - 1,  # every token but the first generated one
             num_cached_tokens=request.num_cached_tokens,
         )
-        self.running.append(seq)
-        self._work.set()
+        self.spawn(self.admit(seq, computed=True))
         return Ack()
 
     async def on_release(self, request: ReleaseRequest, msg: Msg) -> None:
@@ -133,7 +132,8 @@ class DecodeWorker(Service):
         lease = self.leases.take(request.request_id)
         if lease is not None:
             await self._end_lease(lease)
-        self._work.set()  # the loop drops a cancelled running sequence before its next step
+        if await self.host.run(self.scheduler.abort, request.request_id) is not None:
+            await self._blocks_were_freed()
 
     async def _expire_leases(self) -> None:
         while True:
@@ -149,104 +149,58 @@ class DecodeWorker(Service):
         await self._free(lease.block_ids)
 
     async def _free(self, block_ids: list[int]) -> None:
-        await self.host.run(self.engine.cache.block_pool.free, block_ids)
+        await self.host.run(self.engine.cache.free_blocks, block_ids)
+        await self._blocks_were_freed()
+
+    async def _blocks_were_freed(self) -> None:
+        """Wake whoever waits for blocks: reservations, and the loop's waiting sequences."""
         async with self._blocks_freed:
             self._blocks_freed.notify_all()
+        self._work.set()
 
     # --- the batch -------------------------------------------------------------
+    async def admit(self, seq: Sequence, computed: bool) -> None:
+        """Add a sequence to the batch: one whose KV came by hand-off (``computed``),
+        or one to prefill here (local prefill)."""
+        await self.host.run(self.scheduler.add_running if computed else self.scheduler.add, seq)
+        if seq.request_id in self.cancelled:  # the cancel came while it was on its way in
+            await self.host.run(self.scheduler.abort, seq.request_id)
+            await self._blocks_were_freed()
+        self._work.set()
+
     async def _decode_loop(self) -> None:
         while True:
             await self._work.wait()
-            await self._drop_cancelled()
-            if self.waiting:
-                for seq, token in await self.host.run(self._resume, list(self.waiting)):
-                    self.waiting.remove(seq)
-                    self.running.append(seq)
-                    await self._emit([seq], [token])
-            if not self.running:
-                if self.waiting:  # preempted work that does not fit yet: wait for blocks
-                    async with self._blocks_freed:
-                        await self._blocks_freed.wait()
-                else:
-                    self._work.clear()
-                continue
-            batch = self.running[: self.settings.max_batch_size]
+            self._work.clear()  # anything that can let the batch move on sets it again
             try:
-                tokens = await self.host.run(self._decode, batch)
-            except OutOfKVBlocksError:
-                await self._preempt_newest()
+                result = await self.host.run(run_step, self.engine, self.scheduler)
+            except StepFailed as e:
+                self.log.exception("a step of %d sequences failed", len(e.seqs))
+                for seq in e.seqs:
+                    await self._publish_error(seq, ErrorCode.INTERNAL, str(e))
+                await self._blocks_were_freed()
                 continue
-            await self._emit(batch, tokens)
+            for seq in result.preempted:
+                self.log.warning("KV pool full: preempting %s (its KV is recomputed later)", seq.request_id)
+            for seq in result.rejected:
+                await self._publish_error(seq, ErrorCode.NO_CAPACITY, "the sequence outgrew this worker's KV pool")
+            for out in result.outputs:
+                await self.publish(subjects.tokens(out.request_id), token_chunk(out, self.instance_id))
+            if result.rejected or result.preempted or any(out.finish_reason is not None for out in result.outputs):
+                await self._blocks_were_freed()
+            elif result.outputs:
+                self._work.set()  # more to do; waiting sequences that did not fit wait for freed blocks
 
-    def _resume(self, waiting: list[Sequence]) -> list[tuple[Sequence, int]]:
-        """Engine thread: recompute the KV of preempted sequences that fit again;
-        each gets its next token from that prefill."""
-        resumed = []
-        for seq in waiting:
-            if not self.engine.cache.can_allocate(seq, seq.num_tokens + self.engine.block_size):
-                break
-            logits = self.engine.prefill([seq])
-            resumed.append((seq, sample(logits, [seq.params], [seq.num_output_tokens])[0]))
-        return resumed
-
-    def _decode(self, batch: list[Sequence]) -> list[int]:
-        """Engine thread: one decode step for the batch, sampled."""
-        logits = self.engine.decode_step(batch)
-        return sample(logits, [s.params for s in batch], [s.num_output_tokens for s in batch])
-
-    async def _emit(self, batch: list[Sequence], tokens: list[int]) -> None:
-        finished = []
-        for seq, token in zip(batch, tokens):
-            seq.append_token(token)
-            reason = check_finish(seq, self.eos_ids, self.engine.max_model_len)
-            await self.publish(
-                subjects.tokens(seq.request_id),
-                TokenChunk(request_id=seq.request_id, index=seq.num_output_tokens - 1, token_ids=[token],
-                           finish_reason=reason.value if reason else None, instance_id=self.instance_id),
-            )  # fmt: skip
-            if reason is not None:
-                finished.append(seq)
-        for seq in finished:
-            await self._retire(seq)
-
-    async def _retire(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        await self.host.run(self.engine.cache.free, seq)
-        async with self._blocks_freed:
-            self._blocks_freed.notify_all()
-
-    async def _drop_cancelled(self) -> None:
-        for seq in [s for s in self.running + self.waiting if s.request_id in self.cancelled]:
-            seq.finish_reason = FinishReason.ABORT
-            if seq in self.waiting:
-                self.waiting.remove(seq)
-            await self._retire(seq)
-
-    async def _preempt_newest(self) -> None:
-        seq = self.running.pop()
-        self.log.warning("KV pool full: preempting %s (its KV is recomputed later)", seq.request_id)
-        await self.host.run(self._reset, seq)
-        self.waiting.insert(0, seq)
-        if not self.running:
-            # alone and still no room: it can never fit
-            self.waiting.remove(seq)
-            await self.publish(subjects.tokens(seq.request_id), TokenChunk(
-                request_id=seq.request_id, index=seq.num_output_tokens, finish_reason=FinishReason.ABORT.value,
-                instance_id=self.instance_id,
-                error=ErrorInfo(code=ErrorCode.NO_CAPACITY, message="the sequence outgrew the decode worker's KV pool")))  # fmt: skip
-
-    def _reset(self, seq: Sequence) -> None:
-        self.engine.cache.free(seq)
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
-        seq.block_hashes = []
+    async def _publish_error(self, seq: Sequence, code: ErrorCode, message: str) -> None:
+        chunk = error_chunk(seq.request_id, seq.num_output_tokens, code, message, self.instance_id)
+        await self.publish(subjects.tokens(seq.request_id), chunk)
 
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
-        pool = self.engine.cache.block_pool
+        cache = self.engine.cache
         beat.payload = DecodeBeat(
-            load=len(self.running) + len(self.waiting) + len(self.leases), capacity=pool.num_blocks,
-            free_blocks=pool.num_free_blocks, segment=self.host.segment.name, contract=self.host.contract,
+            load=self.scheduler.num_requests + len(self.leases), capacity=cache.num_blocks,
+            free_blocks=cache.num_free_blocks, segment=self.host.segment.name, contract=self.host.contract,
         )  # fmt: skip
         self.local_prefill.fill(beat.payload)
         return beat

@@ -21,7 +21,7 @@ class KVReports:
         self.events = KVEventLog(service.instance_id)
         self.publisher = KVEventPublisher(service, self.events)
         self.cost: CostCoefficients | None = None
-        host.engine.cache.block_pool.listener = self._on_block  # called on the engine thread
+        host.engine.cache.set_listener(self._on_block)  # called on the engine thread
 
     async def start(self, stack) -> None:
         if self.calibrate_at_start:

@@ -18,13 +18,13 @@ from nats.aio.msg import Msg
 from libs.common import failpoints, subjects
 from libs.common.engine_host import EngineHost
 from libs.common.errors import KVServeError
-from libs.common.model.sampling import sample
+from libs.common.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.common.model.sequence import Sequence
-from libs.common.model.stopping import check_finish
 from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
 from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
+from libs.common.token_chunks import token_chunk
 from libs.common.vocabulary import ErrorCode, FinishReason, KVTier, Role
 from libs.common.worker_metrics import WorkerMetrics
 from services.prefill.handoff import Handoff, HandoffError, Transfer
@@ -51,7 +51,7 @@ class PrefillWorker(Service):
             metrics=self.metrics,
         )  # fmt: skip
         self.engine = self.host.engine
-        self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
+        self.stop = token_stop(set(self.host.loaded.tokenizer.eos_token_ids), self.engine.max_model_len)
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.in_flight: dict[str, Job] = {}
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
@@ -108,7 +108,7 @@ class PrefillWorker(Service):
                 continue
             new_tokens, started = sum(j.seq.num_tokens - j.seq.num_computed_tokens for j in ready), time.perf_counter()
             try:
-                tokens = await self.host.run(self._compute, ready)
+                outputs = await self.host.run(self._compute, ready)
                 if self.store is not None:  # the speed a store fetch must beat
                     self.store.policy.observe_prefill(new_tokens, time.perf_counter() - started)
             except Exception as e:
@@ -116,8 +116,8 @@ class PrefillWorker(Service):
                 for job in ready:
                     await self._fail(job, ErrorInfo(code=ErrorCode.INTERNAL, message=f"prefill failed: {e}"))
                 continue
-            for job, token in zip(ready, tokens):
-                self.spawn(self._finish(job, token))
+            for job, out in zip(ready, outputs):
+                self.spawn(self._finish(job, out))
 
     async def _prepare(self, job: Job) -> Job | None:
         """Reuse cached blocks (local, then store) and lease room on the decode worker."""
@@ -169,7 +169,7 @@ class PrefillWorker(Service):
         self.engine.cache.match_prefix(seq)
         self.engine.cache.allocate(seq, seq.num_tokens)
 
-    def _compute(self, jobs: list[Job]) -> list[int]:
+    def _compute(self, jobs: list[Job]) -> list[TokenOutput]:
         """Engine thread: prefill the batch, shipping each layer's KV to its decode
         worker as soon as it is computed; sample each first token."""
         by_seq = {id(job.seq): job for job in jobs}
@@ -182,19 +182,14 @@ class PrefillWorker(Service):
 
         seqs = [job.seq for job in jobs]
         logits = self.engine.prefill(seqs, layer_done=ship)
-        return sample(logits, [s.params for s in seqs], [0] * len(seqs))
+        return sample_tokens(seqs, logits, self.stop)
 
-    async def _finish(self, job: Job, token: int) -> None:
+    async def _finish(self, job: Job, out: TokenOutput) -> None:
         seq, request_id = job.seq, job.request.request_id
-        seq.append_token(token)
-        reason = check_finish(seq, self.eos_ids, self.engine.max_model_len)
         cancelled = request_id in self.cancelled
         if not cancelled:
-            await self.publish(subjects.tokens(request_id), TokenChunk(
-                request_id=request_id, index=0, token_ids=[token], finish_reason=reason.value if reason else None,
-                num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
-                instance_id=self.instance_id))  # fmt: skip
-        if reason is not None or cancelled or request_id in self.cancelled:
+            await self.publish(subjects.tokens(request_id), token_chunk(out, self.instance_id))
+        if out.finish_reason is not None or cancelled or request_id in self.cancelled:
             await self.handoff.release(job.transfer)
         else:
             await self._hand_over(job)
@@ -240,9 +235,9 @@ class PrefillWorker(Service):
 
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
-        pool = self.engine.cache.block_pool
+        cache = self.engine.cache
         beat.payload = PrefillBeat(
-            load=len(self.in_flight), capacity=pool.num_blocks, free_blocks=pool.num_free_blocks,
+            load=len(self.in_flight), capacity=cache.num_blocks, free_blocks=cache.num_free_blocks,
             segment=self.host.segment.name, contract=self.host.contract,
             queued_tokens=sum(j.seq.num_prompt_tokens - j.seq.num_computed_tokens for j in self.in_flight.values()
                               if j.seq.num_computed_tokens < j.seq.num_prompt_tokens),

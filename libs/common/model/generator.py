@@ -1,21 +1,19 @@
-"""Generation in one process: a continuous-batching loop over the engine.
+"""Generation in one process: a loop over the scheduler and the engine.
 
-Each ``step`` admits waiting requests (one prefill for all that fit the free
-blocks) or, when none wait, runs one decode step for every running sequence.
-This is the reference the disaggregated cluster must match token for token,
-and what `kvserve chat` and the benchmarks run.
+Each ``step`` is one `run_step` of `scheduler.py` (a prefill of the requests
+that fit, or a decode step of the running batch), with text and stop strings
+applied by each request's `StopChecker`. The decode worker runs the same
+scheduler, so this is the reference the disaggregated cluster must match token
+for token, and what `kvserve chat` and the benchmarks run.
 """
 
 import itertools
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
-
 from libs.common.errors import OutOfKVBlocksError
 from libs.common.model.engine import Engine
-from libs.common.model.sampling import sample
+from libs.common.model.scheduler import Scheduler, StepFailed, run_step
 from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import StopChecker
 from libs.common.model.tokenizer import Tokenizer
@@ -45,11 +43,18 @@ class Generator:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_size: int = 64) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.max_batch_size = max_batch_size
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.scheduler = Scheduler(engine.cache, self._stop, max_batch_size)
         self._stops: dict[str, StopChecker] = {}
+        self._deltas: dict[str, str] = {}  # the text each request's latest token made visible
         self._ids = itertools.count()
+
+    @property
+    def running(self) -> list[Sequence]:
+        return self.scheduler.running
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         params.validate()
@@ -58,83 +63,29 @@ class Generator:
         self._stops[seq.request_id] = StopChecker(
             self.tokenizer, params, self.engine.max_model_len, seq.num_prompt_tokens
         )
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
         return seq
 
     def abort(self, request_id: str) -> None:
-        for seq in [*self.waiting, *self.running]:
-            if seq.request_id == request_id:
-                self._finish(seq, FinishReason.ABORT)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        self.scheduler.abort(request_id)
 
     def step(self) -> list[StepOutput]:
-        admitted = self._admit()
-        if admitted:
-            return self._sample(admitted, self.engine.prefill(admitted))
-        if not self.running:
-            return []
-        batch = self.running[: self.max_batch_size]
-        self._make_room(batch)
-        batch = [s for s in batch if s in self.running]
-        return self._sample(batch, self.engine.decode_step(batch))
+        try:
+            result = run_step(self.engine, self.scheduler)
+        except StepFailed as e:
+            raise e.__cause__  # the engine's own error: nothing here to report it to but the caller
+        if result.rejected:  # it cannot fit even alone
+            cache = self.engine.cache
+            raise OutOfKVBlocksError(cache.blocks_needed(result.rejected[0].num_tokens), cache.num_free_blocks)
+        return [
+            StepOutput(out.request_id, out.token_id, self._deltas.pop(out.request_id), out.finish_reason)
+            for out in result.outputs
+        ]
 
-    def _admit(self) -> list[Sequence]:
-        cache, admitted = self.engine.cache, []
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
-            seq = self.waiting[0]
-            cache.match_prefix(seq)
-            # leave one block of headroom per running sequence for its next decode steps
-            headroom = (len(self.running) + len(admitted)) * cache.block_size
-            if not cache.can_allocate(seq, seq.num_tokens + headroom):
-                self._reset(seq)
-                if not self.running and not admitted:  # it cannot fit even alone
-                    self.waiting.popleft()
-                    raise OutOfKVBlocksError(cache.blocks_needed(seq.num_tokens), cache.num_free_blocks)
-                break
-            cache.allocate(seq, seq.num_tokens)
-            admitted.append(self.waiting.popleft())
-        return admitted
-
-    def _make_room(self, batch: list[Sequence]) -> None:
-        """Preempt the newest sequences (recomputed later) until this step's blocks fit."""
-        cache = self.engine.cache
-        while True:
-            needed = sum(cache.blocks_needed(s.num_tokens) - len(s.block_table) for s in batch if s in self.running)
-            if cache.block_pool.can_allocate(needed) or len(self.running) == 1:
-                return
-            victim = self.running.pop()
-            self._reset(victim)
-            self.waiting.appendleft(victim)
-
-    def _reset(self, seq: Sequence) -> None:
-        self.engine.cache.free(seq)
-        seq.num_computed_tokens = seq.num_cached_tokens = 0
-        seq.block_hashes = []
-
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[StepOutput]:
-        tokens = sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
-        outputs = []
-        for seq, token in zip(seqs, tokens):
-            seq.append_token(token)
-            stop = self._stops[seq.request_id]
-            text = stop.add(token)
-            if seq not in self.running:
-                self.running.append(seq)
-            if stop.finish_reason is not None:
-                self._finish(seq, stop.finish_reason)
-            outputs.append(StepOutput(seq.request_id, token, text, stop.finish_reason))
-        return outputs
-
-    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        seq.finish_reason = reason
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        self.engine.cache.free(seq)
+    def _stop(self, seq: Sequence) -> FinishReason | None:
+        stop = self._stops[seq.request_id]
+        self._deltas[seq.request_id] = stop.add(seq.token_ids[-1])
+        return stop.finish_reason
 
     def stream(self, prompt_ids: list[int], params: SamplingParams) -> Iterator[StepOutput]:
         """Generate one request alone, yielding each token as it comes."""

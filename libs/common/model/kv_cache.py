@@ -6,7 +6,7 @@ called); it touches no tensors.
 """
 
 from libs.common.hashing import block_hashes, hash_block, ROOT
-from libs.common.model.block_pool import BlockPool
+from libs.common.model.block_pool import BlockListener, BlockPool
 from libs.common.model.sequence import Sequence
 
 
@@ -18,8 +18,16 @@ class KVCacheManager:
         self.enable_prefix_cache = enable_prefix_cache
 
     @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
     def num_free_blocks(self) -> int:
         return self.block_pool.num_free_blocks
+
+    def set_listener(self, listener: BlockListener | None) -> None:
+        """Hear each block that becomes findable by its hash or stops being so (on the thread that changed it)."""
+        self.block_pool.listener = listener
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -58,6 +66,17 @@ class KVCacheManager:
         new = self.block_pool.allocate(need)
         seq.block_table.extend(new)
         return new
+
+    def can_allocate_blocks(self, n: int) -> bool:
+        return self.block_pool.can_allocate(n)
+
+    def allocate_blocks(self, n: int) -> list[int]:
+        """Take ``n`` blocks for no sequence yet (e.g. a lease for KV on its way):
+        ``attach`` them to one later, or give them back with ``free_blocks``."""
+        return self.block_pool.allocate(n)
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.block_pool.free(block_ids)
 
     def attach(self, seq: Sequence, block_ids: list[int]) -> None:
         """Append blocks the caller already holds a reference on (e.g. filled by a transfer)."""

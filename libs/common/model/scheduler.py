@@ -1,0 +1,206 @@
+"""Continuous batching, apart from any I/O: which sequences run each step, and
+what a step's logits make of them.
+
+A sequence goes waiting -> running -> finished. Waiting sequences need a
+prefill: new ones, and preempted ones, whose blocks were taken back under KV
+pressure and whose KV (prompt and every token generated so far) is recomputed
+when they are admitted again. A step is either one prefill of everything
+admitted or one decode step of the running batch. The in-process `Generator`
+and the decode worker both drive this class through `run_step`; they differ
+only in how they decide a sequence stops (`Stop`) and where its tokens go.
+Not thread-safe: a worker calls it on its engine thread alone.
+"""
+
+from collections import deque
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+import torch
+
+from libs.common.model.engine import Engine
+from libs.common.model.kv_cache import KVCacheManager
+from libs.common.model.sampling import sample
+from libs.common.model.sequence import Sequence
+from libs.common.model.stopping import check_finish
+from libs.common.vocabulary import FinishReason
+
+# Whether the token just appended to a sequence ends it, and why.
+Stop = Callable[[Sequence], FinishReason | None]
+
+
+def token_stop(eos_token_ids: Collection[int], max_model_len: int) -> Stop:
+    """The workers' rule: end-of-sequence and stop tokens, max_tokens, the context
+    window (stop strings need text: the gateway applies those)."""
+    return lambda seq: check_finish(seq, eos_token_ids, max_model_len)
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    seq: Sequence
+    token_id: int
+    index: int  # position of this token among the sequence's generated tokens
+    finish_reason: FinishReason | None
+
+    @property
+    def request_id(self) -> str:
+        return self.seq.request_id
+
+
+def sample_tokens(seqs: list[Sequence], logits: torch.Tensor, stop: Stop) -> list[TokenOutput]:
+    """Sample one token per sequence from ``logits`` ([B, V]), append it, and say
+    whether it ends the sequence. The one sampling path of every engine loop."""
+    tokens = sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
+    outputs = []
+    for seq, token in zip(seqs, tokens):
+        seq.append_token(token)
+        outputs.append(TokenOutput(seq, token, seq.num_output_tokens - 1, stop(seq)))
+    return outputs
+
+
+@dataclass
+class Batch:
+    """What one step runs: a prefill or a decode step of ``seqs``."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    preempted: list[Sequence] = field(default_factory=list)  # moved back to waiting to make room
+    rejected: list[Sequence] = field(default_factory=list)  # larger than the whole KV pool: finished (ABORT)
+
+
+@dataclass
+class StepResult:
+    outputs: list[TokenOutput]
+    preempted: list[Sequence]
+    rejected: list[Sequence]
+
+
+class StepFailed(Exception):
+    """The engine failed a step; its sequences were finished (ABORT), their blocks freed."""
+
+    def __init__(self, seqs: list[Sequence], cause: Exception) -> None:
+        super().__init__(f"a step of {len(seqs)} sequences failed: {cause}")
+        self.seqs = seqs
+
+
+class Scheduler:
+    def __init__(self, cache: KVCacheManager, stop: Stop, max_batch_size: int = 64) -> None:
+        self.cache = cache
+        self.stop = stop
+        self.max_batch_size = max_batch_size
+        self.waiting: deque[Sequence] = deque()  # to prefill, oldest first
+        self.running: list[Sequence] = []  # KV computed up to their last token, oldest first
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        """A new sequence: it waits for room, then is prefilled (reusing cached prefix blocks)."""
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence whose KV was computed elsewhere (a hand-off) and which holds
+        its blocks: it joins the decode batch at once."""
+        self.running.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish a sequence where it stands and free its blocks; None if it is not here."""
+        for seq in [*self.waiting, *self.running]:
+            if seq.request_id == request_id:
+                self.finish(seq, FinishReason.ABORT)
+                return seq
+        return None
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq)
+
+    def schedule(self) -> Batch:
+        """Admit what fits (a prefill step) or else decode the running batch,
+        preempting the newest sequences until that step's blocks fit."""
+        rejected: list[Sequence] = []
+        admitted = self._admit(rejected)
+        if admitted:
+            return Batch(admitted, is_prefill=True, rejected=rejected)
+        preempted: list[Sequence] = []
+        batch = self._decode_batch(preempted, rejected)
+        return Batch(batch, is_prefill=False, preempted=preempted, rejected=rejected)
+
+    def update(self, batch: Batch, logits: torch.Tensor) -> list[TokenOutput]:
+        """Sample the step's tokens; prefilled sequences join the running batch,
+        finished ones leave it and free their blocks."""
+        outputs = sample_tokens(batch.seqs, logits, self.stop)
+        for out in outputs:
+            if batch.is_prefill:
+                self.running.append(out.seq)
+            if out.finish_reason is not None:
+                self.finish(out.seq, out.finish_reason)
+        return outputs
+
+    def _admit(self, rejected: list[Sequence]) -> list[Sequence]:
+        cache, admitted = self.cache, []
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            seq = self.waiting[0]
+            if not self._can_ever_fit(seq):
+                self.finish(seq, FinishReason.ABORT)
+                rejected.append(seq)
+                continue
+            cache.match_prefix(seq)
+            # leave one block of headroom per running sequence for its next decode steps
+            headroom = (len(self.running) + len(admitted)) * cache.block_size
+            if not cache.can_allocate(seq, seq.num_tokens + headroom):
+                self._reset(seq)  # gives back the prefix blocks just matched
+                break
+            cache.allocate(seq, seq.num_tokens)
+            admitted.append(self.waiting.popleft())
+        return admitted
+
+    def _decode_batch(self, preempted: list[Sequence], rejected: list[Sequence]) -> list[Sequence]:
+        cache = self.cache
+        while self.running:
+            batch = self.running[: self.max_batch_size]
+            needed = sum(cache.blocks_needed(s.num_tokens) - len(s.block_table) for s in batch)
+            if cache.can_allocate_blocks(needed):
+                return batch
+            victim = self.running[-1]  # the newest: it has the least work to lose
+            if len(self.running) == 1 and not self._can_ever_fit(victim):
+                self.finish(victim, FinishReason.ABORT)
+                rejected.append(victim)
+                continue
+            self.running.pop()
+            self._reset(victim)
+            self.waiting.appendleft(victim)
+            preempted.append(victim)
+        return []
+
+    def _can_ever_fit(self, seq: Sequence) -> bool:
+        return self.cache.blocks_needed(seq.num_tokens) <= self.cache.num_blocks
+
+    def _reset(self, seq: Sequence) -> None:
+        """Forget a sequence's KV (recomputed on admission): recompute, not swap."""
+        self.cache.free(seq)
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
+        seq.block_hashes = []
+
+
+def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
+    """Schedule one step, run it on the engine, and account for its tokens: the
+    whole of an engine loop's iteration (blocking: a worker runs it on its engine thread)."""
+    batch = scheduler.schedule()
+    if not batch.seqs:
+        return StepResult([], batch.preempted, batch.rejected)
+    try:
+        logits = engine.prefill(batch.seqs) if batch.is_prefill else engine.decode_step(batch.seqs)
+    except Exception as e:
+        for seq in batch.seqs:  # their KV is in an unknown state
+            scheduler.finish(seq, FinishReason.ABORT)
+        raise StepFailed(batch.seqs, e) from e
+    return StepResult(scheduler.update(batch, logits), batch.preempted, batch.rejected)
