@@ -321,6 +321,8 @@ def main() -> int:
     ap.add_argument("--max-probes", type=int, default=6, help="with --find-capacity: runs per configuration (default 6)")
     ap.add_argument("--start-scale", type=float, default=4.0,
                     help="with --find-capacity: the first probe's time scale (default 4)")
+    ap.add_argument("--max-scale", type=float, default=None,
+                    help="with --find-capacity: the lightest load probed, as a time scale (default 8 x --start-scale)")
     ap.add_argument("--capacity-report", type=Path, default=ROOT / "bench" / "results" / "capacity.md",
                     help="with --find-capacity: where the comparison goes, its plot beside it as .png "
                     "(default bench/results/capacity.md)")
@@ -331,7 +333,8 @@ def main() -> int:
         args.out = ROOT / "bench" / "out" / ("capacity" if args.find_capacity else "replay")
     if args.find_capacity:
         try:
-            validate_search(start_scale=args.start_scale, max_probes=args.max_probes, target=args.target_attainment)
+            validate_search(start_scale=args.start_scale, max_probes=args.max_probes, target=args.target_attainment,
+                            max_scale=args.max_scale)  # fmt: skip
         except ValueError as e:
             ap.error(str(e))
     if args.report_only:
@@ -371,7 +374,7 @@ def main() -> int:
                                            trace_name=str(args.trace))  # fmt: skip
                 capacities[config.name] = find_capacity(
                     measure, start_scale=args.start_scale, max_probes=args.max_probes,
-                    target=args.target_attainment, label=config.name,
+                    target=args.target_attainment, max_scale=args.max_scale, label=config.name,
                 )  # fmt: skip
                 results = [(None, p.summary) for p in capacities[config.name].probes]
             else:

@@ -37,9 +37,9 @@ for a sweep, goodput_vs_load.png.
 --find-capacity searches for the effective request capacity instead: the
 highest offered load (req/s) at which at least --target-attainment of the
 requests sent meet both SLOs (rejected ones do not). It probes --start-scale,
-halves the time scale while probes pass (doubling it while they fail) until the
-capacity is bracketed, then bisects the bracket in log space, --max-probes runs
-in all, probe i with prompt seed seed+i. It reports the capacity (the offered
+halves the time scale while probes pass (doubling it while they fail, up to
+--max-scale) until the capacity is bracketed, then bisects the bracket in log
+space, --max-probes runs in all, probe i with prompt seed seed+i. It reports the capacity (the offered
 rate of the heaviest passing probe), the bracket's width in req/s, the peak
 goodput, attainment and goodput per probe, or "no capacity" when no load tried
 reached the target. --out gets a JSON file per probe, capacity.md and
@@ -96,6 +96,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --find-capacity: the first probe's time scale (default 1)",
     )  # fmt: skip
     p.add_argument(
+        "--max-scale", type=_positive_float, default=None, metavar="X",
+        help="with --find-capacity: the lightest load probed, as a time scale (default 8 x --start-scale); "
+        "a lighter probe takes longer, and a server failing there has no capacity",
+    )  # fmt: skip
+    p.add_argument(
         "--spread", action="store_true",
         help="spread requests that share a timestamp evenly up to the next timestamp (the released traces "
         "stamp ~10 requests per 3-second bucket; without this they arrive as one burst)",
@@ -128,9 +133,11 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.replay.trace import load_trace
 
     search_options = {"--target-attainment": args.target_attainment, "--max-probes": args.max_probes,
-                      "--start-scale": args.start_scale}  # fmt: skip
+                      "--start-scale": args.start_scale, "--max-scale": args.max_scale}  # fmt: skip
     if args.find_capacity and args.time_scale is not None:
         args.usage_error("--find-capacity chooses the time scales itself: give --start-scale, not --time-scale")
+    if args.max_scale is not None and args.max_scale < (args.start_scale or 1.0):
+        args.usage_error(f"--max-scale {args.max_scale:g} is below the start scale {args.start_scale or 1.0:g}")
     if not args.find_capacity and any(v is not None for v in search_options.values()):
         given = [k for k, v in search_options.items() if v is not None]
         args.usage_error(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only with --find-capacity")
@@ -172,6 +179,7 @@ def find_capacity(args: argparse.Namespace, endpoint, requests, settings, out: P
         start_scale=args.start_scale or 1.0,
         max_probes=args.max_probes or 6,
         target=args.target_attainment or 0.9,
+        max_scale=args.max_scale,
         label=label,
     )
     written = write_capacity_outputs(result, settings.slo, out, title=f"kvserve bench --find-capacity: {label}")

@@ -5,8 +5,9 @@ SLOs. Rejected and failed requests count as not met.
 The search knows nothing about HTTP or traces: it asks a ``measure(time_scale,
 probe)`` callable for one run's attainment and goodput at a time scale (smaller
 is more load). It brackets the capacity by halving the time scale while probes
-pass or doubling it while they fail, then bisects the bracket in log space until
-``max_probes`` runs are spent. The capacity is the offered rate of the heaviest
+pass or doubling it while they fail (up to ``max_scale``: a lighter probe is a
+longer one, and a system that fails there has no capacity), then bisects the
+bracket in log space until ``max_probes`` runs are spent. The capacity is the offered rate of the heaviest
 passing probe; its precision is the width, in req/s, of the final bracket.
 """
 
@@ -74,9 +75,14 @@ class Capacity:
         return max(self.probes, key=lambda p: p.goodput_rps)
 
 
-def validate(*, start_scale: float, max_probes: int, target: float) -> None:
+MAX_SCALE_FACTOR = 8.0  # the default lightest load: the start scale times this
+
+
+def validate(*, start_scale: float, max_probes: int, target: float, max_scale: float | None = None) -> None:
     if not (start_scale > 0 and math.isfinite(start_scale)):
         raise ValueError(f"the start time scale must be a positive number, got {start_scale}")
+    if max_scale is not None and not (math.isfinite(max_scale) and max_scale >= start_scale):
+        raise ValueError(f"the largest time scale must be at least the start scale {start_scale:g}, got {max_scale}")
     if max_probes < 1:
         raise ValueError(f"the search needs at least one probe, got {max_probes}")
     if not 0 < target <= 1:
@@ -84,10 +90,18 @@ def validate(*, start_scale: float, max_probes: int, target: float) -> None:
 
 
 def find_capacity(
-    measure: Measure, *, start_scale: float = 1.0, max_probes: int = 6, target: float = 0.9, label: str = ""
+    measure: Measure,
+    *,
+    start_scale: float = 1.0,
+    max_probes: int = 6,
+    target: float = 0.9,
+    max_scale: float | None = None,
+    label: str = "",
 ) -> Capacity:
-    """Run at most ``max_probes`` measurements and return them all."""
-    validate(start_scale=start_scale, max_probes=max_probes, target=target)
+    """Run at most ``max_probes`` measurements and return them all. ``max_scale``
+    (default ``MAX_SCALE_FACTOR`` x ``start_scale``) is the lightest load probed."""
+    validate(start_scale=start_scale, max_probes=max_probes, target=target, max_scale=max_scale)
+    max_scale = max_scale if max_scale is not None else start_scale * MAX_SCALE_FACTOR
     probes: list[Probe] = []
     passing_scale: float | None = None  # the smallest scale (heaviest load) that passed
     failing_scale: float | None = None  # the largest scale below it (lightest load) that failed
@@ -102,6 +116,8 @@ def find_capacity(
             passing_scale = scale
         else:
             failing_scale = scale
+        if passing_scale is None and scale >= max_scale:
+            break  # failed at the lightest load allowed: no capacity
         if passing_scale is None or failing_scale is None:
-            scale = scale / 2 if passed else scale * 2
+            scale = scale / 2 if passed else min(scale * 2, max_scale)
     return Capacity(label, target, tuple(probes))

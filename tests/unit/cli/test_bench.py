@@ -21,6 +21,8 @@ BASE = ["bench", "--trace", "no-such-trace.jsonl", "--base-url", "http://127.0.0
         (["--find-capacity", "--start-scale", "inf"], "argument --start-scale: must be a positive number, got inf"),
         (["--find-capacity", "--time-scale", "1", "0.5"],
          "--find-capacity chooses the time scales itself: give --start-scale, not --time-scale"),
+        (["--find-capacity", "--start-scale", "4", "--max-scale", "2"], "--max-scale 2 is below the start scale 4"),
+        (["--find-capacity", "--max-scale", "0.5"], "--max-scale 0.5 is below the start scale 1"),
         (["--max-probes", "3", "--start-scale", "2"], "--max-probes, --start-scale apply only with --find-capacity"),
         (["--target-attainment", "0.8"], "--target-attainment applies only with --find-capacity"),
     ],

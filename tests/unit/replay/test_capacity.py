@@ -47,7 +47,7 @@ def test_brackets_by_halving_then_bisects_in_log_space():
 
 def test_brackets_by_doubling_when_the_first_load_fails():
     measure, asked = curve(linear(capacity_rps=0.3))  # 0.3 req/s = time scale 6.67
-    result = find_capacity(measure, start_scale=1.0, max_probes=5)
+    result = find_capacity(measure, start_scale=1.0, max_probes=5, max_scale=8.0)
     assert asked[:4] == [1.0, 2.0, 4.0, 8.0]  # 8 passes: 0.25 req/s
     assert asked[4] == pytest.approx(32**0.5)
     assert result.capacity_rps == pytest.approx(0.25)  # sqrt(32) = 0.354 req/s failed
@@ -60,7 +60,7 @@ def test_noise_never_breaks_the_bracket_or_the_budget(seed):
     true_capacity = rng.uniform(0.5, 20.0)
     truth = linear(true_capacity)
     measure, asked = curve(lambda load: min(1.0, max(0.0, truth(load) + rng.uniform(-0.02, 0.02))))
-    result = find_capacity(measure, start_scale=rng.choice([0.25, 1.0, 4.0]), max_probes=7)
+    result = find_capacity(measure, start_scale=rng.choice([0.25, 1.0, 4.0]), max_probes=7, max_scale=64.0)
     assert len(asked) == 7
     best, above = result.best, result.first_failure_above
     assert best is not None and above is not None
@@ -73,8 +73,8 @@ def test_noise_never_breaks_the_bracket_or_the_budget(seed):
 
 def test_a_system_that_never_reaches_the_target_has_no_capacity():
     measure, asked = curve(lambda load: 0.6 if load < 0.1 else 0.4)
-    result = find_capacity(measure, start_scale=1.0, max_probes=6)
-    assert asked == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]  # lighter and lighter, to the end of the budget
+    result = find_capacity(measure, start_scale=1.0, max_probes=8, max_scale=32.0)
+    assert asked == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]  # lighter and lighter, to the lightest allowed
     assert result.best is None and result.capacity_rps is None and result.precision_rps is None
     peak = result.peak_goodput
     assert peak.time_scale == 1.0 and peak.goodput_rps == pytest.approx(0.4 * 2.0)
@@ -82,6 +82,16 @@ def test_a_system_that_never_reaches_the_target_has_no_capacity():
     assert verdict.startswith("no capacity: no load tried reached 90% SLO attainment")
     assert "the lightest, 0.062 req/s, attained 60.0%" in verdict
     assert "peak goodput 0.800 req/s at 2.000 req/s offered" in verdict
+
+
+def test_doubling_stops_at_the_largest_time_scale_and_spends_no_more_probes():
+    measure, asked = curve(lambda load: 0.5)
+    result = find_capacity(measure, start_scale=3.0, max_probes=6)  # default: up to 8 x 3
+    assert asked == [3.0, 6.0, 12.0, 24.0]
+    assert result.capacity_rps is None
+    measure, asked = curve(lambda load: 0.5)
+    find_capacity(measure, start_scale=3.0, max_probes=6, max_scale=10.0)
+    assert asked == [3.0, 6.0, 10.0]  # clamped, then stopped
 
 
 def test_a_system_that_always_reaches_the_target_gives_a_lower_bound():
@@ -120,6 +130,7 @@ def test_a_lower_target_finds_a_higher_capacity():
         ({"start_scale": 0.0}, "start time scale must be a positive number"),
         ({"start_scale": float("inf")}, "start time scale must be a positive number"),
         ({"max_probes": 0}, "at least one probe"),
+        ({"start_scale": 2.0, "max_scale": 1.0}, "largest time scale must be at least the start scale 2, got 1.0"),
         ({"target": 0.0}, r"target attainment must be in \(0, 1\]"),
         ({"target": 1.5}, r"target attainment must be in \(0, 1\]"),
     ],
