@@ -22,10 +22,10 @@ from libs.common.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.common.model.sequence import Sequence
 from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
-from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest, TokenChunk
+from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest
 from libs.common.service import Service
-from libs.common.token_chunks import token_chunk
-from libs.common.vocabulary import ErrorCode, FinishReason, KVTier, Role
+from libs.common.token_chunks import error_chunk, token_chunk
+from libs.common.vocabulary import ErrorCode, KVTier, Role
 from libs.common.worker_metrics import WorkerMetrics
 from services.prefill.handoff import Handoff, HandoffError, Transfer
 from services.prefill.kv_reports import KVReports
@@ -215,17 +215,15 @@ class PrefillWorker(Service):
             except HandoffError as e:
                 error = e
                 self.log.warning("retry of %s failed too: %s", request_id, e)
-        await self.publish(subjects.tokens(request_id), TokenChunk(
-            request_id=request_id, index=1, finish_reason=FinishReason.ABORT, instance_id=self.instance_id,
-            error=ErrorInfo(code=error.code, message=str(error))))  # fmt: skip
+        chunk = error_chunk(request_id, 1, error.code, str(error), self.instance_id)
+        await self.publish(subjects.tokens(request_id), chunk)
 
     async def _fail(self, job: Job, error: ErrorInfo) -> None:
         self.log.warning("request %s failed: %s", job.request.request_id, error.message)
         if job.transfer is not None:
             await self.handoff.release(job.transfer)
-        await self.publish(subjects.tokens(job.request.request_id), TokenChunk(
-            request_id=job.request.request_id, index=0, finish_reason=FinishReason.ABORT, instance_id=self.instance_id,
-            error=error))  # fmt: skip
+        chunk = error_chunk(job.request.request_id, 0, error.code, error.message, self.instance_id)
+        await self.publish(subjects.tokens(job.request.request_id), chunk)
         await self._drop(job)
 
     async def _drop(self, job: Job) -> None:
