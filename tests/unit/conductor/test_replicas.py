@@ -17,7 +17,7 @@ BEATS = [beat("p0", Role.PREFILL), beat("p1", Role.PREFILL), beat("p2", Role.PRE
 
 
 def replica(conductor_id: str, clock: Clock | None = None) -> Replicas:
-    view, index, own_clock = cluster(*BEATS)
+    view, index, _ = cluster(*BEATS)
     if clock is not None:
         view.clock = clock
     return Replicas(conductor_id, Scheduler(build_policy(DEFAULT_POLICY), view, index, config()))
@@ -28,35 +28,43 @@ def requests(n: int):
     return [request(f"r{i}", tokens=170 + 16 * i, blocks=[block(100 + i)] * 10, max_tokens=64) for i in range(n)]
 
 
-def run_alone(clock: Clock, n: int, share: bool) -> list[tuple[str, str]]:
-    """Replicas a and b admit alternate requests; the chosen (prefill, decode) of each."""
-    a, b = replica("conductor-a", clock), replica("conductor-b", clock)
-    chosen = []
-    for i, r in enumerate(requests(n)):
-        me, peer = (a, b) if i % 2 == 0 else (b, a)
+def drive(replicas: list[Replicas], share: bool, n: int = 16) -> list[tuple[str, str]]:
+    """The replicas take turns admitting ``n`` requests, each booking the others' when
+    ``share``; every replica hears each request's first token three admissions later and
+    its end six later. The chosen (prefill, decode) of each request."""
+    clock, chosen, reqs = replicas[0].scheduler.view.clock, [], requests(n)
+    for i, r in enumerate(reqs):
+        me = replicas[i % len(replicas)]
         d = me.scheduler.admit(r)
         assert d.admitted
         chosen.append((d.prefill_id, d.decode_id))
-        wire = me.shared(r.request_id)
-        if share:
-            assert peer.on_peer_admission(schema.decode(schema.encode(wire), ConductorAdmission))
-            assert not me.on_peer_admission(wire)  # its own, echoed back
-        clock.now += 0.01
+        wire = schema.decode(schema.encode(me.shared(r.request_id)), ConductorAdmission)
+        assert not me.on_peer_admission(wire)  # its own, echoed back
+        for peer in replicas:
+            if share and peer is not me:
+                assert peer.on_peer_admission(wire)
+        clock.now += 0.05
+        for replica in replicas:  # the gateway's progress reports reach every replica
+            if i >= 3:
+                replica.scheduler.first_token(reqs[i - 3].request_id, ttft_s=0.2)
+            if i >= 6:
+                replica.scheduler.finished(reqs[i - 6].request_id, num_output_tokens=20)
     return chosen
 
 
 def test_two_replicas_taking_alternate_admissions_route_as_one_conductor():
     clock = Clock()
-    one = replica("conductor-a", clock)
-    single = []
-    for r in requests(12):
-        d = one.scheduler.admit(r)
-        single.append((d.prefill_id, d.decode_id))
-        clock.now += 0.01
+    single = drive([replica("conductor-a", clock)], share=False)
     assert len({p for p, _ in single}) == 3 and len({d for _, d in single}) == 2  # spread over every worker
 
-    assert run_alone(Clock(), 12, share=True) == single
-    assert run_alone(Clock(), 12, share=False) != single  # blind to each other, they pile on the same workers
+    clock = Clock()
+    pair = [replica("conductor-a", clock), replica("conductor-b", clock)]
+    assert drive(pair, share=True) == single
+    assert [r.scheduler.num_own for r in pair] == [3, 3] and len(pair[0].scheduler.admitted) == 6
+
+    clock = Clock()
+    blind = drive([replica("conductor-a", clock), replica("conductor-b", clock)], share=False)
+    assert blind != single  # blind to each other, they pile on the same workers
 
 
 def test_a_peer_booking_is_settled_by_progress_and_counted_as_the_peers():
