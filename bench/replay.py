@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 from bench.capacity import document as capacity_document  # noqa: E402
 from kvserve.cli.bench import load_vocab  # noqa: E402
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
+from libs.common.errors import KVServeError  # noqa: E402
 from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path  # noqa: E402
 from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
@@ -54,7 +55,13 @@ from kvserve.replay.prompts import PromptSynthesizer  # noqa: E402
 from kvserve.replay.records import Run  # noqa: E402
 from kvserve.replay.plots import capacity_curves  # noqa: E402
 from kvserve.replay.report import capacity_verdict, probes_table, runs_table  # noqa: E402
-from kvserve.replay.sweep import SweepSettings, capacity_measure, run_sweep, write_outputs  # noqa: E402
+from kvserve.replay.sweep import (  # noqa: E402
+    SweepSettings,
+    capacity_measure,
+    run_sweep,
+    unit_offered_rps,
+    write_outputs,
+)
 from kvserve.replay.trace import load_trace  # noqa: E402
 
 LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
@@ -344,6 +351,11 @@ def main() -> int:
         raise SystemExit(f"no trace at {args.trace}")
     args.out.mkdir(parents=True, exist_ok=True)
     requests = load_trace(args.trace, args.requests, args.start)
+    if args.find_capacity:
+        try:
+            unit_offered_rps(requests, args.spread)  # before any server starts
+        except KVServeError as e:
+            ap.error(str(e))
     settings = SweepSettings(
         vocab=load_vocab(None), time_scales=args.time_scales, block_tokens=args.block_tokens, seed=args.seed,
         max_input=args.max_input, max_output=args.max_output, spread=args.spread, slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),

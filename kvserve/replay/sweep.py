@@ -99,7 +99,7 @@ def unit_offered_rps(requests: Sequence[TraceRequest], spread: bool = False) -> 
         count = f"{len(requests)} request{'s' if len(requests) != 1 else ''}"
         raise KVServeError(
             f"this trace window's arrivals span no time ({count}): a load search needs arrivals spread over "
-            "time (a longer window, or --spread)"
+            f"time ({'a longer window' if spread else 'a longer window, or --spread'})"
         )
     return (len(requests) - 1) / span_s
 
