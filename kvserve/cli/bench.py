@@ -8,9 +8,15 @@ import argparse
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from libs.common.errors import KVServeError
 from libs.common.model.default_model import DEFAULT_MODEL_ID
+
+if TYPE_CHECKING:  # the replay loads only when the command runs
+    from kvserve.replay.client import Endpoint
+    from kvserve.replay.sweep import SweepSettings
+    from kvserve.replay.trace import TraceRequest
 
 DESCRIPTION = """\
 Replay a Mooncake-format trace (JSONL: timestamp ms, input_length, output_length,
@@ -166,7 +172,14 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(s.completed for _, s in results) else 1
 
 
-def find_capacity(args: argparse.Namespace, endpoint, requests, settings, out: Path, label: str) -> int:
+def find_capacity(
+    args: argparse.Namespace,
+    endpoint: "Endpoint",
+    requests: "list[TraceRequest]",
+    settings: "SweepSettings",
+    out: Path,
+    label: str,
+) -> int:
     from kvserve.replay import capacity
     from kvserve.replay.report import capacity_verdict, probes_table
     from kvserve.replay.sweep import capacity_measure, write_capacity_outputs
