@@ -85,10 +85,10 @@ def tiny_model(tiny_checkpoint):
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The default model in float32: exact against transformers on the same weights."""
+    """The default model in float32, float weights: exact against transformers on the same weights."""
     from libs.common.model.loader import load_model
 
-    return load_model(None, dtype="float32", progress=False)
+    return load_model(None, dtype="float32", quantization="none", progress=False)
 
 
 @pytest.fixture(scope="session")

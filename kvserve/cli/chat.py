@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
+    loaded = load_model(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization)
     generator = Generator(build_engine(loaded, EngineConfig(num_blocks=1024)), loaded.tokenizer)
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt is not None:
         _answer(generator, history + [{"role": "user", "content": args.prompt}], params, args.stats)
         return 0
-    print(f"kvserve chat with {loaded.model_id} ({loaded.dtype}, {loaded.device}); {HELP}")
+    print(f"kvserve chat with {loaded.model_id} ({loaded.dtype}, weights {loaded.quantization}, {loaded.device}); {HELP}")
     messages = list(history)
     while True:
         try:

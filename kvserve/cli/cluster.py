@@ -90,6 +90,7 @@ class LocalCluster:
         dtype: str = "auto",
         device: str = "cpu",
         env: dict[str, str] | None = None,
+        quantization: str = "auto",
         log: TextIO | None = _STDOUT,
         api_key: str | None = None,
         modules: dict[str, str] | None = None,
@@ -114,6 +115,7 @@ class LocalCluster:
         self.nats_host = nats_host  # the address nats-server listens on (another host's services must reach it)
         self.model = model
         self.dtype = dtype  # the explicit dtype every service gets, once start() has resolved "auto"
+        self.quantization = quantization  # likewise the weights' precision (part of the KV contract)
         self.device = device
         self.api_key = api_key
         self.extra_env = dict(env or {})
@@ -321,7 +323,7 @@ class LocalCluster:
         import torch
 
         from libs.common.model.checkpoint import open_checkpoint
-        from libs.common.model.loader import DTYPES, resolve_dtype
+        from libs.common.model.loader import DTYPES, open_model, resolve_dtype
 
         path, self.model_id = resolve_model_path(self.model, progress=True)
         self.model_path = path.absolute()  # not resolve(): a symlink's name is the model id
@@ -334,6 +336,10 @@ class LocalCluster:
         except ValueError as e:
             raise ClusterError(str(e)) from None
         self.dtype = next(name for name, dt in DTYPES.items() if dt == chosen)
+        try:
+            _, self.quantization, _ = open_model(self.model, self.quantization, self.device, self.dtype, progress=False)
+        except ValueError as e:
+            raise ClusterError(str(e)) from None
 
     def _plan(self, role: str, instance_id: str) -> ServiceProcess:
         env = dict(os.environ)
@@ -346,6 +352,7 @@ class LocalCluster:
             KVSERVE_INSTANCE_ID=instance_id,
             KVSERVE_HOST_ID=socket.gethostname(),
             KVSERVE_DTYPE=self.dtype,
+            KVSERVE_QUANTIZATION=self.quantization,
             KVSERVE_DEVICE=self.device,
         )
         if self.model is not None and self.model != DEFAULT_MODEL_ID:

@@ -112,6 +112,7 @@ def run(args: argparse.Namespace) -> int:
         gateway_host=args.host,
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         api_key=args.api_key_file or args.api_key,
         supervise=True,
@@ -168,7 +169,7 @@ def banner(cluster: LocalCluster) -> str:
     cores = "; ".join(f"{i} {share.describe()}" for i, share in cluster.cpu_plan.items() if share.cpus is not None)
     return (
         f"\nkvserve is up: {url}\n"
-        f"model: {cluster.model_id} ({cluster.dtype}, {cluster.device})\n"
+        f"model: {cluster.model_id} ({cluster.dtype}, weights {cluster.quantization}, {cluster.device})\n"
         f"cores: {cores}\n"
         f"{metrics}"
         f"try it:\n  {curl}\n{key_note}"

@@ -1,4 +1,5 @@
-"""The KV contract a process declares: model, block size, block layout and hash scheme.
+"""The KV contract a process declares: model and the precision of its weights, block
+size, block layout and hash scheme.
 
 Two holders of KV blocks (workers, stores) exchange blocks only when their
 contracts are equal; the first difference is named in the error, so a
@@ -17,5 +18,6 @@ def kv_layout(config: ModelConfig, block_size: int, dtype: torch.dtype) -> KVLay
     return KVLayout(config.num_layers, block_size, config.num_kv_heads, config.head_dim, dtype)
 
 
-def make_contract(model_id: str, layout: KVLayout) -> KVContract:
-    return KVContract(model_id=model_id, block_size=layout.block_size, layout=layout.describe(), hash_scheme=HASH_SCHEME)
+def make_contract(model_id: str, layout: KVLayout, quantization: str = "none") -> KVContract:
+    return KVContract(model_id=model_id, block_size=layout.block_size, layout=layout.describe(), hash_scheme=HASH_SCHEME,
+                      quantization=quantization)  # fmt: skip

@@ -174,14 +174,14 @@ class _SavedCalibration(msgspec.Struct, frozen=True):
 
 
 def _engine_key(engine) -> str:
-    """What a calibration depends on: the model's shape, dtype, device, pool, and the
+    """What a calibration depends on: the model's shape, dtype, weights, device, pool, and the
     share of the host it was measured on (its cores and torch threads)."""
     import torch
 
     config = engine.model.config
     return (f"{config.hidden_size}x{config.num_layers}x{config.intermediate_size}x{config.vocab_size}"
             f"/{engine.pool.layout.block_nbytes}B/{engine.cache.block_pool.num_blocks}blocks"
-            f"/{next(engine.model.parameters()).dtype}/{next(engine.model.parameters()).device}"
+            f"/{next(engine.model.parameters()).dtype}/{engine.model.quantization}/{next(engine.model.parameters()).device}"
             f"/{torch.get_num_threads()}threads/cores{format_cpu_list(available_cpus())}")  # fmt: skip
 
 

@@ -61,7 +61,8 @@ class EngineHost:
         # Before the model loads and calibrates: both then run on this share only.
         cpus, threads = apply_cpu_share(settings.cpus, settings.threads)
         log.info("%s runs on cores %s, torch threads: %d", owner, format_cpu_list(cpus), threads)
-        loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, progress=False)
+        loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, progress=False,
+                            quantization=settings.quantization)  # fmt: skip
         config = EngineConfig(
             block_size=settings.block_size,
             num_blocks=settings.num_blocks,
@@ -84,11 +85,11 @@ class EngineHost:
         )
         transfers.register(segment)
         log.info(
-            "%s loaded: %s, %s KV blocks of %d tokens (%.1f MB) in %s",
-            owner, loaded.dtype, settings.num_blocks, settings.block_size, segment.nbytes / 1e6, segment.name,
+            "%s loaded: %s, weights %s, %s KV blocks of %d tokens (%.1f MB) in %s",
+            owner, loaded.dtype, loaded.quantization, settings.num_blocks, settings.block_size, segment.nbytes / 1e6, segment.name,
         )  # fmt: skip
         thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        return cls(loaded, engine, segment, transfers, make_contract(loaded.model_id, layout), thread)
+        return cls(loaded, engine, segment, transfers, make_contract(loaded.model_id, layout, loaded.quantization), thread)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
         """Run ``fn(*args)`` on the engine thread, after everything submitted before it."""

@@ -120,6 +120,11 @@ class ServiceSettings:
         return cls(**service_env(role))
 
 
+# Weight precisions (libs/common/model/quant.py): auto keeps what the checkpoint ships
+# where the int kernels are fast; int4 is int4-g32.
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128")
+
+
 @dataclass(frozen=True)
 class ModelSettings:
     """What a model-serving process needs to know about the model and its KV."""
@@ -134,10 +139,13 @@ class ModelSettings:
     calibration_file: str | None = None  # where a restart finds this instance's calibration (KVSERVE_CALIBRATION_FILE)
     cpus: tuple[int, ...] | None = None  # the cores it runs on (KVSERVE_CPUS; None: wherever it was started)
     threads: int | None = None  # torch intra-op threads (KVSERVE_THREADS; None: one per core it runs on)
+    quantization: str = "auto"  # the weights' precision (KVSERVE_QUANTIZATION): one of QUANTIZATIONS
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
             raise ValueError("KVSERVE_BLOCK_SIZE and KVSERVE_NUM_BLOCKS must be positive")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"KVSERVE_QUANTIZATION must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.cpus is not None and (missing := set(self.cpus) - set(available_cpus())):
             raise ValueError(f"KVSERVE_CPUS names cores this process may not run on: {format_cpu_list(missing)} "
                              f"(it may run on {format_cpu_list(available_cpus())})")  # fmt: skip
@@ -163,6 +171,7 @@ class ModelSettings:
             calibration_file=env_str("CALIBRATION_FILE", "") or None,
             cpus=env_cpu_list("CPUS"),
             threads=env_int("THREADS", 0) or None,
+            quantization=env_str("QUANTIZATION", "auto"),
         )
 
 

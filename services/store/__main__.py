@@ -1,7 +1,7 @@
 """python -m services.store — settings from KVSERVE_* variables.
 
 The KV contract (and so the block size a slot holds) comes from the model the
-cluster serves: its config, block size and dtype; the weights are not loaded.
+cluster serves: its config, block size, dtype and weight quantization; the weights are not loaded.
 The default disk directory is per instance and per contract, so a cluster
 restarted with another model or dtype starts an empty disk tier beside the old
 one; an explicit KVSERVE_STORE_DIR of another contract is refused (exit 2), and so is
@@ -13,12 +13,9 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from libs.common.contract import kv_layout, make_contract
-from libs.common.model.checkpoint import open_checkpoint
-from libs.common.model.default_model import cache_dir, resolve_model_path
-from libs.common.model.loader import resolve_dtype
+from libs.common.model.default_model import cache_dir
+from libs.common.model.loader import open_model
 from libs.common.schema import KVContract
 from libs.common.service import configure_logging, run_service
 from libs.common.settings import ModelSettings, settings_or_exit
@@ -30,11 +27,9 @@ from services.store.settings import StoreSettings
 
 def model_contract(model: ModelSettings) -> tuple[KVContract, int]:
     """The KV contract of ``model`` and the bytes of one of its KV blocks."""
-    path, model_id = resolve_model_path(model.model, progress=False)
-    config = open_checkpoint(path, model_id).config
-    dtype = resolve_dtype(model.dtype, torch.device("cpu"), config.hidden_size, config.intermediate_size)
-    layout = kv_layout(config, model.block_size, dtype)
-    return make_contract(model_id, layout), layout.block_nbytes
+    checkpoint, quantization, dtype = open_model(model.model, model.quantization, "cpu", model.dtype, progress=False)
+    layout = kv_layout(checkpoint.config, model.block_size, dtype)
+    return make_contract(checkpoint.model_id, layout, quantization), layout.block_nbytes
 
 
 def default_directory(instance_id: str, contract: KVContract) -> Path:

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from libs.common.errors import ModelCorruptError, ModelNotFoundError
 from libs.common.model.config import ModelConfig
+from libs.common.model.quant import NONE, QuantizedWeight
 from libs.common.model.tokenizer import Tokenizer
 
 
@@ -38,15 +39,21 @@ class Checkpoint:
             return []
         return list(eos) if isinstance(eos, list) else [eos]
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        """(HF name, tensor) for every weight; with ``keep_quantized``, weights that ship
+        quantized may come as ``QuantizedWeight`` instead of float."""
         raise NotImplementedError
+
+    def native_quantization(self) -> str:
+        """What ``quantization="auto"`` loads: the precision the weights ship in."""
+        return NONE
 
     def tokenizer(self) -> Tokenizer:
         raise NotImplementedError
 
 
 class HFCheckpoint(Checkpoint):
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
         from safetensors import SafetensorError, safe_open
 
         files = sorted(self.path.glob("*.safetensors"))
@@ -76,8 +83,11 @@ class GGUFFileCheckpoint(Checkpoint):
         self.gguf = GGUFCheckpoint(path)
         super().__init__(path, path.stem, self.gguf.hf_config(), self.gguf.generation_config())
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.gguf.tensors()
+    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+        return self.gguf.tensors(keep_quantized)
+
+    def native_quantization(self) -> str:
+        return self.gguf.native_quantization()
 
     def tokenizer(self) -> Tokenizer:
         return Tokenizer(HFTokenizer.from_str(self.gguf.tokenizer_json()), self.gguf.tokenizer_config(), self.eos_token_ids)

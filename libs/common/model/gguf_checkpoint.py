@@ -1,5 +1,6 @@
 """Reads a Llama-family GGUF file as a Hugging Face checkpoint: config, tensors
-(dequantized to float32, Q/K rows un-permuted back to HF's rotary layout) and a
+(Q/K rows un-permuted back to HF's rotary layout; linear weights in Q4_0, Q4_1 or
+Q8_0 optionally kept quantized, everything else dequantized to float32) and a
 tokenizer.json built from the file's vocabulary and merges.
 
 This is the only module that knows GGUF; everything after it sees HF names.
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from libs.common.errors import ModelCorruptError, ModelNotFoundError
+from libs.common.model import quant
 
 # llama.cpp pre-tokenizer names -> the tokenizers pre-tokenizer that matches them
 _DIGITS_THEN_BYTES = {
@@ -117,23 +119,40 @@ class GGUFCheckpoint:
             "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
         }
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF name, float32 tensor) for every weight, dequantized one at a time."""
+    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | quant.QuantizedWeight]]:
+        """(HF name, tensor) for every weight, one at a time: float32, or with ``keep_quantized``
+        a linear weight in Q4_0/Q4_1 as int4 groups of 32 and in Q8_0 as int8 per channel."""
         config = self.hf_config()
         for t in self._reader.tensors:
             name = _hf_name(t.name)
             if name is None:
                 continue
+            kind = t.tensor_type.name
+            heads = _rotary_heads(name, config)
             try:
+                if keep_quantized and name.endswith("_proj.weight") and kind in quant.GGUF_BLOCK_BYTES:
+                    weight = quant.unpack_gguf(np.asarray(t.data), kind)
+                    if heads is not None:  # permute integer and scale rows alike
+                        weight = weight.rows(torch.from_numpy(_unpermute_rotary(np.arange(weight.shape[0]), heads)))
+                    yield name, weight
+                    continue
                 array = self._gguf.quants.dequantize(t.data, t.tensor_type)
-            except Exception as e:
-                raise ModelCorruptError(f"{self.path}: cannot dequantize {t.name}: {e}") from e
+            except Exception as e:  # gguf raises bare ValueErrors/NotImplementedErrors on damage
+                raise ModelCorruptError(f"{self.path}: cannot read {t.name} ({kind}): {e}") from e
             array = np.asarray(array, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-            if name.endswith("q_proj.weight"):
-                array = _unpermute_rotary(array, config["num_attention_heads"])
-            elif name.endswith("k_proj.weight"):
-                array = _unpermute_rotary(array, config["num_key_value_heads"])
+            if heads is not None:
+                array = _unpermute_rotary(array, heads)
             yield name, torch.from_numpy(np.array(array, copy=True, order="C"))
+
+    def native_quantization(self) -> str:
+        """The precision its linear weights ship in: ``int4-g32`` (Q4_0/Q4_1), ``int8`` (Q8_0) or
+        ``none`` (float, or a block format the kernels do not take, which loads dequantized)."""
+        kinds = [t.tensor_type.name for t in self._reader.tensors if (_hf_name(t.name) or "").endswith("_proj.weight")]
+        q4 = sum(k in ("Q4_0", "Q4_1") for k in kinds)
+        q8 = sum(k == "Q8_0" for k in kinds)
+        if not kinds or q4 + q8 < len(kinds):
+            return quant.NONE
+        return f"int4-g{quant.GGUF_BLOCK}" if q4 >= q8 else quant.INT8
 
     def tensor_count(self) -> int:
         return sum(_hf_name(t.name) is not None for t in self._reader.tensors)
@@ -219,6 +238,14 @@ def _hf_name(gguf_name: str) -> str | None:
     if gguf_name == "rope_freqs.weight":
         return None  # llama3 frequency factors; we recompute rotary tables from the config
     raise ModelCorruptError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def _rotary_heads(name: str, config: dict[str, Any]) -> int | None:
+    if name.endswith("q_proj.weight"):
+        return config["num_attention_heads"]
+    if name.endswith("k_proj.weight"):
+        return config["num_key_value_heads"]
+    return None
 
 
 def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:

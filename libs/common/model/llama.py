@@ -5,7 +5,8 @@ decoder layer -> model. Inputs are packed: ``input_ids`` and ``positions`` are
 ``[T]`` (every new token of every sequence in the batch, back to back), and
 ``AttentionBatch`` says which rows belong to which sequence and where their
 K/V live. q/k/v and gate/up are fused into one matmul each; ``load_weights``
-takes Hugging Face tensor names and fills the fused weights.
+takes Hugging Face tensor names and fills the fused weights, and with a
+quantization swaps each ``Linear`` for its weight-only quantized twin (quant.py).
 """
 
 import math
@@ -18,6 +19,7 @@ from torch import nn
 from libs.common.model.attention import AttentionBatch, paged_attention
 from libs.common.model.config import ModelConfig
 from libs.common.model.kv_pool import KVPool
+from libs.common.model.quant import NONE, QuantizedWeight, concat, convert, quantized_linear
 
 LayerCallback = Callable[[int], None]  # called with each layer index once its K/V is written
 
@@ -156,6 +158,7 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope: RotaryEmbedding | None = None  # built by `materialize` on the final device
+        self.quantization = NONE  # what `load_weights` made of the projections: none, int8 or int4-gN
 
     def forward(
         self,
@@ -183,14 +186,22 @@ class LlamaModel(nn.Module):
         return self
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Fill parameters from Hugging Face-named tensors; raise on anything missing or unknown."""
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], quantization: str = NONE
+    ) -> None:
+        """Fill parameters from Hugging Face-named tensors; raise on anything missing or unknown.
+
+        With ``quantization`` ``int8`` or ``int4-gN`` every q/k/v/o and MLP projection
+        becomes weight-only quantized (weights already in that format are kept as they
+        are, others are quantized here); embeddings, norms and the LM head stay float.
+        """
         params = dict(self.named_parameters())
         fused = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                  "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # fmt: skip
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
+        shards: dict[str, dict[int | None, QuantizedWeight]] = {}  # quantized linear -> its shards so far
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue
             shard = None
@@ -198,10 +209,24 @@ class LlamaModel(nn.Module):
                 if f".{part}." in name:
                     name, shard = name.replace(part, target), index
                     break
-            if name.endswith("_proj.weight"):  # our Linear keeps [in, out]
-                name, tensor = name + "_t", tensor.t()
+            is_linear = name.endswith("_proj.weight")
+            if is_linear:  # our Linear keeps [in, out]
+                name = name + "_t"
             if name not in params:
                 raise KeyError(f"unexpected weight {name!r} in checkpoint")
+            loaded.add(f"{name}#{shard}")
+            if is_linear and quantization != NONE:
+                in_features, out_features = params[name].shape
+                rows = out_features if shard is None else self._shard_sizes(name)[shard]
+                if tuple(tensor.shape) != (rows, in_features):  # the float path's copy_ checks this
+                    raise RuntimeError(f"{hf_name} has shape {tuple(tensor.shape)}, expected {(rows, in_features)}")
+                try:
+                    shards.setdefault(name.removesuffix(".weight_t"), {})[shard] = convert(tensor, quantization)
+                except ValueError as e:
+                    raise ValueError(f"cannot load {hf_name} as {quantization}: {e}") from None
+                continue
+            if is_linear:
+                tensor = convert(tensor, NONE).t()
             param = params[name]
             if shard is None:
                 param.copy_(tensor)
@@ -209,13 +234,23 @@ class LlamaModel(nn.Module):
                 sizes = self._shard_sizes(name)
                 start = sum(sizes[:shard])
                 param[..., start : start + sizes[shard]].copy_(tensor)
-            loaded.add(f"{name}#{shard}")
         expected = {f"{n}#{s}" for n in params for s in self._shard_ids(n)}
         if self.config.tie_word_embeddings:
             expected.discard("lm_head.weight#None")
         missing = sorted(expected - loaded)
         if missing:
             raise KeyError(f"checkpoint lacks weights: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        self.quantization = quantization
+        for module_name, parts in shards.items():
+            parent_name, _, attr = module_name.rpartition(".")
+            parent = self.get_submodule(parent_name)
+            bias = getattr(parent, attr).bias
+            ordered = [parts[i] for i in sorted(parts, key=lambda i: -1 if i is None else i)]
+            try:
+                layer = quantized_linear(concat(ordered), None if bias is None else bias.detach())
+            except ValueError as e:
+                raise ValueError(f"cannot load {module_name} as {quantization}: {e}") from None
+            setattr(parent, attr, layer)
 
     def _shard_sizes(self, name: str) -> list[int]:
         c = self.config

@@ -1,4 +1,10 @@
-"""Builds a ready model and engine from a model spec: resolve, read, load, place."""
+"""Builds a ready model and engine from a model spec: resolve, read, load, place.
+
+``quantization`` names the weights' precision (quant.py): ``auto`` keeps what the
+checkpoint ships (the default model's GGUF: int4 in groups of 32), ``none`` loads
+float, ``int8`` and ``int4-gN`` quantize at load. ``dtype`` is the activations' and
+the KV cache's.
+"""
 
 import functools
 import time
@@ -9,8 +15,14 @@ import torch.nn.functional as F
 
 from libs.common.errors import ModelCorruptError
 from libs.common.hashing import model_extra
+from libs.common.model import quant
 from libs.common.model.checkpoint import Checkpoint, open_checkpoint
-from libs.common.model.default_model import DEFAULT_MODEL_ID, check_default_intact, resolve_model_path
+from libs.common.model.default_model import (
+    DEFAULT_MODEL_ID,
+    check_default_intact,
+    default_gguf_path,
+    resolve_model_path,
+)
 from libs.common.model.engine import Engine, EngineConfig
 from libs.common.model.kv_cache import KVCacheManager
 from libs.common.model.kv_pool import KVLayout, KVPool
@@ -63,6 +75,7 @@ class LoadedModel:
     checkpoint: Checkpoint
     device: torch.device
     dtype: torch.dtype
+    quantization: str = quant.NONE  # what the weights run in: none, int8 or int4-gN
 
     @property
     def model_id(self) -> str:
@@ -73,13 +86,45 @@ class LoadedModel:
         return KVLayout(c.num_layers, block_size, c.num_kv_heads, c.head_dim, self.dtype)
 
 
-def load_model(spec: str | None = None, device: str = "cpu", dtype: str = "auto", progress: bool = True) -> LoadedModel:
-    """Load a model by spec (None or the default's id, a HF folder, a .gguf file)."""
+def open_model(
+    spec: str | None, quantization: str = quant.AUTO, device: str = "cpu", dtype: str = "auto", progress: bool = True
+) -> tuple[Checkpoint, str, torch.dtype]:
+    """The checkpoint to load ``spec`` from, the quantization and the activation dtype it runs with.
+
+    ``auto`` keeps the precision the weights ship in where the int kernels are fast (a
+    CPU with bfloat16/float16 activations) and loads float elsewhere. The default
+    model's prepared folder holds float32; quantized, it loads from its GGUF file,
+    whose Q4_1 blocks go into the int4 kernel's format unrounded.
+    """
+    requested = quant.parse(quantization)
     path, model_id = resolve_model_path(spec, progress=progress)
-    dev = torch.device(device)
     checkpoint = open_checkpoint(path, model_id)
+    dev = torch.device(device)
     config = checkpoint.config
     torch_dtype = resolve_dtype(dtype, dev, config.hidden_size, config.intermediate_size)
+    if requested == quant.AUTO and not quant.kernels_apply(dev, torch_dtype):
+        requested = quant.NONE
+    if requested != quant.NONE and dev.type != "cpu":
+        raise ValueError(f"quantization {requested!r} runs on the CPU only, not on {device!r}: use none")
+    if model_id == DEFAULT_MODEL_ID and requested != quant.NONE:
+        checkpoint = open_checkpoint(default_gguf_path(), model_id)
+    if requested == quant.AUTO:
+        requested = checkpoint.native_quantization()
+    return checkpoint, requested, torch_dtype
+
+
+def load_model(
+    spec: str | None = None,
+    device: str = "cpu",
+    dtype: str = "auto",
+    progress: bool = True,
+    quantization: str = quant.AUTO,
+) -> LoadedModel:
+    """Load a model by spec (None or the default's id, a HF folder, a .gguf file)."""
+    checkpoint, quantization, torch_dtype = open_model(spec, quantization, device, dtype, progress)
+    path, model_id = checkpoint.path, checkpoint.model_id
+    dev = torch.device(device)
+    config = checkpoint.config
     try:
         with torch.device("meta"):
             model = LlamaModel(config)
@@ -87,7 +132,7 @@ def load_model(spec: str | None = None, device: str = "cpu", dtype: str = "auto"
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.to(dtype=torch_dtype)
-        model.load_weights(checkpoint.tensors())
+        model.load_weights(checkpoint.tensors(keep_quantized=quantization != quant.NONE), quantization)
         tokenizer = checkpoint.tokenizer()
     except (ModelCorruptError, KeyError, RuntimeError) as e:
         if model_id == DEFAULT_MODEL_ID:
@@ -97,7 +142,7 @@ def load_model(spec: str | None = None, device: str = "cpu", dtype: str = "auto"
         raise ModelCorruptError(f"cannot load {path}: {e}") from e
     model.materialize(dev, torch_dtype)
     model.eval()
-    return LoadedModel(model, tokenizer, checkpoint, dev, torch_dtype)
+    return LoadedModel(model, tokenizer, checkpoint, dev, torch_dtype, quantization)
 
 
 def build_engine(loaded: LoadedModel, config: EngineConfig, pool_buffer: torch.Tensor | None = None) -> Engine:

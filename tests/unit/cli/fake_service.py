@@ -20,7 +20,7 @@ from libs.common.schema import Heartbeat
 from libs.common.service import Service, run_service
 from libs.common.settings import ServiceSettings, env_int, env_str
 
-REPORTED = ("MODEL", "DTYPE", "DEVICE", "HOST_ID", "API_KEY", "GATEWAY_HOST", "GATEWAY_PORT", "NUM_BLOCKS", "USE_STORE")
+REPORTED = ("MODEL", "DTYPE", "QUANTIZATION", "DEVICE", "HOST_ID", "API_KEY", "GATEWAY_HOST", "GATEWAY_PORT", "NUM_BLOCKS", "USE_STORE")
 
 
 class FakeService(Service):

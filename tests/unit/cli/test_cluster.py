@@ -46,11 +46,13 @@ def test_ready_means_every_instance_has_a_heartbeat_and_the_gateway_its_address(
 def test_every_service_gets_the_same_resolved_settings(running, model_dir):
     cluster, _ = running
     assert cluster.dtype in ("float32", "bfloat16")  # "auto", resolved once here
+    assert cluster.quantization == "none"  # "auto" on a HF folder, resolved once here
     host_ids = {beat.host_id for beat in cluster.instances.values()}
     assert host_ids == {socket.gethostname()}
     for instance_id in cluster.instances:
         s = settings_of(cluster, instance_id)
         assert s["DTYPE"] == cluster.dtype
+        assert s["QUANTIZATION"] == cluster.quantization
         assert s["MODEL"] == str(model_dir.absolute())
         assert s["API_KEY"] == "k3y"
         assert s["NUM_BLOCKS"] == "64"  # env overrides reach every service
@@ -101,7 +103,8 @@ def test_no_store_default_model_and_only_the_given_settings(model_dir, monkeypat
 def test_up_options():
     args = build_parser().parse_args(["up"])
     assert (args.prefill, args.decode, args.port, args.host, args.store) == (1, 1, 8000, "127.0.0.1", True)
-    assert (args.model, args.dtype, args.device) == (DEFAULT_MODEL_ID, "auto", "cpu")
+    assert (args.model, args.dtype, args.device, args.quantization) == (DEFAULT_MODEL_ID, "auto", "cpu", "auto")
+    assert build_parser().parse_args(["up", "--quantization", "int4-g64"]).quantization == "int4-g64"
     args = build_parser().parse_args(["up", "--prefill", "2", "--decode", "3", "--no-store", "--api-key", "k"])
     assert (args.prefill, args.decode, args.store, args.api_key) == (2, 3, False, "k")
     with pytest.raises(SystemExit):
@@ -202,7 +205,7 @@ def test_serve_announces_once_and_stops_cleanly_on_sigterm(model_dir):
     assert out.count("kvserve is up: ") == 1
     url = cluster.gateway_url
     assert f"kvserve is up: {url}/v1\n" in out
-    assert "model: tiny-llama (float32, cpu)\n" in out
+    assert "model: tiny-llama (float32, weights none, cpu)\n" in out
     assert (
         f"  curl -N {url}/v1/chat/completions -H 'Content-Type: application/json' "
         '-H "Authorization: Bearer $KVSERVE_API_KEY" '

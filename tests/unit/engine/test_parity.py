@@ -39,7 +39,7 @@ def hf_logits(path, ids: list[int]) -> torch.Tensor:
 )
 def test_tiny_random_llama_logits_match_transformers(tmp_path, overrides):
     path = make_tiny_checkpoint(tmp_path / "tiny", seed=1, **overrides)
-    loaded = load_model(str(path), dtype="float32", progress=False)
+    loaded = load_model(str(path), dtype="float32", quantization="none", progress=False)
     ids = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     ours, ref = our_logits(loaded, ids), hf_logits(path, ids)
     assert ours.shape == ref.shape == (200, 320)
@@ -73,7 +73,7 @@ def test_smollm_greedy_64_tokens_match_transformers(smollm, hf_smollm):
 def test_gguf_file_loads_the_same_model_as_the_prepared_folder(smollm):
     from libs.common.model.default_model import default_gguf_path
 
-    direct = load_model(str(default_gguf_path()), dtype="float32", progress=False)
+    direct = load_model(str(default_gguf_path()), dtype="float32", quantization="none", progress=False)
     ids = smollm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     assert direct.tokenizer.encode("The quick brown fox jumps over the lazy dog.") == ids
     assert torch.equal(our_logits(direct, ids), our_logits(smollm, ids))

@@ -1,0 +1,278 @@
+"""Weight-only quantized linear layers on PyTorch's CPU kernels, and every way into them.
+
+Two formats, both with floating activations:
+
+- ``int4-g{32,64,128}``: ``w[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g]``,
+  ``q`` in 0..15 (``_weight_int4pack_mm_for_cpu``'s own formula);
+- ``int8``: ``w[n, k] = q[n, k] * scale[n]``, one scale per output channel
+  (``_weight_int8pack_mm``).
+
+Weights reach them from GGUF blocks (Q4_0, Q4_1, Q8_0, unpacked with integer ops:
+no float copy of a whole tensor) or from float weights quantized at load. This
+module knows the block formats but not the GGUF file; the model knows neither.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from libs.common.settings import QUANTIZATIONS
+
+NONE = "none"
+AUTO = "auto"
+INT8 = "int8"
+DEFAULT_INT4_GROUP = 32
+CHOICES = QUANTIZATIONS  # auto, none, int8, int4 (= int4-g32), int4-g32/64/128
+
+# The kernels run only on the CPU and are fast only with bfloat16/float16 activations
+# (float32 takes their scalar path, 10-100x slower). Their cost grows with every row
+# (int4, 3072x576 on 2 Zen 5 cores: ~0.011 ms a row) while dequantizing the weight
+# (~1 ms) and one BLAS matmul grow slowly: above these rows a matmul dequantizes.
+KERNEL_MAX_ROWS = 64
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+_INT4_PACK_N = 16  # _convert_weight_to_int4pack_for_cpu needs N divisible by this
+_INT4_INNER_K_TILES = 2  # ignored on the CPU; part of the op's signature
+
+
+def parse(spec: str) -> str:
+    """The canonical name of a quantization spec: ``auto``, ``none``, ``int8`` or ``int4-gN``."""
+    spec = spec.strip().lower()
+    if spec == "int4":
+        return f"int4-g{DEFAULT_INT4_GROUP}"
+    if spec not in CHOICES:
+        raise ValueError(f"unknown quantization {spec!r}; choose {', '.join(CHOICES)}")
+    return spec
+
+
+def kernels_apply(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether quantized weights run fast here: what ``auto`` asks before keeping them."""
+    return device.type == "cpu" and dtype in _KERNEL_DTYPES
+
+
+def int4_group_size(name: str) -> int | None:
+    """The group size of an ``int4-gN`` name, None for any other."""
+    return int(name.removeprefix("int4-g")) if name.startswith("int4-g") else None
+
+
+# --- quantized weights, before packing ----------------------------------------
+
+
+@dataclass
+class Int4Groups:
+    """``[N, K]`` weight: ``w = (q - 8) * scale + zero`` with one scale and zero per ``group_size`` columns."""
+
+    q: torch.Tensor  # uint8 [N, K], values 0..15
+    scale: torch.Tensor  # float32 [N, K / group_size]
+    zero: torch.Tensor  # float32 [N, K / group_size]
+    group_size: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    @property
+    def name(self) -> str:
+        return f"int4-g{self.group_size}"
+
+    def rows(self, index: torch.Tensor) -> "Int4Groups":
+        return Int4Groups(*(t.index_select(0, index) for t in (self.q, self.scale, self.zero)), self.group_size)
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        groups = self.q.view(n, k // self.group_size, self.group_size).float() - 8  # [N, K/g, g]
+        return (groups * self.scale[..., None] + self.zero[..., None]).view(n, k)
+
+
+@dataclass
+class Int8Channels:
+    """``[N, K]`` weight: ``w = q * scale`` with one scale per output row."""
+
+    q: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N]
+
+    name = INT8
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def rows(self, index: torch.Tensor) -> "Int8Channels":
+        return Int8Channels(self.q.index_select(0, index), self.scale.index_select(0, index))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.q.float() * self.scale[:, None]
+
+
+QuantizedWeight = Int4Groups | Int8Channels
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Groups:
+    """Asymmetric min/max per group (Q4_1's rule, in the kernel's ``(q - 8)`` form)."""
+    n, k = w.shape
+    if k % group_size:
+        raise ValueError(f"int4-g{group_size} needs in_features divisible by {group_size}, got {k}")
+    groups = w.float().view(n, k // group_size, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    q = ((groups - low[..., None]) / scale[..., None]).round_().clamp_(0, 15).to(torch.uint8)
+    return Int4Groups(q.view(n, k), scale, low + 8 * scale, group_size)
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Channels:
+    """Symmetric, one scale per output row."""
+    w = w.float()
+    scale = (w.abs().amax(-1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return Int8Channels((w / scale[:, None]).round_().clamp_(-127, 127).to(torch.int8), scale)
+
+
+def convert(weight: torch.Tensor | QuantizedWeight, target: str) -> torch.Tensor | QuantizedWeight:
+    """``weight`` in the ``target`` format (``none``, ``int8``, ``int4-gN``); kept as is when it already is."""
+    if target == NONE:
+        return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+    if not isinstance(weight, torch.Tensor) and weight.name == target:
+        return weight
+    dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
+    group = int4_group_size(target)
+    return quantize_int8(dense) if group is None else quantize_int4(dense, group)
+
+
+def concat(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights of one format along the output dimension (fused q/k/v, gate/up)."""
+    first = parts[0]
+    if isinstance(first, Int4Groups):
+        return Int4Groups(
+            torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+            torch.cat([p.zero for p in parts]), first.group_size,
+        )  # fmt: skip
+    return Int8Channels(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+# --- GGUF blocks --------------------------------------------------------------
+# Each block covers 32 consecutive weights of a row and starts with an fp16 scale d.
+# Q4_0: d, 16 bytes of nibbles -> d * (q - 8); Q4_1: d, m, 16 bytes -> d * q + m;
+# Q8_0: d, 32 int8 -> d * q. Byte j of the nibbles holds weight j (low) and j + 16 (high).
+
+GGUF_BLOCK = 32
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def _blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, int, int]:
+    """``raw`` ``[N, bytes per row]`` as ``[N, blocks, block bytes]``."""
+    rows = raw.shape[0]
+    block_bytes = GGUF_BLOCK_BYTES[kind]
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % block_bytes:
+        raise ValueError(f"{kind} data must be uint8 [rows, {block_bytes} * blocks], got {raw.dtype} {raw.shape}")
+    num_blocks = raw.shape[1] // block_bytes
+    return np.ascontiguousarray(raw).reshape(rows, num_blocks, block_bytes), rows, num_blocks
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """``[..., 16]`` packed bytes -> ``[..., 32]`` values 0..15 in weight order."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def unpack_gguf_q4(raw: np.ndarray, kind: str) -> Int4Groups:
+    """Q4_0 or Q4_1 rows as int4 groups of 32, exactly: no value is rounded."""
+    blocks, rows, num_blocks = _blocks(raw, kind)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, blocks]
+    if kind == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        zero = m + 8 * d  # d * q + m == (q - 8) * d + (m + 8 d)
+        qs = blocks[..., 4:]
+    else:
+        zero = np.zeros_like(d)  # d * (q - 8)
+        qs = blocks[..., 2:]
+    q = _nibbles(qs).reshape(rows, num_blocks * GGUF_BLOCK)
+    return Int4Groups(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero), GGUF_BLOCK)
+
+
+def gguf_q8_0_values(raw: np.ndarray) -> torch.Tensor:
+    """Q8_0 rows as float32 ``[N, K]``, exactly."""
+    blocks, rows, _ = _blocks(raw, "Q8_0")
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, blocks]
+    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))  # [N, blocks, 32]
+    return (q.float() * d[..., None]).view(rows, -1)
+
+
+def unpack_gguf_q8_0(raw: np.ndarray, chunk_rows: int = 4096) -> Int8Channels:
+    """Q8_0 rows requantized to one scale per row (int8's kernel has no per-block scales).
+
+    Each value moves by at most half a row step (``max|row| / 254``); float copies are
+    made ``chunk_rows`` rows at a time.
+    """
+    parts = [quantize_int8(gguf_q8_0_values(raw[start : start + chunk_rows])) for start in range(0, len(raw), chunk_rows)]
+    return Int8Channels(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+
+
+def unpack_gguf(raw: np.ndarray, kind: str) -> QuantizedWeight:
+    return unpack_gguf_q8_0(raw) if kind == "Q8_0" else unpack_gguf_q4(raw, kind)
+
+
+# --- layers -------------------------------------------------------------------
+
+
+class Int4Linear(nn.Module):
+    """``y = x W^T + b`` with W in int4 groups. Keeps the kernel's packing and a plain
+    nibble copy (half a byte per weight each) to dequantize from at prefill sizes."""
+
+    def __init__(self, weight: Int4Groups, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        n, k = weight.shape
+        if n % _INT4_PACK_N:
+            raise ValueError(f"int4 needs out_features divisible by {_INT4_PACK_N}, got {n}")
+        self.out_features, self.in_features, self.group_size = n, k, weight.group_size
+        q = weight.q.contiguous()
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), _INT4_INNER_K_TILES))
+        self.register_buffer("nibbles", q[:, 0::2] | (q[:, 1::2] << 4))  # uint8 [N, K/2]
+        scale_zero = torch.stack((weight.scale.t(), weight.zero.t()), dim=-1)  # [K/g, N, 2]
+        self.register_buffer("scale_zero", scale_zero.contiguous())  # cast with the model's dtype
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
+        n, k, g = self.out_features, self.in_features, self.group_size
+        q = torch.stack((self.nibbles & 0x0F, self.nibbles >> 4), dim=-1).view(n, k // g, g)
+        scale, zero = self.scale_zero.to(dtype).permute(1, 0, 2).unbind(-1)  # [N, K/g] each
+        return ((q.to(dtype) - 8) * scale[..., None] + zero[..., None]).view(n, k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES and x.dtype == self.scale_zero.dtype:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scale_zero)
+        else:
+            y = x @ self.dequantize(x.dtype).t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """``y = x W^T + b`` with W in int8, one scale per output channel."""
+
+    def __init__(self, weight: Int8Channels, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_q", weight.q.contiguous())  # int8 [N, K]
+        self.register_buffer("scale", weight.scale.clone())  # [N], cast with the model's dtype
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
+        return self.weight_q.to(dtype) * self.scale.to(dtype)[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES and x.dtype == self.scale.dtype:
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_q, self.scale)
+        else:
+            y = (x @ self.weight_q.to(x.dtype).t()) * self.scale.to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+
+def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) -> nn.Module:
+    return Int4Linear(weight, bias) if isinstance(weight, Int4Groups) else Int8Linear(weight, bias)

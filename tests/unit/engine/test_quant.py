@@ -1,0 +1,218 @@
+"""Weight-only quantization: the kernels' layers, GGUF block unpacking, quantize-at-load,
+and the default model kept in its shipped int4 against the same weights in float32."""
+
+import numpy as np
+import pytest
+import torch
+
+from libs.common.model import quant
+from libs.common.model.engine import EngineConfig
+from libs.common.model.generator import Generator
+from libs.common.model.loader import build_engine, load_model, open_model
+from libs.common.model.sequence import Sequence
+from libs.common.sampling_params import SamplingParams
+from tests.conftest import make_tiny_checkpoint
+
+SHAPES = [(64, 64), (192, 576), (3072, 576), (576, 1536)]  # [out, in]; the last three are SmolLM2's
+ROWS = [1, 5, quant.KERNEL_MAX_ROWS + 7]  # the kernels' sizes and a prefill size that dequantizes
+PROMPTS = [
+    "Tell me a story about a lighthouse.",
+    "Explain paged attention in one paragraph.",
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three uses of a paperclip.",
+]
+
+
+def relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).abs().max() / ref.abs().max()).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_linear_equals_a_float_matmul_of_its_dequantized_weight(shape, group_size):
+    n, k = shape
+    if k % group_size:
+        with pytest.raises(ValueError, match=f"divisible by {group_size}"):
+            quant.quantize_int4(torch.randn(n, k), group_size)
+        return
+    torch.manual_seed(n + k + group_size)
+    layer = quant.Int4Linear(quant.quantize_int4(torch.randn(n, k), group_size), bias=torch.randn(n))
+    for dtype, tolerance in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        layer = layer.to(dtype)
+        weight = layer.dequantize(torch.float32)  # with the scales as the layer holds them
+        for rows in ROWS:
+            x = torch.randn(rows, k).to(dtype)
+            ref = x.float() @ weight.t() + layer.bias.float()
+            assert relative_error(layer(x), ref) < tolerance, (dtype, rows)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_linear_equals_a_float_matmul_of_its_dequantized_weight(shape):
+    n, k = shape
+    torch.manual_seed(n + k)
+    layer = quant.Int8Linear(quant.quantize_int8(torch.randn(n, k)))
+    for dtype, tolerance in ((torch.bfloat16, 1e-2), (torch.float32, 1e-5)):
+        layer = layer.to(dtype)
+        weight = layer.dequantize(torch.float32)
+        for rows in ROWS:
+            x = torch.randn(rows, k).to(dtype)
+            assert relative_error(layer(x), x.float() @ weight.t()) < tolerance, (dtype, rows)
+
+
+def test_quantizing_moves_each_weight_by_at_most_half_a_step():
+    torch.manual_seed(0)
+    w = torch.randn(48, 256) * torch.rand(48, 1) * 3
+    int4 = quant.quantize_int4(w, 64)
+    step4 = int4.scale.repeat_interleave(64, dim=1)
+    assert ((int4.dequantize() - w).abs() <= step4 / 2 + 1e-6).all()
+    assert int4.q.max() == 15 and int4.q.min() == 0  # min/max per group use the full range
+    int8 = quant.quantize_int8(w)
+    assert ((int8.dequantize() - w).abs() <= int8.scale[:, None] / 2 + 1e-6).all()
+
+
+def test_int4_out_features_must_suit_the_packer():
+    with pytest.raises(ValueError, match="divisible by 16"):
+        quant.Int4Linear(quant.quantize_int4(torch.randn(40, 64), 32))
+
+
+def test_quantization_names_parse_to_one_spelling():
+    assert quant.parse("int4") == "int4-g32"
+    assert [quant.parse(s) for s in ("INT8", "none", "auto", "int4-g128")] == ["int8", "none", "auto", "int4-g128"]
+    with pytest.raises(ValueError, match="unknown quantization 'int4-g16'"):
+        quant.parse("int4-g16")
+
+
+# --- GGUF blocks -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_synthetic_gguf_blocks_unpack_to_what_gguf_dequantizes(kind):
+    gguf = pytest.importorskip("gguf")
+    qtype = gguf.GGMLQuantizationType[kind]
+    x = np.random.default_rng(0).standard_normal((32, 256)).astype(np.float32)
+    raw = gguf.quants.quantize(x, qtype)
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
+    if kind == "Q8_0":
+        assert torch.equal(quant.gguf_q8_0_values(raw), ref)
+        int8 = quant.unpack_gguf(raw, kind)
+        assert ((int8.dequantize() - ref).abs() <= int8.scale[:, None] / 2 + 1e-6).all()
+    else:
+        assert torch.equal(quant.unpack_gguf(raw, kind).dequantize(), ref)
+
+
+def test_the_default_models_gguf_blocks_unpack_to_what_gguf_dequantizes():
+    import gguf
+
+    from libs.common.model.default_model import default_gguf_path
+
+    reader = gguf.GGUFReader(str(default_gguf_path()))
+    first = {}
+    for t in reader.tensors:
+        first.setdefault(t.tensor_type.name, t)
+    assert {"Q4_1", "Q8_0"} <= set(first)
+    q4 = first["Q4_1"]
+    ref = gguf.quants.dequantize(q4.data, q4.tensor_type).reshape([int(d) for d in reversed(q4.shape)])
+    assert torch.equal(quant.unpack_gguf(np.asarray(q4.data), "Q4_1").dequantize(), torch.from_numpy(ref))
+    q8 = first["Q8_0"]  # the embedding: 49,152 rows; the first 512 suffice
+    rows = np.asarray(q8.data)[:512]
+    ref = torch.from_numpy(gguf.quants.dequantize(rows, q8.tensor_type))
+    assert torch.equal(quant.gguf_q8_0_values(rows), ref)
+
+
+def test_a_gguf_checkpoint_keeps_its_linear_weights_quantized_with_rotary_rows_in_hf_order():
+    from libs.common.model.default_model import default_gguf_path
+    from libs.common.model.gguf_checkpoint import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(default_gguf_path())
+    assert checkpoint.native_quantization() == "int4-g32"
+    kept = {n: w for n, w in checkpoint.tensors(keep_quantized=True) if n.startswith("model.layers.0.")}
+    floats = {n: w for n, w in checkpoint.tensors() if n.startswith("model.layers.0.")}
+    assert kept.keys() == floats.keys()
+    for name, weight in kept.items():
+        if name.endswith("_proj.weight"):
+            assert isinstance(weight, quant.Int4Groups), name
+            assert torch.equal(weight.dequantize(), floats[name]), name  # q_proj/k_proj: un-permuted alike
+        else:
+            assert torch.equal(weight, floats[name]), name
+
+
+# --- whole models ----------------------------------------------------------------
+
+
+def logits(loaded, ids: list[int]) -> torch.Tensor:
+    engine = build_engine(loaded, EngineConfig(num_blocks=64, max_chunk_tokens=4096))
+    return engine.prefill_all_logits([Sequence.from_prompt("p", ids)])[0].float()
+
+
+def greedy(loaded, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    generator = Generator(build_engine(loaded, EngineConfig(num_blocks=256)), loaded.tokenizer)
+    results = generator.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))
+    return [r.token_ids for r in results]
+
+
+@pytest.fixture(scope="module")
+def smollm_int4_fp32():
+    """The default model in its shipped int4, float32 activations: exact arithmetic on the Q4_1 values."""
+    return load_model(None, dtype="float32", quantization="int4", progress=False)
+
+
+def test_the_default_model_loads_int4_by_default_where_the_kernels_are_fast():
+    loaded = load_model(None, dtype="bfloat16", progress=False)
+    assert loaded.quantization == "int4-g32"
+    assert type(loaded.model.layers[0].mlp.gate_up_proj) is quant.Int4Linear
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    assert len(greedy(loaded, [ids], 8)[0]) == 8
+
+
+@pytest.mark.timeout(900)  # float32 activations dequantize every weight at every step: slow on 2 cores
+def test_the_int4_engine_matches_the_gguf_dequantized_to_float32(smollm, smollm_int4_fp32):
+    """Same Q4_1 values, same float32 activations: only rounding of (q - 8) * d + (m + 8 d)
+    against d * q + m separates them, so logits agree to float32 noise and greedy text is equal."""
+    assert smollm.quantization == "none" and smollm_int4_fp32.quantization == "int4-g32"
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[1]}])
+    ours, ref = logits(smollm_int4_fp32, ids), logits(smollm, ids)
+    assert (ours - ref).abs().max().item() < 1e-3
+    prompts = [smollm.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
+    assert greedy(smollm_int4_fp32, prompts, 64) == greedy(smollm, prompts, 64)
+
+
+def test_the_int4_kernels_in_bfloat16_stay_close_to_the_float32_reference(smollm):
+    """bfloat16 activations and scales round at ~2^-8: logits move by a fraction of their
+    spread, and the top token agrees at nearly every position."""
+    loaded = load_model(None, dtype="bfloat16", quantization="int4", progress=False)
+    ids = smollm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[2]}])
+    ours, ref = logits(loaded, ids), logits(smollm, ids)
+    assert (ours - ref).abs().max().item() < 0.05 * (ref.max() - ref.min()).item()
+    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.9
+
+
+@pytest.mark.parametrize("quantization, tolerance", [("int8", 0.03), ("int4", 0.25), ("int4-g64", 0.25)])
+def test_a_hf_checkpoint_quantizes_at_load(tmp_path, quantization, tolerance):
+    path = make_tiny_checkpoint(tmp_path / "tiny", seed=3, intermediate_size=192)
+    float_model = load_model(str(path), dtype="float32", progress=False)
+    assert float_model.quantization == "none"  # auto: a HF folder ships float
+    loaded = load_model(str(path), dtype="bfloat16", quantization=quantization, progress=False)
+    assert loaded.quantization == quant.parse(quantization)
+    kind = quant.Int8Linear if quantization == "int8" else quant.Int4Linear
+    for layer in loaded.model.layers:
+        assert type(layer.self_attn.qkv_proj) is kind and type(layer.mlp.down_proj) is kind
+    ids = list(range(3, 40))
+    ours, ref = logits(loaded, ids), logits(float_model, ids)
+    assert relative_error(ours, ref) < tolerance  # random weights: int8 ~0.01, int4 ~0.13 of the largest logit
+
+
+def test_an_int4_group_that_does_not_divide_the_layer_is_refused_by_name(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "tiny", seed=3)  # hidden 64, intermediate 160
+    refusal = r"cannot load model\.layers\.\d\.\w+\.\w+_proj\.weight as int4-g128: .*divisible by 128"
+    with pytest.raises(ValueError, match=refusal):
+        load_model(str(path), dtype="bfloat16", quantization="int4-g128", progress=False)
+
+
+def test_float32_activations_load_float_weights_under_auto():
+    """The int kernels are 10-100x slower with float32 activations than bfloat16 ones."""
+    checkpoint, quantization, dtype = open_model(None, "auto", "cpu", "float32", progress=False)
+    assert (quantization, dtype) == ("none", torch.float32)
+    assert checkpoint.path.is_dir()  # the prepared float32 folder, not the GGUF file
+    with pytest.raises(ValueError, match="CPU only"):
+        open_model(None, "int4", "cuda", "bfloat16", progress=False)
