@@ -233,9 +233,10 @@ class Int4Linear(nn.Module):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
         n, k, g = self.out_features, self.in_features, self.group_size
-        q = torch.stack((self.nibbles & 0x0F, self.nibbles >> 4), dim=-1).view(n, k // g, g)
         scale, zero = self.scale_zero.to(dtype).permute(1, 0, 2).unbind(-1)  # [N, K/g] each
-        return ((q.to(dtype) - 8) * scale[..., None] + zero[..., None]).view(n, k)
+        offset = zero - 8 * scale  # (q - 8) * scale + zero == q * scale + offset: two in-place passes
+        q = torch.stack((self.nibbles & 0x0F, self.nibbles >> 4), dim=-1).view(n, k // g, g).to(dtype)
+        return q.mul_(scale[..., None]).add_(offset[..., None]).view(n, k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
