@@ -34,8 +34,11 @@ class AttentionBatch:
     slot_offsets: torch.Tensor  # [T] long: its position inside that block
     prefill_spans: list[PrefillSpan] | None = None
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] long, padded
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
     decode_lens: torch.Tensor | None = None  # [B] long: tokens each sequence attends to
+    # [T] long: the row whose K/V each slot receives. A padded decode batch repeats a
+    # real row's slot and writes that row's own K/V there again, so padding never
+    # changes a byte of the pool. None: row i writes its own.
+    slot_rows: torch.Tensor | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -51,14 +54,59 @@ def paged_attention(
     batch: AttentionBatch,
     scale: float,
 ) -> torch.Tensor:  # [T, Hq, D]
-    pool.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
     if batch.is_decode:
-        return _decode_attention(layer, q, pool, batch, scale)
+        if torch.compiler.is_compiling():
+            return torch.ops.kvserve.paged_decode_attention(
+                q, k, v, pool.kv, batch.slot_blocks, batch.slot_offsets, batch.slot_rows,
+                batch.decode_block_tables, batch.decode_lens, layer, scale,
+            )  # fmt: skip
+        return _decode(layer, q, k, v, pool, batch, scale)
+    pool.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
     out = torch.empty_like(q)
     for span in batch.prefill_spans:
         rows = slice(span.query_start, span.query_start + span.query_len)
         out[rows] = _prefill_attention(layer, q[rows], k[rows], v[rows], pool, span, scale)
     return out
+
+
+def _decode(
+    layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, batch: AttentionBatch, scale: float
+) -> torch.Tensor:
+    rows = batch.slot_rows
+    if rows is None:
+        pool.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
+    else:
+        pool.write(layer, batch.slot_blocks, batch.slot_offsets, k[rows], v[rows])
+    return _decode_attention(layer, q, pool, batch, scale)
+
+
+# A compiled decode step calls the KV write and the attention as one op that the
+# compiler sees as opaque and pure. The pool is the engine's, written in place; were
+# the write visible, functionalization would copy the whole pool on every step. Hiding
+# it loses no ordering: nothing else in the graph reads the pool, and each layer's op
+# depends on the one before through its hidden state.
+@torch.library.custom_op("kvserve::paged_decode_attention", mutates_args=())
+def _decode_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    slot_rows: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    lens: torch.Tensor,
+    layer: int,
+    scale: float,
+) -> torch.Tensor:
+    batch = AttentionBatch(slot_blocks, slot_offsets, decode_block_tables=block_tables, decode_lens=lens,
+                           slot_rows=slot_rows)  # fmt: skip
+    return _decode(layer, q.contiguous(), k, v, KVPool.over(kv), batch, scale)
+
+
+@_decode_op.register_fake
+def _(q: torch.Tensor, *args) -> torch.Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _prefill_attention(
@@ -100,10 +148,11 @@ def _decode_attention(layer: int, q: torch.Tensor, pool: KVPool, batch: Attentio
     keys = pool.gather(layer, 0, tables).flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
     values = pool.gather(layer, 1, tables).flatten(1, 2).transpose(1, 2)
     bsz, num_heads, dim = q.shape
+    mask = torch.arange(keys.shape[2], device=q.device) < batch.decode_lens[:, None]  # [B, S]
     # One new token per sequence, so the query heads sharing a KV head can stand in
     # for a query length: [B, Hkv, group, D] attends without repeating K/V (~15% faster).
     qh = q.view(bsz, keys.shape[1], num_heads // keys.shape[1], dim)
-    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=batch.decode_mask, scale=scale)
+    out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(bsz, num_heads, dim)
 
 

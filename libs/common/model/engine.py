@@ -14,10 +14,19 @@ import torch
 
 from libs.common.errors import EmptyPromptError, PromptTooLongError
 from libs.common.model.attention import AttentionBatch, PrefillSpan
+from libs.common.model.compiled import (
+    MAX_ROWS,
+    MIN_ROWS,
+    CompiledDecode,
+    compile_unavailable,
+    use_cache_dir,
+    warn_eager,
+)
 from libs.common.model.kv_cache import KVCacheManager
 from libs.common.model.kv_pool import KVPool
 from libs.common.model.llama import LlamaModel
 from libs.common.model.sequence import Sequence
+from libs.common.settings import ProcessSettings
 
 
 # Called on the engine thread after each layer of a prefill chunk with the layer index
@@ -32,6 +41,7 @@ class EngineConfig:
     max_chunk_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context window
     enable_prefix_cache: bool = True
+    compile: bool | None = None  # compile the decode step; None: as KVSERVE_COMPILE says (on)
 
 
 class Engine:
@@ -42,6 +52,20 @@ class Engine:
         self.config = config
         self.max_model_len = min(config.max_model_len or 1 << 62, model.config.max_position_embeddings)
         self.device = pool.kv.device
+        self.compiled = self._compiled_decode(config.compile)
+
+    def _compiled_decode(self, wanted: bool | None) -> CompiledDecode | None:
+        settings = ProcessSettings.from_env()
+        if wanted is False:
+            return None
+        why_not = compile_unavailable(settings)
+        if why_not is not None:
+            if wanted is None:
+                warn_eager(why_not)
+                return None
+            raise RuntimeError(f"cannot compile the decode step: {why_not}")
+        use_cache_dir(settings)
+        return CompiledDecode(self.model, self.pool, -(-self.max_model_len // self.config.block_size))
 
     @property
     def block_size(self) -> int:
@@ -134,26 +158,70 @@ class Engine:
                 raise PromptTooLongError(seq.num_tokens, self.max_model_len)
         for seq in seqs:
             self.cache.allocate(seq, seq.num_tokens)
-        bs = self.block_size
-        positions = [seq.num_tokens - 1 for seq in seqs]
-        slots = [seq.block_table[p // bs] for seq, p in zip(seqs, positions)]
-        max_blocks = max(len(seq.block_table) for seq in seqs)
-        tables = torch.zeros(len(seqs), max_blocks, dtype=torch.long)  # padding points at block 0, masked out
-        for row, seq in enumerate(seqs):
-            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
-        lengths = torch.tensor([seq.num_tokens for seq in seqs])
-        mask = torch.arange(max_blocks * bs)[None, :] < lengths[:, None]  # [B, S]
-        batch = AttentionBatch(
-            *self._slots(slots, positions),
-            decode_block_tables=tables.to(self.device),
-            decode_mask=mask[:, None, None, :].to(self.device),
-            decode_lens=lengths.to(self.device),
-        )
-        hidden = self._forward([seq.token_ids[-1] for seq in seqs], positions, batch, None)
+        if self.compiled is not None and self.compiled.ready:
+            chunks = [seqs[i : i + MAX_ROWS] for i in range(0, len(seqs), MAX_ROWS)]
+        else:
+            chunks = [seqs]
+        logits = torch.cat([self._decode_rows(chunk) for chunk in chunks])
         for seq in seqs:
             seq.num_computed_tokens += 1
             self.cache.cache_full_blocks(seq)
-        return self.model.compute_logits(hidden).float()
+        return logits
+
+    def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B, V] of each sequence's last token, through the compiled graph
+        once it is warmed up, eagerly otherwise."""
+        if self.compiled is not None and self.compiled.can_run(len(seqs)):
+            input_ids, positions, batch = self._decode_batch(seqs, max(MIN_ROWS, len(seqs)), padded=True)
+            return self.compiled(input_ids, positions, batch)[: len(seqs)]
+        input_ids, positions, batch = self._decode_batch(seqs, len(seqs), padded=False)
+        return self.model.compute_logits(self.model(input_ids, positions, self.pool, batch)).float()
+
+    def _decode_batch(
+        self, seqs: list[Sequence], num_rows: int, padded: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """Inputs of a decode step over ``seqs``, padded to ``num_rows`` rows by repeating
+        the first sequence (whose KV write each padded row repeats byte for byte). A
+        batch for the compiled graph always names its slot rows, padding or not, so that
+        every batch meets the same graph."""
+        bs = self.block_size
+        rows = seqs + [seqs[0]] * (num_rows - len(seqs))
+        positions = [seq.num_tokens - 1 for seq in rows]
+        slots = [seq.block_table[p // bs] for seq, p in zip(rows, positions)]
+        # at least two columns: a dynamic dimension of size 1 would be specialised
+        max_blocks = max(MIN_ROWS, *(len(seq.block_table) for seq in rows))
+        tables = torch.zeros(num_rows, max_blocks, dtype=torch.long)  # padding points at block 0, masked out
+        for row, seq in enumerate(rows):
+            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
+        slot_rows = None
+        if padded:
+            slot_rows = torch.tensor([*range(len(seqs)), *[0] * (num_rows - len(seqs))], device=self.device)
+        batch = AttentionBatch(
+            *self._slots(slots, positions),
+            decode_block_tables=tables.to(self.device),
+            decode_lens=torch.tensor([seq.num_tokens for seq in rows], device=self.device),
+            slot_rows=slot_rows,
+        )
+        input_ids = torch.tensor([seq.token_ids[-1] for seq in rows], device=self.device)
+        return input_ids, torch.tensor(positions, device=self.device), batch
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the decode step (a no-op when compiling is off or already done).
+
+        Engine hosts call this once before serving. The example batch is one
+        throw-away sequence, padded: it writes only its own block, which is freed
+        afterwards without ever being named by a hash.
+        """
+        if self.compiled is None:
+            return
+        seq = Sequence.from_prompt("warmup", [0, 0])
+        self.cache.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = 1
+        try:
+            self.compiled.warmup(self._decode_batch([seq], MIN_ROWS, padded=True))
+        finally:
+            self.cache.free(seq)
 
     def _slots(self, blocks: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         offsets = [p % self.block_size for p in positions]

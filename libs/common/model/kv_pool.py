@@ -91,6 +91,16 @@ class KVPool:
                 raise ValueError(f"buffer must be uint8 with at least {nbytes} bytes")
             self.kv = buffer[:nbytes].view(layout.dtype).view(shape)
 
+    @classmethod
+    def over(cls, kv: torch.Tensor) -> "KVPool":
+        """A pool over an existing KV tensor of the module's 6-D layout (no copy)."""
+        num_blocks, num_layers, _, block_size, num_kv_heads, head_dim = kv.shape
+        pool = cls.__new__(cls)
+        pool.layout = KVLayout(num_layers, block_size, num_kv_heads, head_dim, kv.dtype)
+        pool.num_blocks = num_blocks
+        pool.kv = kv
+        return pool
+
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.layout.block_nbytes
