@@ -73,6 +73,7 @@ class EngineHost:
         layout = loaded.kv_layout(settings.block_size)
         segment = SharedSegment.create(new_segment_name(owner, "kv"), settings.num_blocks * layout.block_nbytes)
         engine = build_engine(loaded, config, pool_buffer=segment.tensor)
+        engine.warmup()  # compile the decode step before serving (KVSERVE_COMPILE)
         transfers = TransferEngine(
             host_id,
             listen=f"{transfer.listen_host}:0",

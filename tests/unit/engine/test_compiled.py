@@ -131,4 +131,13 @@ def test_kvserve_compile_0_gives_the_eager_path(tiny_model, monkeypatch):
     seq = Sequence.from_prompt("a", [1, 2, 3])
     assert decode(engine, [seq], 1)[0].shape == (1, tiny_model.model.config.vocab_size)
     monkeypatch.setenv("KVSERVE_COMPILE", "1")
-    assert build_engine(tiny_model, EngineConfig(num_blocks=8)).compiled is not None
+    assert build_engine(tiny_model, EngineConfig(num_blocks=8)).compiled is None  # float32 stays eager unless asked
+    assert build_engine(tiny_model, EngineConfig(num_blocks=8, compile=True)).compiled is not None
+
+
+def test_bfloat16_compiles_by_default(tiny_checkpoint, monkeypatch):
+    from libs.common.model.loader import load_model
+
+    monkeypatch.setenv("KVSERVE_COMPILE", "1")
+    loaded = load_model(str(tiny_checkpoint), dtype="bfloat16", progress=False)
+    assert build_engine(loaded, EngineConfig(num_blocks=8)).compiled is not None
