@@ -161,6 +161,8 @@ def test_the_default_model_loads_int4_by_default_where_the_kernels_are_fast():
     loaded = load_model(None, dtype="bfloat16", progress=False)
     assert loaded.quantization == "int4-g32"
     assert type(loaded.model.layers[0].mlp.gate_up_proj) is quant.Int4Linear
+    assert type(loaded.model.lm_head) is quant.Int8Linear  # tied to the Q8_0 embedding, which stays float
+    assert loaded.model.embed_tokens.weight.dtype == torch.bfloat16
     ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
     assert len(greedy(loaded, [ids], 8)[0]) == 8
 
@@ -170,6 +172,7 @@ def test_the_int4_engine_matches_the_gguf_dequantized_to_float32(smollm, smollm_
     """Same Q4_1 values, same float32 activations: only rounding of (q - 8) * d + (m + 8 d)
     against d * q + m separates them, so logits agree to float32 noise and greedy text is equal."""
     assert smollm.quantization == "none" and smollm_int4_fp32.quantization == "int4-g32"
+    assert type(smollm_int4_fp32.model.lm_head) is torch.nn.Linear  # float32 activations: a float head
     ids = smollm.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[1]}])
     ours, ref = logits(smollm_int4_fp32, ids), logits(smollm, ids)
     assert (ours - ref).abs().max().item() < 1e-3
