@@ -230,6 +230,7 @@ class Int4Linear(nn.Module):
         scale_zero = torch.stack((weight.scale.t(), weight.zero.t()), dim=-1)  # [K/g, N, 2]
         self.register_buffer("scale_zero", scale_zero.contiguous())  # cast with the model's dtype
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+        self._dense_t: torch.Tensor | None = None  # [K, N], made at the first prefill-sized batch
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
         n, k, g = self.out_features, self.in_features, self.group_size
@@ -244,10 +245,20 @@ class Int4Linear(nn.Module):
         if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES and x.dtype == self.scale_zero.dtype:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, self.group_size, self.scale_zero)
         else:
-            y = x @ self.dequantize(x.dtype).t()
+            y = x @ self.dense_t(x.dtype)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+
+    def dense_t(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight dequantized and transposed, kept after its first use: dequantizing
+        costs about what the prefill matmul itself does, so prefill-sized batches pay it
+        once per process (float weights' bytes again in memory) instead of every chunk."""
+        dense = self._dense_t
+        if dense is None or dense.dtype != dtype or dense.device != self.packed.device:
+            dense = self._dense_t = self.dequantize(dtype).t().contiguous()
+        return dense
 
 
 class Int8Linear(nn.Module):
