@@ -49,10 +49,12 @@ class EngineHost:
         max_chunk_tokens: int = 512,
         enable_prefix_cache: bool = True,
         metrics: Metrics | None = None,
+        decodes: bool = True,
     ) -> "EngineHost":
         """Load the model, place a KV pool of ``settings.num_blocks`` blocks in a new
         shm segment, and open the transfer engine on it (its TCP listener opens when a
-        peer on another host is to write here), counting transfers on ``metrics``."""
+        peer on another host is to write here), counting transfers on ``metrics``.
+        A host that never ``decodes`` (a prefill worker) does not compile the decode step."""
         torch.set_grad_enabled(False)
         removed = remove_stale_segments()
         if removed:
@@ -69,6 +71,7 @@ class EngineHost:
             max_chunk_tokens=max_chunk_tokens,
             max_model_len=settings.max_model_len,
             enable_prefix_cache=enable_prefix_cache,
+            compile=None if decodes else False,
         )
         layout = loaded.kv_layout(settings.block_size)
         segment = SharedSegment.create(new_segment_name(owner, "kv"), settings.num_blocks * layout.block_nbytes)

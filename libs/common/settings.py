@@ -195,7 +195,7 @@ class ProcessSettings:
 
     cache_dir: Path  # the prepared default model, compiled kernels, the store's default folders
     native_kernels: bool = True  # KVSERVE_NATIVE_KERNELS=0: every kernel uses its PyTorch path
-    compile: bool = True  # KVSERVE_COMPILE=0: the engine's decode step runs eagerly, not compiled by Inductor
+    compile: bool = False  # KVSERVE_COMPILE=1: decode workers compile their decode step with Inductor at start
     compiler: str = "cc"  # the C compiler native kernels are built with (CC)
     failpoints: str = ""  # KVSERVE_FAILPOINTS: ``name`` or ``instance_id:name`` entries, comma separated
     instance_id: InstanceId | None = None  # KVSERVE_INSTANCE_ID as set, which ``instance_id:name`` failpoints match
@@ -205,7 +205,7 @@ class ProcessSettings:
         return cls(
             cache_dir=Path(env_str("CACHE_DIR", DEFAULT_CACHE_DIR)).expanduser(),
             native_kernels=env_str("NATIVE_KERNELS", "1") != "0",
-            compile=env_str("COMPILE", "1") != "0",
+            compile=env_str("COMPILE", "0") != "0",
             compiler=os.environ.get("CC", "cc"),
             failpoints=env_str("FAILPOINTS", ""),
             instance_id=InstanceId(env_str("INSTANCE_ID", "")) or None,

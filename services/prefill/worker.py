@@ -48,7 +48,7 @@ class PrefillWorker(Service):
         self.host = EngineHost.create(
             settings.model, self.instance_id, settings.host_id, settings.transfer,
             max_chunk_tokens=settings.max_chunk_tokens, enable_prefix_cache=settings.enable_prefix_cache,
-            metrics=self.metrics,
+            metrics=self.metrics, decodes=False,
         )  # fmt: skip
         self.engine = self.host.engine
         self.stop = token_stop(set(self.host.loaded.tokenizer.eos_token_ids), self.engine.max_model_len)

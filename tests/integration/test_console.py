@@ -9,6 +9,7 @@ A screenshot is saved under the test's tmp dir. Where no Chromium can be had
 import re
 import shutil
 import tempfile
+import time
 
 import pytest
 
@@ -91,8 +92,15 @@ def test_kvserve_status_shows_the_cluster_and_a_requests_route(cluster):
         fetch_state(cluster.gateway_url, None)
     client = OpenAI(base_url=cluster.gateway_url + "/v1", api_key=KEY, max_retries=0)
     request_id, (prefill_id, decode_id), _ = chat(client)
-    screen = render(fetch_state(cluster.gateway_url, KEY), cluster.gateway_url)
-    (route,) = [line for line in screen.splitlines() if request_id in line]
+    # the gateway asks the conductor for its view at most once a second: poll until it has this decision
+    deadline = time.monotonic() + WAIT_MS / 1000
+    while True:
+        screen = render(fetch_state(cluster.gateway_url, KEY), cluster.gateway_url)
+        routes = [line for line in screen.splitlines() if request_id in line]
+        if routes or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    (route,) = routes
     assert f"{prefill_id} -> {decode_id}" in route
     for instance in ("conductor-0", "store-0", prefill_id, decode_id):
         assert any(line.startswith(instance + " ") for line in screen.splitlines()), instance

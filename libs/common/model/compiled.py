@@ -41,8 +41,6 @@ MAX_ROWS = 64  # larger batches run in chunks of this many rows
 
 def compile_unavailable(settings: ProcessSettings) -> str | None:
     """Why the decode step cannot be compiled here, or None when it can."""
-    if not settings.compile:
-        return "KVSERVE_COMPILE=0"
     if shutil.which(os.environ.get("CXX", "g++")) is None:
         return "no C++ compiler (g++ or $CXX) for Inductor"
     return None

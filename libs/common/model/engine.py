@@ -41,7 +41,7 @@ class EngineConfig:
     max_chunk_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context window
     enable_prefix_cache: bool = True
-    compile: bool | None = None  # compile the decode step; None: as KVSERVE_COMPILE says (on), not in float32
+    compile: bool | None = None  # compile the decode step; None: as KVSERVE_COMPILE says (off), never in float32
 
 
 class Engine:
@@ -58,7 +58,7 @@ class Engine:
         settings = ProcessSettings.from_env()
         # float32 is the precision parity is checked in: its compiled reductions sum in
         # another order than eager's, so it compiles only when asked to explicitly
-        if wanted is False or (wanted is None and self.pool.layout.dtype == torch.float32):
+        if wanted is False or (wanted is None and (not settings.compile or self.pool.layout.dtype == torch.float32)):
             return None
         why_not = compile_unavailable(settings)
         if why_not is not None:

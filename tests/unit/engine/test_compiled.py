@@ -135,9 +135,11 @@ def test_kvserve_compile_0_gives_the_eager_path(tiny_model, monkeypatch):
     assert build_engine(tiny_model, EngineConfig(num_blocks=8, compile=True)).compiled is not None
 
 
-def test_bfloat16_compiles_by_default(tiny_checkpoint, monkeypatch):
+def test_bfloat16_compiles_when_kvserve_compile_is_on_and_not_by_default(tiny_checkpoint, monkeypatch):
     from libs.common.model.loader import load_model
 
-    monkeypatch.setenv("KVSERVE_COMPILE", "1")
     loaded = load_model(str(tiny_checkpoint), dtype="bfloat16", progress=False)
+    monkeypatch.delenv("KVSERVE_COMPILE", raising=False)
+    assert build_engine(loaded, EngineConfig(num_blocks=8)).compiled is None  # off by default: see the README
+    monkeypatch.setenv("KVSERVE_COMPILE", "1")
     assert build_engine(loaded, EngineConfig(num_blocks=8)).compiled is not None
