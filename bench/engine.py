@@ -1,219 +1,432 @@
-"""The engine against Hugging Face transformers, side by side in one run.
+"""The engine side by side with llama.cpp and Hugging Face transformers, in one run.
 
-For each dtype: prefill tokens/s at 512 and 2,048 tokens (one forward each),
-decode tokens/s at batch 1, 8 and 32 (64 new tokens, `generate` for transformers,
-the continuous-batching generator for kvserve), and the floor: the model's
-weight bytes over this machine's memory-copy bandwidth, per decode step.
-Repetitions alternate between the two so that machine noise hits both.
+Every kvserve variant (weights float32 / bfloat16 / int8 / int4, decode eager or
+compiled), transformers' `generate` (bf16, fp32) and llama.cpp's `llama-server` on
+the same GGUF file run one after the other, each in its own process so start-up
+time and resident memory are its own. For each: prefill tokens/s at 512 and 2,048
+tokens, decode tokens/s at batch 1, 8, 32 and 64, start-up seconds (process start
+to ready, compilation included) and peak resident memory; for kvserve the batch-1
+step against the floor (weight bytes / this machine's measured copy bandwidth).
 
-    python bench/engine.py [--device cpu] [--dtypes float32,bfloat16] [--out bench/results/engine.md]
+    python bench/engine.py [--variants all] [--skip-llama] [--skip-hf] [--out bench/results/engine.md]
+
+Variants: fp32, bf16, int8, int4 with -eager or -compiled (e.g. int4-compiled);
+hf-bf16, hf-fp32; llama.cpp (needs bench/llama_cpp.sh). One process at a time:
+never run two benchmarks at once on a small machine.
 """
 
 import argparse
+import concurrent.futures
 import datetime
+import json
+import os
 import platform
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
-import torch
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from libs.common.model.engine import EngineConfig  # noqa: E402
-from libs.common.model.generator import Generator  # noqa: E402
-from libs.common.model.loader import build_engine, load_model  # noqa: E402
-from libs.common.model.sequence import Sequence  # noqa: E402
-from libs.common.sampling_params import SamplingParams  # noqa: E402
-
+LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
 PREFILL_LENGTHS = (512, 2048)
-BATCHES = (1, 8, 32)
-NEW_TOKENS = 64
+BATCHES = (1, 8, 32, 64)
+NEW_TOKENS = 32  # decoded per sequence after the first token
 DECODE_PROMPT = 128  # tokens per decode prompt (each a little different in length)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes/s of a 1 GiB tensor copy into a preallocated tensor (best of 5)."""
-    src = torch.ones(1 << 28, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = float("inf")
-    for _ in range(5):
-        sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        sync(device)
-        best = min(best, time.perf_counter() - start)
-    return src.numel() * 4 / best
+KVSERVE_VARIANTS = [f"{w}-{m}" for w in ("fp32", "bf16", "int8", "int4") for m in ("eager", "compiled")]
+HF_VARIANTS = ["hf-bf16", "hf-fp32"]
+WEIGHTS = {  # variant prefix -> (dtype, quantization)
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8": ("auto", "int8"),
+    "int4": ("auto", "auto"),  # the default model ships Q4_1: auto runs its blocks as int4-g32
+}
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
+    import torch
+
     return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def ours_prefill(engine, n: int, rep: int) -> float:
-    seq = Sequence.from_prompt(f"p{rep}", random_prompt(n, rep))
-    sync(engine.device)
-    start = time.perf_counter()
-    engine.prefill([seq])
-    sync(engine.device)
-    elapsed = time.perf_counter() - start
-    engine.cache.free(seq)
-    return n / elapsed
-
-
-def hf_prefill(model, n: int, rep: int, device) -> float:
-    ids = torch.tensor([random_prompt(n, rep)], device=device)
-    sync(device)
-    start = time.perf_counter()
-    with torch.inference_mode():
-        model(ids, use_cache=True)
-    sync(device)
-    return n / (time.perf_counter() - start)
 
 
 def decode_prompts(batch: int) -> list[list[int]]:
     return [random_prompt(DECODE_PROMPT + 3 * i, 1000 + i) for i in range(batch)]
 
 
-def ours_decode(loaded, batch: int) -> float:
-    engine = build_engine(loaded, EngineConfig(num_blocks=batch * 16 + 64, enable_prefix_cache=False))
-    generator = Generator(engine, loaded.tokenizer, max_batch_size=batch)
-    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-    for prompt in decode_prompts(batch):
-        generator.add_request(prompt, params)
-    generator.step()  # the prefill of every request, and each one's first token
-    sync(engine.device)
-    start = time.perf_counter()
-    steps = 0
-    while generator.has_work:
-        generator.step()
-        steps += 1
-    sync(engine.device)
-    return batch * steps / (time.perf_counter() - start)
+def memory_kib(pid: int | str = "self") -> dict[str, int]:
+    """VmRSS and VmHWM (peak) in KiB from /proc."""
+    out = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            out[key] = int(value.split()[0])
+    return out
 
 
-def hf_decode(model, batch: int, device) -> float:
-    prompts = decode_prompts(batch)
-    width = max(len(p) for p in prompts)
-    pad = 2
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB tensor copy into a preallocated tensor (best of 5)."""
+    import torch
 
-    def generate(new: int) -> float:
-        sync(device)
+    src = torch.ones(1 << 28, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
         start = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=pad)  # fmt: skip
-        sync(device)
-        return time.perf_counter() - start
-
-    prefill = generate(1)
-    total = generate(NEW_TOKENS)
-    return batch * (NEW_TOKENS - 1) / (total - prefill)
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return src.numel() * 4 / best
 
 
-def run_dtype(dtype: str, device: str, reps: int) -> dict:
+# --- one variant, in its own process ------------------------------------------------
+def emit(**fields) -> None:
+    print("BENCH " + json.dumps(fields), flush=True)
+
+
+def kvserve_worker(variant: str, reps: int) -> None:
+    import torch
+
+    from libs.common.model.engine import EngineConfig
+    from libs.common.model.generator import Generator
+    from libs.common.model.loader import build_engine, load_model
+    from libs.common.model.sequence import Sequence
+    from libs.common.sampling_params import SamplingParams
+
+    weights, _ = variant.split("-")
+    dtype, quantization = WEIGHTS[weights]
+    torch.set_grad_enabled(False)
+    loaded = load_model(None, dtype=dtype, quantization=quantization, progress=False)
+    config = EngineConfig(num_blocks=max(BATCHES) * 32 + 256, max_chunk_tokens=2048, enable_prefix_cache=False,
+                          compile=variant.endswith("-compiled"))  # fmt: skip
+    engine = build_engine(loaded, config)
+    warmup = getattr(engine, "warmup", None)
+    if warmup is not None:
+        warmup()
+    emit(ready=True, dtype=str(loaded.dtype).removeprefix("torch."),
+         quantization=str(getattr(loaded, "quantization", "none")),
+         compiled=engine.compiled is not None, weight_bytes=weight_bytes(loaded.model))  # fmt: skip
+
+    def prefill(n: int, seed: int) -> float:
+        seq = Sequence.from_prompt(f"p{seed}", random_prompt(n, seed))
+        start = time.perf_counter()
+        engine.prefill([seq])
+        elapsed = time.perf_counter() - start
+        engine.cache.free(seq)
+        return n / elapsed
+
+    for n in PREFILL_LENGTHS:
+        prefill(n, 99)
+        emit(prefill=n, tok_s=statistics.median(prefill(n, rep) for rep in range(reps)))
+    for batch in BATCHES:
+        generator = Generator(engine, loaded.tokenizer, max_batch_size=batch)
+        params = SamplingParams(max_tokens=NEW_TOKENS + 1, temperature=0, ignore_eos=True)
+        for prompt in decode_prompts(batch):
+            generator.add_request(prompt, params)
+        generator.step()  # every prefill and each sequence's first token
+        while generator.running and len(generator.running) < batch:
+            generator.step()
+        start, steps = time.perf_counter(), 0
+        while generator.has_work:
+            generator.step()
+            steps += 1
+        emit(decode=batch, tok_s=batch * steps / (time.perf_counter() - start), steps=steps)
+    emit(memory=memory_kib())
+
+
+def weight_bytes(model) -> int:
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def hf_worker(variant: str, reps: int) -> None:
+    import torch
     from transformers import LlamaForCausalLM
 
-    loaded = load_model(None, device=device, dtype=dtype, progress=False)
-    dev = loaded.device
-    hf = LlamaForCausalLM.from_pretrained(str(loaded.checkpoint.path), dtype=loaded.dtype).to(dev).eval()
-    engine = build_engine(loaded, EngineConfig(num_blocks=256, max_chunk_tokens=2048, enable_prefix_cache=False))
-    result: dict = {"prefill": {}, "decode": {}}
+    from libs.common.model.default_model import default_model_dir
+
+    dtype = {"hf-bf16": torch.bfloat16, "hf-fp32": torch.float32}[variant]
+    torch.set_grad_enabled(False)
+    model = LlamaForCausalLM.from_pretrained(str(default_model_dir()), dtype=dtype).eval()
+    emit(ready=True, dtype=str(dtype).removeprefix("torch."), quantization="none", compiled=False,
+         weight_bytes=weight_bytes(model))  # fmt: skip
+
+    def prefill(n: int, seed: int) -> float:
+        ids = torch.tensor([random_prompt(n, seed)])
+        start = time.perf_counter()
+        model(ids, use_cache=True)
+        return n / (time.perf_counter() - start)
+
     for n in PREFILL_LENGTHS:
-        ours_prefill(engine, n, 99), hf_prefill(hf, n, 99, dev)  # warm-up
-        ours, theirs = [], []
-        for rep in range(reps):
-            ours.append(ours_prefill(engine, n, rep))
-            theirs.append(hf_prefill(hf, n, rep, dev))
-        result["prefill"][n] = (statistics.median(ours), statistics.median(theirs))
-        print(f"  {dtype} prefill {n}: kvserve {result['prefill'][n][0]:.0f} tok/s, "
-              f"transformers {result['prefill'][n][1]:.0f} tok/s", flush=True)  # fmt: skip
+        prefill(n, 99)
+        emit(prefill=n, tok_s=statistics.median(prefill(n, rep) for rep in range(reps)))
     for batch in BATCHES:
-        ours, theirs = [], []
-        for _ in range(max(1, reps - 1)):
-            ours.append(ours_decode(loaded, batch))
-            theirs.append(hf_decode(hf, batch, dev))
-        result["decode"][batch] = (statistics.median(ours), statistics.median(theirs))
-        print(f"  {dtype} decode batch {batch}: kvserve {result['decode'][batch][0]:.1f} tok/s, "
-              f"transformers {result['decode'][batch][1]:.1f} tok/s", flush=True)  # fmt: skip
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    result["weight_bytes"] = weight_bytes
-    result["dtype"] = str(loaded.dtype).removeprefix("torch.")
+        prompts = decode_prompts(batch)
+        width, pad = max(len(p) for p in prompts), 2
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+
+        def generate(new: int) -> float:
+            start = time.perf_counter()
+            model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=pad)  # fmt: skip
+            return time.perf_counter() - start
+
+        first = generate(1)
+        total = generate(NEW_TOKENS + 1)
+        emit(decode=batch, tok_s=batch * NEW_TOKENS / (total - first), steps=NEW_TOKENS)
+    emit(memory=memory_kib())
+
+
+def run_variant(variant: str, reps: int, timeout: float) -> dict:
+    """Run one variant in a fresh process; its start-up counts from the spawn."""
+    env = dict(os.environ)
+    result: dict = {"variant": variant, "prefill": {}, "decode": {}}
+    start = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, __file__, "--worker", variant, "--reps", str(reps)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)  # fmt: skip
+    deadline = start + timeout
+    tail: list[str] = []
+    for line in proc.stdout:
+        if time.perf_counter() > deadline:
+            proc.kill()
+            result["error"] = f"timed out after {timeout:g}s"
+            break
+        if not line.startswith("BENCH "):
+            tail = (tail + [line.rstrip()])[-5:]
+            continue
+        fields = json.loads(line[6:])
+        if "error" in fields:
+            result["error"] = fields["error"]
+        elif "ready" in fields:
+            result["startup_s"] = time.perf_counter() - start
+            result.update({k: v for k, v in fields.items() if k != "ready"})
+        elif "prefill" in fields:
+            result["prefill"][fields["prefill"]] = fields["tok_s"]
+        elif "decode" in fields:
+            result["decode"][fields["decode"]] = fields["tok_s"]
+        elif "memory" in fields:
+            result["rss_mib"] = fields["memory"]["VmHWM"] / 1024
+        print(f"  {variant}: {fields}", flush=True)
+    proc.wait()
+    if proc.returncode != 0 and "error" not in result:
+        result["error"] = f"exited {proc.returncode}: " + " | ".join(tail)
     return result
 
 
-def report(results: list[dict], bandwidth: float, device: str, command: str) -> str:
-    cpu = platform.processor() or platform.machine()
+# --- llama.cpp ---------------------------------------------------------------------
+def llama_cpp(reps: int) -> dict:
+    from libs.common.model.default_model import default_gguf_path
+
+    result: dict = {"variant": "llama.cpp", "prefill": {}, "decode": {}, "dtype": "Q4_1 (its own kernels)"}
+    if not LLAMA_SERVER.exists():
+        result["error"] = f"{LLAMA_SERVER} is missing: run bench/llama_cpp.sh"
+        return result
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    threads = str(len(os.sched_getaffinity(0)))
+    args = ["-np", "4", "-kvu", "-t", threads, "-c", "16384", "--no-webui"]
+    result["command"] = "llama-server " + " ".join(args)
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile()
+    start = time.perf_counter()
+    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port",
+                             str(port), *args], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                result["error"] = f"llama-server exited {proc.returncode}: {log.read()[-500:]!r}"
+                return result
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.perf_counter() - start > 120:
+                result["error"] = "llama-server not healthy within 120 s"
+                return result
+            time.sleep(0.1)  # polling a process we do not control
+        result["startup_s"] = time.perf_counter() - start
+
+        def complete(prompt: list[int], n_predict: int) -> dict:
+            body = {"prompt": prompt, "n_predict": n_predict, "cache_prompt": False, "ignore_eos": True,
+                    "temperature": 0}  # fmt: skip
+            req = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})  # fmt: skip
+            with urllib.request.urlopen(req, timeout=600) as r:
+                return json.loads(r.read())["timings"]
+
+        for n in PREFILL_LENGTHS:
+            complete(random_prompt(n, 99), 1)
+            rates = [complete(random_prompt(n, rep), 1)["prompt_per_second"] for rep in range(reps)]
+            result["prefill"][n] = statistics.median(rates)
+            print(f"  llama.cpp: prefill {n}: {result['prefill'][n]:.0f} tok/s", flush=True)
+        singles = [complete(decode_prompts(1)[0], NEW_TOKENS + 1)["predicted_per_second"] for _ in range(reps)]
+        result["decode"][1] = statistics.median(singles)
+        prompts = decode_prompts(4)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            begin = time.perf_counter()
+            timings = list(pool.map(lambda p: complete(p, 4 * NEW_TOKENS), prompts))
+            wall = time.perf_counter() - begin
+        result["decode"]["4 parallel"] = sum(t["predicted_n"] for t in timings) / wall
+        print(f"  llama.cpp: decode {result['decode']}", flush=True)
+        result["rss_mib"] = memory_kib(proc.pid)["VmHWM"] / 1024
+        result["weight_bytes"] = default_gguf_path().stat().st_size
+    finally:
+        proc.terminate()
+        proc.wait()
+    return result
+
+
+# --- the report ------------------------------------------------------------------------
+def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def fmt(value, digits: int = 0) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def report(results: list[dict], bandwidth: float, command: str) -> str:
+    import torch
+
+    flags = set()
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        pass
+    isa = ", ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile") if f in flags)
     lines = [
-        "# Engine benchmark: kvserve vs Hugging Face transformers",
+        "# Engine benchmark: kvserve vs llama.cpp and Hugging Face transformers",
         "",
         f"- command: `{command}`",
         f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
-        f"- machine: {cpu}, {torch.get_num_threads()} threads, device {device}, torch {torch.__version__}",
-        "- model: SmolLM2-135M-Instruct (Q4_1 GGUF dequantized), same weights in both",
+        f"- machine: {cpu_name()} ({isa or 'no AVX-512'}), {len(os.sched_getaffinity(0))} cores, "
+        f"torch {torch.__version__}",
+        "- model: SmolLM2-135M-Instruct; kvserve and llama.cpp read the same Q4_1 GGUF file, transformers its "
+        "dequantized float32 copy",
         f"- memory-copy bandwidth measured in this run: {bandwidth / 1e9:.1f} GB/s",
         "",
-        "Medians of alternating repetitions. Decode: 64 new tokens per sequence, prompts of "
-        f"{DECODE_PROMPT}-{DECODE_PROMPT + 3 * 31} tokens; tokens/s counts generated tokens after the first.",
+        f"Each variant in its own process, one after the other. Prefill: one forward over a random prompt (median of "
+        f"the repetitions). Decode: {NEW_TOKENS} tokens per sequence after the first, prompts of "
+        f"{DECODE_PROMPT}-{DECODE_PROMPT + 3 * (max(BATCHES) - 1)} tokens, greedy; tokens/s counts every sequence's "
+        "tokens. llama.cpp: its own timings (prompt_per_second, predicted_per_second) for single requests; "
+        f"'4 parallel' is the tokens of four concurrent {4 * NEW_TOKENS}-token requests over their wall time.",
         "",
-        "| dtype | measure | kvserve | transformers | ratio |",
-        "|---|---|---|---|---|",
+        "| variant | weights | prefill 512 | prefill 2048 | decode b=1 | b=8 | b=32 | b=64 | llama.cpp 4 parallel "
+        "| start-up s | peak RSS MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        for n, (ours, theirs) in r["prefill"].items():
-            lines.append(f"| {r['dtype']} | prefill {n} tokens, tok/s | {ours:.0f} | {theirs:.0f} | {ours / theirs:.2f}x |")
-        for b, (ours, theirs) in r["decode"].items():
-            lines.append(f"| {r['dtype']} | decode batch {b}, tok/s | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error'][:160]} |||||||||")
+            continue
+        weights = r.get("quantization") if r.get("quantization") not in (None, "none") else r.get("dtype")
+        d = r["decode"]
+        lines.append(
+            f"| {r['variant']} | {weights} | {fmt(r['prefill'].get(512))} | {fmt(r['prefill'].get(2048))} | "
+            f"{fmt(d.get(1), 1)} | {fmt(d.get(8), 1)} | {fmt(d.get(32), 1)} | {fmt(d.get(64), 1)} | "
+            f"{fmt(d.get('4 parallel'), 1)} | {fmt(r.get('startup_s'), 1)} | {fmt(r.get('rss_mib'))} |"
+        )
     lines += ["", "## Batch-1 decode step against the floor", "",
-              "| dtype | weight bytes | floor (bytes / copy bandwidth) | kvserve step | step / floor |",
-              "|---|---|---|---|---|"]  # fmt: skip
+              "The floor: the bytes of weights a step reads (all of them) over the copy bandwidth above (a copy "
+              "moves each byte twice, so the floor is pessimistic by up to 2x).", "",
+              "| variant | weight bytes | floor | batch-1 step | step / floor |", "|---|---|---|---|---|"]  # fmt: skip
     for r in results:
+        if "error" in r or not r["decode"].get(1) or not r.get("weight_bytes"):
+            continue
         floor = r["weight_bytes"] / bandwidth
-        step = 1 / r["decode"][1][0]
-        lines.append(f"| {r['dtype']} | {r['weight_bytes'] / 1e6:.0f} MB | {floor * 1e3:.1f} ms | "
+        step = 1 / r["decode"][1]
+        lines.append(f"| {r['variant']} | {r['weight_bytes'] / 1e6:.0f} MB | {floor * 1e3:.1f} ms | "
                      f"{step * 1e3:.1f} ms | {step / floor:.2f}x |")  # fmt: skip
-    lines += ["", "## Targets", ""]
-    for r in results:
-        d32 = r["decode"][32][0] / r["decode"][32][1]
-        step = (1 / r["decode"][1][0]) / (r["weight_bytes"] / bandwidth)
-        prefill_ok = all(o >= t for o, t in r["prefill"].values())
-        lines.append(f"- {r['dtype']}: batch-32 decode {d32:.2f}x transformers (target >= 3x: "
-                     f"{'met' if d32 >= 3 else 'not met'}); batch-1 step {step:.2f}x the floor (target <= 2x: "
-                     f"{'met' if step <= 2 else 'not met'}); prefill no slower than transformers: "
-                     f"{'met' if prefill_ok else 'not met'}")  # fmt: skip
+    lines += ["", "## Targets", ""] + targets(results, bandwidth)
     return "\n".join(lines) + "\n"
+
+
+def targets(results: list[dict], bandwidth: float) -> list[str]:
+    by = {r["variant"]: r for r in results if "error" not in r}
+    llama, hf = by.get("llama.cpp"), by.get("hf-bf16")
+    ours = [r for r in results if "error" not in r and r["variant"] in KVSERVE_VARIANTS]
+    if not ours:
+        return ["- no kvserve variant ran"]
+    best1 = max(ours, key=lambda r: r["decode"].get(1, 0))
+    best32 = max(ours, key=lambda r: r["decode"].get(32, 0))
+    best_prefill = max(ours, key=lambda r: r["prefill"].get(2048, 0))
+    out = []
+
+    def line(what: str, ratio: float | None, goal: float, note: str = "") -> None:
+        if ratio is None:
+            out.append(f"- {what}: not measured")
+        else:
+            verdict = "met" if ratio >= goal else "not met"
+            out.append(f"- {what}: {ratio:.2f}x (target >= {goal:g}x: {verdict}){note}")
+
+    if llama:
+        line(f"batch-1 decode, {best1['variant']} vs llama.cpp single stream",
+             best1["decode"][1] / llama["decode"][1], 1.0)  # fmt: skip
+        line(f"batch-32 aggregate decode, {best32['variant']} vs llama.cpp 4 parallel",
+             best32["decode"][32] / llama["decode"]["4 parallel"], 3.0)  # fmt: skip
+        line(f"prefill 2048, {best_prefill['variant']} vs llama.cpp",
+             best_prefill["prefill"][2048] / llama["prefill"][2048], 3.0)  # fmt: skip
+    if hf:
+        line(f"batch-32 aggregate decode, {best32['variant']} vs transformers bf16",
+             best32["decode"][32] / hf["decode"][32], 3.0)  # fmt: skip
+        line(f"prefill 2048, {best_prefill['variant']} vs transformers bf16",
+             best_prefill["prefill"][2048] / hf["prefill"][2048], 1.0)  # fmt: skip
+    step = (1 / best1["decode"][1]) / (best1["weight_bytes"] / bandwidth)
+    out.append(f"- batch-1 step of {best1['variant']}: {step:.2f}x the floor (target <= 1.5x: "
+               f"{'met' if step <= 1.5 else 'not met'})")  # fmt: skip
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--variants", default="all", help="comma-separated, all (default) or none")
+    parser.add_argument("--skip-llama", action="store_true", help="leave llama.cpp out")
+    parser.add_argument("--skip-hf", action="store_true", help="leave transformers out")
+    parser.add_argument("--reps", type=int, default=3, help="prefill repetitions per length (default 3)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per variant (default 900)")
     parser.add_argument("--out", default="bench/results/engine.md")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_grad_enabled(False)
-    bandwidth = copy_bandwidth(torch.device(args.device))
+    if args.worker:
+        (hf_worker if args.worker.startswith("hf-") else kvserve_worker)(args.worker, args.reps)
+        return
+    named = {"all": KVSERVE_VARIANTS + HF_VARIANTS, "none": []}
+    variants = named[args.variants] if args.variants in named else args.variants.split(",")
+    if args.skip_hf:
+        variants = [v for v in variants if not v.startswith("hf-")]
+    unknown = [v for v in variants if v not in KVSERVE_VARIANTS + HF_VARIANTS]
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {KVSERVE_VARIANTS + HF_VARIANTS}")
+    import torch
+
+    bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
-    results = [run_dtype(d, args.device, args.reps) for d in args.dtypes.split(",")]
-    text = report(results, bandwidth, args.device, "python " + " ".join(sys.argv))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text)
+    del torch
+    results = [run_variant(v, args.reps, args.timeout) for v in variants]
+    if not args.skip_llama:
+        results.append(llama_cpp(args.reps))
+    text = report(results, bandwidth, "python " + " ".join(sys.argv))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
     print(text)
 
 
