@@ -1,6 +1,7 @@
 """Command-line options several kvserve commands share."""
 
 import argparse
+from pathlib import Path
 
 from libs.common.model.default_model import DEFAULT_MODEL_ID
 from libs.common.settings import QUANTIZATIONS
@@ -27,3 +28,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
         "int kernels are fast (CPU, bfloat16/float16 activations) and is none elsewhere (default); int8 (per "
         "channel) and int4 (= int4-g32), int4-g64, int4-g128 (groups of in-features) quantize at load",
     )
+
+
+def read_api_key_file(path: str) -> str:
+    """An argparse type: the API key on the first line of the file at ``path``."""
+    try:
+        key = Path(path).read_text().splitlines()[0].strip() if Path(path).stat().st_size else ""
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"cannot read the API key file: {e.strerror}") from None
+    if not key:
+        raise argparse.ArgumentTypeError(f"{path} holds no API key")
+    return key

@@ -11,9 +11,9 @@ import time
 import urllib.error
 import urllib.request
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
+from kvserve.cli.options import read_api_key_file
 from libs.common.errors import KVServeError
 from libs.common.vocabulary import Role
 
@@ -53,7 +53,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "visible to every local user in the process list: prefer $KVSERVE_API_KEY or --api-key-file",
     )  # fmt: skip
     parser.add_argument(
-        "--api-key-file", type=_read_key, dest="api_key_file", metavar="PATH",
+        "--api-key-file", type=read_api_key_file, dest="api_key_file", metavar="PATH",
         help="read the API key from the first line of this file",
     )  # fmt: skip
     parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
@@ -183,16 +183,6 @@ def _pct(ratio: float | None) -> str:
 
 
 # --- argument types -----------------------------------------------------------------------------
-def _read_key(path: str) -> str:
-    try:
-        key = Path(path).read_text().splitlines()[0].strip() if Path(path).stat().st_size else ""
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot read the API key file: {e.strerror}") from None
-    if not key:
-        raise argparse.ArgumentTypeError(f"{path} holds no API key")
-    return key
-
-
 def _positive_seconds(text: str) -> float:
     value = float(text)
     if not 0 < value < float("inf"):

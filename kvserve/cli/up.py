@@ -9,12 +9,11 @@ import json
 import os
 import shlex
 import signal
-from pathlib import Path
 
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.cpus import cpus_argument
 from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
-from kvserve.cli.options import add_model_options
+from kvserve.cli.options import add_model_options, read_api_key_file
 from libs.common.cpu_share import available_cpus
 
 DESCRIPTION = f"""\
@@ -79,7 +78,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "process list: prefer $KVSERVE_API_KEY or --api-key-file",
     )
     parser.add_argument(
-        "--api-key-file", type=_read_key, dest="api_key_file", metavar="PATH",
+        "--api-key-file", type=read_api_key_file, dest="api_key_file", metavar="PATH",
         help="read the API key from the first line of this file (keep it mode 0600)",
     )  # fmt: skip
     parser.add_argument(
@@ -179,16 +178,6 @@ def banner(cluster: LocalCluster) -> str:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the cluster exactly as Ctrl-C does
-
-
-def _read_key(path: str) -> str:
-    try:
-        key = Path(path).read_text().splitlines()[0].strip() if Path(path).stat().st_size else ""
-    except OSError as e:
-        raise argparse.ArgumentTypeError(f"cannot read the API key file: {e.strerror}") from None
-    if not key:
-        raise argparse.ArgumentTypeError(f"{path} holds no API key")
-    return key
 
 
 def _positive(text: str) -> int:
