@@ -9,13 +9,12 @@ A screenshot is saved under the test's tmp dir. Where no Chromium can be had
 import re
 import shutil
 import tempfile
-import time
 
 import pytest
 
 from kvserve.cli.cluster import LocalCluster
 from kvserve.cli.status import StatusError, fetch_state, render
-from tests.integration.conftest import CLUSTER_ENV, STARTED
+from tests.integration.conftest import CLUSTER_ENV, STARTED, wait_until
 
 CHROMIUM = shutil.which("chromium")
 KEY = "console-browser-test-key"
@@ -92,15 +91,15 @@ def test_kvserve_status_shows_the_cluster_and_a_requests_route(cluster):
         fetch_state(cluster.gateway_url, None)
     client = OpenAI(base_url=cluster.gateway_url + "/v1", api_key=KEY, max_retries=0)
     request_id, (prefill_id, decode_id), _ = chat(client)
-    # the gateway asks the conductor for its view at most once a second: poll until it has this decision
-    deadline = time.monotonic() + WAIT_MS / 1000
-    while True:
-        screen = render(fetch_state(cluster.gateway_url, KEY), cluster.gateway_url)
-        routes = [line for line in screen.splitlines() if request_id in line]
-        if routes or time.monotonic() > deadline:
-            break
-        time.sleep(0.2)
-    (route,) = routes
+    screens = []
+
+    def shows_the_request() -> bool:  # the gateway asks the conductor for its view at most once a second
+        screens.append(render(fetch_state(cluster.gateway_url, KEY), cluster.gateway_url))
+        return request_id in screens[-1]
+
+    wait_until(shows_the_request, timeout=WAIT_MS / 1000, interval=0.2)
+    screen = screens[-1]
+    (route,) = [line for line in screen.splitlines() if request_id in line]
     assert f"{prefill_id} -> {decode_id}" in route
     for instance in ("conductor-0", "store-0", prefill_id, decode_id):
         assert any(line.startswith(instance + " ") for line in screen.splitlines()), instance
