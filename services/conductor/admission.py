@@ -63,7 +63,7 @@ class EarlyRejection:
         if ttft > limit + _SLACK:
             message = (f"predicted TTFT {p.ttft_s:.3f} s{_times(margin)} on {p.instance_id} (queue {p.queue_s:.3f} s) "
                        f"exceeds the {limit:.3f} s target")  # fmt: skip
-            return Verdict(route.decode, _reject("ttft_slo", message, (ttft - limit) / margin, route))
+            return Verdict(route.decode, _reject("ttft_slo", message, (ttft - limit) / margin, route, ttft_s=ttft))
         d = ctx.view.get(route.decode.instance_id)
         tbt = self.decode_estimate(ctx, d, p.ttft_s * margin)
         margin = ctx.margins.tbt(d.instance_id)
@@ -76,7 +76,8 @@ class EarlyRejection:
         if tbt.tbt_s * margin > limit + _SLACK:
             message = (f"predicted TBT {tbt.tbt_s * 1e3:.1f} ms{_times(margin)} on {d.instance_id} (batch "
                        f"{tbt.batch_size}) exceeds the {limit * 1e3:.1f} ms target")  # fmt: skip
-            return Verdict(tbt, _reject("tbt_slo", message, _decode_wait(ctx, d, tbt, limit / margin), route))
+            return Verdict(tbt, _reject("tbt_slo", message, _decode_wait(ctx, d, tbt, limit / margin), route,
+                                        tbt_s=tbt.tbt_s * margin))  # fmt: skip
         return Verdict(tbt, best_effort=best_effort)
 
 
@@ -91,10 +92,14 @@ def _times(margin: float) -> str:
     return "" if margin == 1.0 else f" x margin {margin:.2f}"
 
 
-def _reject(reason: str, message: str, wait_s: float, route: Route) -> Decision:
+def _reject(
+    reason: str, message: str, wait_s: float, route: Route, ttft_s: float | None = None, tbt_s: float | None = None
+) -> Decision:
+    """A refusal that reports the prediction it compared with the target (margin included)."""
     return Decision(
         prefill_id=route.prefill.instance_id, decode_id=route.decode.instance_id,
-        predicted_ttft_s=route.prefill.ttft_s, predicted_tbt_s=route.decode.tbt_s,
+        predicted_ttft_s=route.prefill.ttft_s if ttft_s is None else ttft_s,
+        predicted_tbt_s=route.decode.tbt_s if tbt_s is None else tbt_s,
         error_code=ErrorCode.REJECTED, error_message=message, reason=reason, retry_after_s=max(wait_s, 0.0),
     )  # fmt: skip
 
