@@ -14,6 +14,9 @@ Both compare each prediction times the margin learned from its observed error
 (`margin.py`) with the SLO. A request that misses an SLO even on an idle cluster
 is judged against what it costs alone (admitted only when nothing queues ahead
 of it), never refused forever; with nothing queued a request is never refused.
+A request its decode instance prefills itself is judged with the TBT that
+prefill costs the batch: its own compute and the local prefills queued ahead of
+it stall every member (`AdmitContext.with_prefill_stall`); alone, its own.
 """
 
 import random
@@ -23,7 +26,8 @@ from typing import Protocol
 from libs.common.vocabulary import ErrorCode
 from services.conductor.affinity import Home, stay_or_move
 from services.conductor.cluster import Instance
-from services.conductor.policies import OPTIONS, ROUTERS, Decision, Route, Router, build_router, missing_roles
+from services.conductor.policies import (OPTIONS, ROUTERS, Decision, Route, Router, build_router, local_route,
+                                         missing_roles)
 from services.conductor.predict import AdmitContext, DecodeEstimate
 
 _SLACK = 1e-9  # seconds: a prediction equal to the SLO meets it
@@ -66,9 +70,12 @@ class EarlyRejection:
             return Verdict(route.decode, _reject("ttft_slo", message, (ttft - limit) / margin, route, ttft_s=ttft))
         d = ctx.view.get(route.decode.instance_id)
         tbt = self.decode_estimate(ctx, d, p.ttft_s * margin)
+        alone = ctx.decode_estimate(d, (0, 0))
+        if route.is_local:  # the batch waits for the prefills queued on d and for this one
+            tbt = ctx.with_prefill_stall(tbt, p.queue_s + p.compute_s)
+            alone = ctx.with_prefill_stall(alone, p.compute_s)
         margin = ctx.margins.tbt(d.instance_id)
-        alone = ctx.decode_estimate(d, (0, 0)).tbt_s
-        limit = max(slo.tbt_s, alone * margin)
+        limit = max(slo.tbt_s, alone.tbt_s * margin)
         best_effort = best_effort or limit > slo.tbt_s
         if not tbt.fits:
             message = f"{d.instance_id} is predicted to have no room for this request's KV (batch {tbt.batch_size})"
@@ -117,7 +124,12 @@ def _decode_wait(ctx: AdmitContext, d: Instance, tbt: DecodeEstimate, limit: flo
 
 
 class Policy:
-    """A router, an admission rule and, optionally, conditional disaggregation."""
+    """A router, an admission rule and, optionally, conditional disaggregation: with
+    ``local_prefill`` a decode instance prefills a request itself when that is
+    predicted faster and short enough not to stall its batch past the TBT target,
+    and every request when no prefill instance is alive (a colocated cluster; the
+    admission rule still judges it, stall included). Without it a cluster with
+    no prefill instance refuses every request (NO_PREFILL)."""
 
     def __init__(self, router: Router, admission: Admission, local_prefill: bool = False, name: str = "") -> None:
         self.router = router
@@ -127,18 +139,21 @@ class Policy:
 
     def choose(self, ctx: AdmitContext, home: Home | None = None) -> Decision:
         """The route for ``ctx``'s request (a session's turn: near ``home``, its last turn's)."""
-        missing = missing_roles(ctx.prefills, ctx.decodes)
+        colocated = self.local_prefill and not ctx.prefills and bool(ctx.decodes)
+        missing = None if colocated else missing_roles(ctx.prefills, ctx.decodes)
         if missing is not None:
             return missing
-        route, affinity = self.router.route(ctx), None
+        route, affinity = self.router.route_local(ctx) if colocated else self.router.route(ctx), None
         if home is not None:
             route, affinity = stay_or_move(ctx, route, home)
-        on_decode = False
-        if self.local_prefill:
-            local = ctx.local_prefill_estimate(ctx.view.get(route.decode.instance_id))
+        on_decode = colocated
+        if colocated:  # the only route there is, whatever it costs: admission decides
+            route = local_route(ctx, ctx.view.get(route.decode.instance_id))  # the decode instance affinity kept
+        elif self.local_prefill:
+            local = local_route(ctx, ctx.view.get(route.decode.instance_id))
             # only a prefill short enough not to stall the decode batch past its TBT target
-            if local.compute_s <= ctx.slo.tbt_s and local.ttft_s < route.prefill.ttft_s:
-                route, on_decode = Route(local, route.decode), True
+            if local.prefill.compute_s <= ctx.slo.tbt_s and local.prefill.ttft_s < route.prefill.ttft_s:
+                route, on_decode = local, True
         verdict = self.admission.judge(ctx, route)
         if verdict.rejection is not None:
             return replace(verdict.rejection, prefill_on_decode=on_decode, affinity=affinity)

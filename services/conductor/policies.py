@@ -13,6 +13,10 @@ router and, joined with ``+``, options: ``cache_aware+replication+predictive_rej
 - +replication: a prefix much longer (``balancing_threshold`` times) in a peer's
                 cache than in a candidate's may be copied to that candidate:
                 a busy instance's hot prefix is replicated on an idle one.
+
+With no prefill instance alive and ``+local_prefill`` (a colocated cluster, as
+``kvserve up --prefill 0`` runs), each router picks only a decode instance, which
+prefills the request itself (`route_local`).
 """
 
 import random
@@ -28,6 +32,11 @@ from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEsti
 class Route:
     prefill: PrefillEstimate
     decode: DecodeEstimate
+
+    @property
+    def is_local(self) -> bool:
+        """The decode instance prefills the request itself (its prefill stalls that batch)."""
+        return self.prefill.instance_id == self.decode.instance_id
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,10 @@ class Router(Protocol):
 
     def route(self, ctx: AdmitContext) -> Route: ...
 
+    def route_local(self, ctx: AdmitContext) -> Route:
+        """A decode instance that prefills the request itself (no prefill instance is alive)."""
+        ...
+
 
 def missing_roles(prefills: list[Instance], decodes: list[Instance]) -> Decision | None:
     """The rejection to give when a role has no live instance, else None."""
@@ -82,6 +95,9 @@ class RandomRouter:
         d = ctx.decodes[self.rng.randrange(len(ctx.decodes))]
         return Route(ctx.prefill_estimate(p), ctx.decode_all(d))
 
+    def route_local(self, ctx: AdmitContext) -> Route:
+        return local_route(ctx, ctx.decodes[self.rng.randrange(len(ctx.decodes))])
+
 
 class LeastLoadedRouter:
     """The instance of each role with the fewest requests; ties go to the most free
@@ -93,6 +109,9 @@ class LeastLoadedRouter:
         p = min(ctx.prefills, key=_load_key)
         d = min(ctx.decodes, key=_load_key)
         return Route(ctx.prefill_estimate(p), ctx.decode_all(d))
+
+    def route_local(self, ctx: AdmitContext) -> Route:
+        return local_route(ctx, min(ctx.decodes, key=_load_key))
 
 
 def _load_key(i: Instance) -> tuple:
@@ -115,6 +134,18 @@ class CacheAwareRouter:
                 best, best_key = p, key
         decode = min(ctx.decodes, key=lambda d: (ctx.decode_tbt(d), d.instance_id))
         return Route(ctx.prefill_estimate(best, self.replication, peer), ctx.decode_all(decode))
+
+    def route_local(self, ctx: AdmitContext) -> Route:
+        """The least predicted TTFT (its local prefill queue and compute); ties: least TBT, then id."""
+        d = min(ctx.decodes, key=lambda d: (ctx.local_prefill_estimate(d).ttft_s, ctx.decode_tbt(d), d.instance_id))
+        return local_route(ctx, d)
+
+
+def local_route(ctx: AdmitContext, d: Instance) -> Route:
+    """Decode instance ``d`` prefilling the request itself: its batch (now and on its way)
+    stalled by the local prefills queued on ``d`` and by this one."""
+    p = ctx.local_prefill_estimate(d)
+    return Route(p, ctx.with_prefill_stall(ctx.decode_all(d), p.queue_s + p.compute_s))
 
 
 ROUTERS = ("random", "least_loaded", "cache_aware")

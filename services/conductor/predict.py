@@ -7,11 +7,15 @@ computing the rest + handing the KV to the decode worker; every term comes from
 that instance's own measured cost model. TBT on a decode instance = its mean
 step time over this request's expected life in the batch it is predicted to run
 (every member's context grows by a token a step). Admission multiplies both by
-the margins learned from their observed error (`margin.py`). Pure functions of
+the margins learned from their observed error (`margin.py`). A request the decode
+instance prefills itself (conditional disaggregation, or a colocated cluster with
+no prefill instance) stalls that instance's batch for its prefill and for the
+local prefills queued ahead of it: that stall is spread over a member's expected
+tokens and added to the TBT (`with_prefill_stall`). Pure functions of
 the cluster view, the index match and the clock.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import ceil
 
 from libs.common.schema import AdmitRequest
@@ -154,10 +158,17 @@ class AdmitContext:
         return PrefillEstimate(p.instance_id, queue, load, compute, handoff, cached, copy_from, copy_blocks, speed)
 
     def local_prefill_estimate(self, d: Instance) -> PrefillEstimate:
-        """Prefilling on decode instance ``d`` itself: no cache, no hand-off."""
+        """Prefilling on decode instance ``d`` itself: no cache, no hand-off; its queue is
+        the local prefills booked on ``d`` before it."""
         speed = self.margins.prefill_speed(d.instance_id)
         compute = d.cost.prefill_time(self.num_tokens) * speed
         return PrefillEstimate(d.instance_id, d.prefill.backlog(self.now), 0.0, compute, 0.0, {}, speed=speed)
+
+    def with_prefill_stall(self, tbt: DecodeEstimate, stall_s: float) -> DecodeEstimate:
+        """``tbt`` with ``stall_s`` seconds of prefill run on its decode instance: a prefill
+        there runs between two decode steps and holds up the whole batch, so each member's
+        mean time between tokens grows by the stall spread over its expected tokens."""
+        return replace(tbt, tbt_s=tbt.tbt_s + stall_s / self.expected_output_tokens)
 
     def best_peer(self) -> tuple[int, str] | None:
         """(blocks, instance) of the prefill instance holding the longest prefix."""
