@@ -1,7 +1,8 @@
 """Side by side on one trace window, at the same loads, on this machine: kvserve
 as `kvserve up` starts it (its default policy), kvserve disaggregated (store +
 cache-aware conductor), kvserve with prefix caching off,
-kvserve with one colocated worker, and llama.cpp's llama-server on the same GGUF.
+kvserve with one colocated worker (`kvserve up --prefill 0`: one decode worker on
+every core prefilling its own requests), and llama.cpp's llama-server on the same GGUF.
 
 Each configuration is started, warmed up, swept over the time scales with
 `kvserve bench`'s library (run i uses prompt seed seed+i in every configuration,
@@ -92,14 +93,6 @@ def policy_exists(spec: str) -> bool:
     return True
 
 
-def colocated_env() -> dict[str, str] | None:
-    """How this checkout lets the decode worker prefill itself (conditional
-    disaggregation), or None when the conductor has no such path yet."""
-    if policy_exists("cache_aware+local_prefill"):
-        return {"KVSERVE_POLICY": "cache_aware+local_prefill"}
-    return None
-
-
 def configs(worker_threads: int | None) -> list[Config]:
     threads = {"OMP_NUM_THREADS": str(worker_threads)} if worker_threads else {}
     policy = "cache_aware" if policy_exists("cache_aware") else "least_loaded"
@@ -112,11 +105,10 @@ def configs(worker_threads: int | None) -> list[Config]:
         Config("kvserve-nocache", "kvserve 1 prefill + 1 decode, no store, prefix cache off", "kvserve",
                dict(prefill=1, decode=1, store=False), {"KVSERVE_ENABLE_PREFIX_CACHE": "0", **threads}),
     ]  # fmt: skip
-    colocated = colocated_env()
+    # `kvserve up --prefill 0`: LocalCluster adds +local_prefill to the default policy
     out.append(
-        Config("kvserve-colocated", "kvserve, the decode worker prefilling what it can itself", "kvserve",
-               dict(prefill=1, decode=1, store=True), {**(colocated or {}), **threads},
-               "" if colocated else "no colocated path in this checkout: not run")  # fmt: skip
+        Config("kvserve-colocated", "kvserve up --prefill 0: one decode worker on every core, prefilling its own "
+               "requests, store on", "kvserve", dict(prefill=0, decode=1, store=True), {**threads})  # fmt: skip
     )
     out.append(Config("llama.cpp", f"llama-server {' '.join(LLAMA_ARGS)}", "llama"))
     return out

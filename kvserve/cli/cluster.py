@@ -40,6 +40,7 @@ from libs.common.model.default_model import DEFAULT_MODEL_ID, resolve_model_path
 from libs.common.nats_server import NatsServer
 from libs.common.schema import Heartbeat
 from libs.common.vocabulary import Role
+from services.conductor.settings import DEFAULT_POLICY
 
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # also the start order
 GATEWAY_ID = "gateway-0"
@@ -56,6 +57,10 @@ class ClusterError(KVServeError):
 class LocalCluster:
     """nats-server plus conductors (``conductors``: replicas, active-active), stores
     (``store``: how many, or True for one), N prefill, M decode workers and a gateway.
+    With no prefill worker (``prefill=0``) each decode worker prefills its own
+    requests: the conductors' policy (``KVSERVE_POLICY`` in ``env``, else in this
+    process's environment, else the default) gets ``+local_prefill`` where it lacks it,
+    and the decode workers divide every core.
     With ``store_dir``, each store keeps its disk tier
     in ``store_dir/<instance id>``, so a restarted store finds its blocks.
 
@@ -99,8 +104,10 @@ class LocalCluster:
         cpus: dict[str, tuple[int, ...]] | None = None,
         metrics_port: int | None = None,
     ) -> None:
-        if prefill < 1 or decode < 1:
-            raise ValueError("a cluster needs at least one prefill and one decode worker")
+        if decode < 1:
+            raise ValueError("a cluster needs at least one decode worker")
+        if prefill < 0:
+            raise ValueError(f"prefill workers: at least 0, got {prefill}")
         if conductors < 1:
             raise ValueError("a cluster needs at least one conductor")
         if unknown := set(modules or {}) - set(ROLES):
@@ -119,6 +126,11 @@ class LocalCluster:
         self.device = device
         self.api_key = api_key
         self.extra_env = dict(env or {})
+        # the conductors' policy, when this cluster must set it (no prefill worker), and what it was given
+        self.policy: str | None = None
+        self.given_policy = self.extra_env.get("KVSERVE_POLICY") or os.environ.get("KVSERVE_POLICY") or DEFAULT_POLICY
+        if prefill == 0:
+            self.policy = colocated_policy(self.given_policy)
         self.modules = {role: f"services.{role}" for role in ROLES} | (modules or {})
         self.supervise = supervise
         self.restart_delays = restart_delays
@@ -194,6 +206,10 @@ class LocalCluster:
             self._nats_started_at = time.monotonic()
             self.nats_url = self._nats.url
             self.echo(f"nats-server listening on {self._nats.public_url}", label="kvserve")
+            if self.policy is not None:
+                added = f" (+local_prefill added to {self.given_policy})" if self.policy != self.given_policy else ""
+                self.echo(f"no prefill worker: each decode worker prefills its own requests; conductor policy "
+                          f"{self.policy}{added}", label="kvserve")  # fmt: skip
             self._watcher = HeartbeatWatcher(
                 self._nats.url_for("observer"), self._on_heartbeat, on_disconnect=self._supervisor.wake
             )
@@ -372,6 +388,8 @@ class LocalCluster:
         if self.metrics_port is not None:
             env["KVSERVE_METRICS_PORT"] = str(self.metrics_ports()[instance_id])
         env.update(self.extra_env)
+        if role == Role.CONDUCTOR and self.policy is not None:
+            env["KVSERVE_POLICY"] = self.policy
         if "OMP_NUM_THREADS" in self.extra_env and "KVSERVE_THREADS" not in self.extra_env:
             env["KVSERVE_THREADS"] = self.extra_env["OMP_NUM_THREADS"]  # the threads asked for, not the plan's
         return ServiceProcess(instance_id, role, self.modules[role], env)
@@ -487,6 +505,13 @@ class LocalCluster:
             return self._procs[instance_id]
         except KeyError:
             raise ClusterError(f"no instance {instance_id!r}; this cluster runs {', '.join(self._procs)}") from None
+
+
+def colocated_policy(policy: str) -> str:
+    """``policy`` as a cluster with no prefill worker needs it: with ``+local_prefill``, so
+    that the conductor sends every request to a decode worker to prefill itself."""
+    _, *options = [part.strip() for part in policy.split("+")]
+    return policy if "local_prefill" in options else f"{policy}+local_prefill"
 
 
 def _base_url(address: str) -> str:

@@ -90,17 +90,21 @@ def plan_cpus(counts: dict[str, int], host: Sequence[int], explicit: dict[str, t
     of each role on a host whose cores are ``host``. Without ``explicit`` the workers
     divide the host (prefill first, so it gets the larger share when uneven); a role
     in ``explicit`` divides its own cores among its workers, and a role left out
-    divides the host's cores no named role took (all of them if none is left)."""
+    divides the host's cores no named role took (all of them if none is left). A
+    role with no instance takes no share: with no prefill worker (a colocated
+    cluster), the decode workers divide every core. Raises ValueError when
+    ``explicit`` gives cores to a role with no instance."""
     plan = {f"{role}-{i}": IO_SHARE for role, n in counts.items() if role not in WORKER_ROLES for i in range(n)}
     workers = {role: [f"{role}-{i}" for i in range(counts.get(role, 0))] for role in WORKER_ROLES}
     explicit = explicit or {}
+    if idle := [role for role in explicit if not workers[role]]:
+        raise ValueError(f"cores are given to {idle[0]}, but the cluster runs no {idle[0]} worker")
     rest = sorted(set(host) - {core for cores in explicit.values() for core in cores}) or sorted(host)
     unnamed = [worker for role in WORKER_ROLES if role not in explicit for worker in workers[role]]
     if unnamed:
         plan |= divide(rest, unnamed)
     for role, cores in explicit.items():
-        if workers[role]:
-            plan |= divide(cores, workers[role])
+        plan |= divide(cores, workers[role])
     return plan
 
 

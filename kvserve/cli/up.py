@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import signal
+import sys
 
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.cpus import cpus_argument
@@ -34,12 +35,18 @@ Each prefill and decode worker runs on its own share of this machine's cores (pi
 with one torch thread per core, threads sleeping when idle), so workers do not fight
 over cores: with as many cores as workers, disjoint runs of cores, split evenly (prefill
 first when uneven); with fewer, every worker on every core with one thread. The
-gateway, conductor and store use one thread each, unpinned. --cpus sets the shares."""
+gateway, conductor and store use one thread each, unpinned. --cpus sets the shares.
+
+--prefill 0 runs no prefill worker: each decode worker prefills its own requests
+between its decode steps (conditional disaggregation taken all the way), and the
+decode workers divide every core; the conductor's policy ($KVSERVE_POLICY, else the default) gets +local_prefill
+where it lacks it, and admission counts each prefill's stall of the decode batch."""
 
 EPILOG = """\
 examples:
   kvserve up                              one worker of each kind on http://127.0.0.1:8000/v1
   kvserve up --prefill 2 --decode 2       more workers
+  kvserve up --prefill 0                  one decode worker on every core, prefilling its own requests
   kvserve up --conductors 2               two conductor replicas: either may die
   kvserve up --host 0.0.0.0 --api-key s3cret
   kvserve up --model path/to/hf-folder --dtype float32
@@ -54,7 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--prefill", type=_positive, default=1, metavar="N", help="prefill workers (default 1)")
+    parser.add_argument(
+        "--prefill", type=_count, default=1, metavar="N",
+        help="prefill workers (default 1). 0: none; each decode worker prefills its own requests, the decode "
+        "workers divide every core and the conductor's policy gets +local_prefill",
+    )  # fmt: skip
     parser.add_argument("--decode", type=_positive, default=1, metavar="M", help="decode workers (default 1)")
     parser.add_argument(
         "--conductors", type=_positive, default=1, metavar="N",
@@ -102,6 +113,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.prefill == 0 and args.cpus and "prefill" in args.cpus:
+        print("kvserve up: error: --cpus gives cores to prefill, but --prefill 0 runs no prefill worker",
+              file=sys.stderr)  # fmt: skip
+        return 2
     cluster = LocalCluster(
         prefill=args.prefill,
         decode=args.decode,
@@ -178,6 +193,13 @@ def banner(cluster: LocalCluster) -> str:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the cluster exactly as Ctrl-C does
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
 
 
 def _positive(text: str) -> int:
