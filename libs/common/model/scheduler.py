@@ -5,7 +5,11 @@ A sequence goes waiting -> running -> finished. Waiting sequences need a
 prefill: new ones, and preempted ones, whose blocks were taken back under KV
 pressure and whose KV (prompt and every token generated so far) is recomputed
 when they are admitted again. A step is either one prefill of everything
-admitted or one decode step of the running batch. The in-process `Generator`
+admitted or one decode step of the running batch. While sequences decode, a
+prefill step computes at most ``max_chunk_tokens`` prompt tokens and prefill
+and decode steps alternate (chunked prefill, as vLLM's, kept to whole steps): a
+long prompt stalls the batch one chunk at a time, and stays waiting, its
+blocks held, until its last chunk. The in-process `Generator`
 and the decode worker both drive this class through `run_step`; they differ
 only in how they decide a sequence stops (`Stop`) and where its tokens go.
 Not thread-safe: a worker calls it on its engine thread alone.
@@ -59,10 +63,13 @@ def sample_tokens(seqs: list[Sequence], logits: torch.Tensor, stop: Stop) -> lis
 
 @dataclass
 class Batch:
-    """What one step runs: a prefill or a decode step of ``seqs``."""
+    """What one step runs: a prefill or a decode step of ``seqs``; a prefill step may
+    also compute the next ``chunk`` of a prompt too long for it (the sequence and its
+    tokens: no logits, it stays waiting)."""
 
     seqs: list[Sequence]
     is_prefill: bool
+    chunk: tuple[Sequence, int] | None = None
     preempted: list[Sequence] = field(default_factory=list)  # moved back to waiting to make room
     rejected: list[Sequence] = field(default_factory=list)  # larger than the whole KV pool: finished (ABORT)
 
@@ -89,6 +96,8 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.waiting: deque[Sequence] = deque()  # to prefill, oldest first
         self.running: list[Sequence] = []  # KV computed up to their last token, oldest first
+        self.partial: Sequence | None = None  # waiting with its blocks allocated and its prompt partly computed
+        self._decode_next = False  # a prefill step ran while the batch was decoding: a decode step is due
 
     @property
     def has_work(self) -> bool:
@@ -117,19 +126,27 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
+        if seq is self.partial:
+            self.partial = None
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
         self.cache.free(seq)
 
-    def schedule(self) -> Batch:
+    def schedule(self, max_chunk_tokens: int | None = None) -> Batch:
         """Admit what fits (a prefill step) or else decode the running batch,
-        preempting the newest sequences until that step's blocks fit."""
+        preempting the newest sequences until that step's blocks fit. With
+        ``max_chunk_tokens`` and a batch decoding, the prefill takes at most that many
+        prompt tokens and the next step decodes."""
         rejected: list[Sequence] = []
-        admitted = self._admit(rejected)
-        if admitted:
-            return Batch(admitted, is_prefill=True, rejected=rejected)
+        budget = max_chunk_tokens if self.running else None
+        if budget is None or not self._decode_next:
+            admitted, chunk = self._admit(rejected, budget)
+            if admitted or chunk is not None:
+                self._decode_next = budget is not None
+                return Batch(admitted, is_prefill=True, chunk=chunk, rejected=rejected)
+        self._decode_next = False
         preempted: list[Sequence] = []
         batch = self._decode_batch(preempted, rejected)
         return Batch(batch, is_prefill=False, preempted=preempted, rejected=rejected)
@@ -145,23 +162,38 @@ class Scheduler:
                 self.finish(out.seq, out.finish_reason)
         return outputs
 
-    def _admit(self, rejected: list[Sequence]) -> list[Sequence]:
+    def _admit(
+        self, rejected: list[Sequence], budget: int | None
+    ) -> tuple[list[Sequence], tuple[Sequence, int] | None]:
+        """The waiting sequences this prefill step completes, oldest first, and the chunk
+        of the next one's prompt it computes within ``budget`` tokens (None: no limit)."""
         cache, admitted = self.cache, []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             seq = self.waiting[0]
-            if not self._can_ever_fit(seq):
-                self.finish(seq, FinishReason.ABORT)
-                rejected.append(seq)
-                continue
-            cache.match_prefix(seq)
-            # leave one block of headroom per running sequence for its next decode steps
-            headroom = (len(self.running) + len(admitted)) * cache.block_size
-            if not cache.can_allocate(seq, seq.num_tokens + headroom):
-                self._reset(seq)  # gives back the prefix blocks just matched
-                break
-            cache.allocate(seq, seq.num_tokens)
+            if seq is not self.partial:  # a partial one holds its blocks already
+                if not self._can_ever_fit(seq):
+                    self.finish(seq, FinishReason.ABORT)
+                    rejected.append(seq)
+                    continue
+                cache.match_prefix(seq)
+                # leave one block of headroom per running sequence for its next decode steps
+                headroom = (len(self.running) + len(admitted)) * cache.block_size
+                if not cache.can_allocate(seq, seq.num_tokens + headroom):
+                    self._reset(seq)  # gives back the prefix blocks just matched
+                    break
+                cache.allocate(seq, seq.num_tokens)
+            left = seq.num_tokens - seq.num_computed_tokens
+            if budget is not None and left > budget:
+                if budget == 0:
+                    break  # a partial one is not reset: its blocks and computed KV stay
+                self.partial = seq
+                return admitted, (seq, budget)
+            if budget is not None:
+                budget -= left
+            if seq is self.partial:
+                self.partial = None
             admitted.append(self.waiting.popleft())
-        return admitted
+        return admitted, None
 
     def _decode_batch(self, preempted: list[Sequence], rejected: list[Sequence]) -> list[Sequence]:
         cache = self.cache
@@ -194,13 +226,27 @@ class Scheduler:
 def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
     """Schedule one step, run it on the engine, and account for its tokens: the
     whole of an engine loop's iteration (blocking: a worker runs it on its engine thread)."""
-    batch = scheduler.schedule()
-    if not batch.seqs:
+    batch = scheduler.schedule(engine.config.max_chunk_tokens)
+    ran = batch.seqs + ([batch.chunk[0]] if batch.chunk is not None else [])
+    if not ran:
         return StepResult([], batch.preempted, batch.rejected)
     try:
-        logits = engine.prefill(batch.seqs) if batch.is_prefill else engine.decode_step(batch.seqs)
+        if batch.chunk is not None:
+            prefill_chunk(engine, *batch.chunk)
+        logits = None
+        if batch.seqs:
+            logits = engine.prefill(batch.seqs) if batch.is_prefill else engine.decode_step(batch.seqs)
     except Exception as e:
-        for seq in batch.seqs:  # their KV is in an unknown state
+        for seq in ran:  # their KV is in an unknown state
             scheduler.finish(seq, FinishReason.ABORT)
-        raise StepFailed(batch.seqs, e) from e
-    return StepResult(scheduler.update(batch, logits), batch.preempted, batch.rejected)
+        raise StepFailed(ran, e) from e
+    outputs = scheduler.update(batch, logits) if logits is not None else []
+    return StepResult(outputs, batch.preempted, batch.rejected)
+
+
+@torch.inference_mode()
+def prefill_chunk(engine: Engine, seq: Sequence, num_tokens: int) -> None:
+    """Compute the next ``num_tokens`` of ``seq``'s prompt, short of its last token
+    (no logits): the engine's own chunk step, on blocks allocated at admission."""
+    engine.check_prompt(seq.num_tokens)
+    engine._run_prefill_chunk([(seq, num_tokens)], None)

@@ -1,0 +1,103 @@
+"""Chunked prefill in the scheduler: while a batch decodes, a long prompt is prefilled
+a chunk per step, decode steps running between its chunks, with the tokens of an
+unchunked run."""
+
+from libs.common.model.engine import EngineConfig
+from libs.common.model.generator import Generator
+from libs.common.model.loader import build_engine
+from libs.common.sampling_params import SamplingParams
+from tests.unit.engine.test_scheduler import BLOCK, logits_for, scheduler, seq
+
+
+def ran(batch) -> tuple:
+    """What a step runs: ("prefill", completed ids, chunk) or ("decode", ids); and the engine's
+    effect on its sequences (every token computed, or the chunk's)."""
+    if batch.chunk is not None:
+        chunk_seq, n = batch.chunk
+        chunk_seq.num_computed_tokens += n
+    for s in batch.seqs:
+        s.num_computed_tokens = s.num_tokens
+    ids = [s.request_id for s in batch.seqs]
+    if batch.is_prefill:
+        return "prefill", ids, None if batch.chunk is None else (batch.chunk[0].request_id, batch.chunk[1])
+    return "decode", ids
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_a_step_between_decode_steps():
+    sched = scheduler(num_blocks=16)
+    a, b = seq("a", 3), seq("b", 10)
+    sched.add(a)
+    first = sched.schedule(max_chunk_tokens=4)  # nothing decodes: a whole prefill
+    assert ran(first) == ("prefill", ["a"], None)
+    sched.update(first, logits_for(1))
+    sched.add(b)
+    steps = []
+    for _ in range(6):
+        batch = sched.schedule(max_chunk_tokens=4)
+        steps.append(ran(batch))
+        if batch.seqs:
+            sched.update(batch, logits_for(*[1] * len(batch.seqs)))
+        if batch.chunk is not None:
+            assert list(sched.waiting) == [b] and sched.partial is b  # waiting, its blocks held
+            assert b.block_table == [1, 2, 3]  # all of them, from its first chunk on
+    assert steps == [
+        ("prefill", [], ("b", 4)), ("decode", ["a"]),
+        ("prefill", [], ("b", 4)), ("decode", ["a"]),
+        ("prefill", ["b"], None), ("decode", ["a", "b"]),  # its last 2 tokens: it completes
+    ]  # fmt: skip
+    assert sched.partial is None and sched.running == [a, b] and len(a.output_token_ids) == 4
+
+
+def test_short_prompts_share_a_chunk_step_and_the_rest_waits_whole():
+    sched = scheduler(num_blocks=16)
+    a = seq("a", 3)
+    sched.add(a)
+    sched.update(sched.schedule(max_chunk_tokens=6), logits_for(1))
+    short, long_ = seq("short", 2), seq("long", 9)
+    sched.add(short)
+    sched.add(long_)
+    batch = sched.schedule(max_chunk_tokens=6)
+    assert (batch.seqs, batch.chunk) == ([short], (long_, 4))  # 2 + 4 tokens: the budget
+
+
+def test_aborting_a_partly_prefilled_sequence_frees_its_blocks():
+    sched = scheduler(num_blocks=8)
+    a, b = seq("a", 3), seq("b", 3 * BLOCK)
+    sched.add(a)
+    sched.update(sched.schedule(max_chunk_tokens=4), logits_for(1))
+    sched.add(b)
+    ran(sched.schedule(max_chunk_tokens=4))
+    assert sched.partial is b and sched.cache.num_free_blocks == 8 - 1 - 3
+    assert sched.abort("b") is b
+    assert sched.partial is None and list(sched.waiting) == [] and sched.cache.num_free_blocks == 7
+
+
+def _run(tiny_model, max_chunk_tokens: int) -> tuple[list[list[int]], list[str]]:
+    """A decodes; B (a long prompt) arrives: both outputs, and what each step did while B
+    was in prefill ("decode": A got a token; "chunk": B's prompt advanced)."""
+    engine = build_engine(tiny_model, EngineConfig(num_blocks=64, max_chunk_tokens=max_chunk_tokens,
+                                                   enable_prefix_cache=False))  # fmt: skip
+    generator = Generator(engine, tiny_model.tokenizer)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    a = generator.add_request(list(range(3, 14)), params)
+    generator.step()  # A's prefill: A decodes from here on
+    b = generator.add_request([(7 * i) % 200 + 3 for i in range(40)], params)
+    steps = []
+    while b not in generator.running:
+        before = (len(a.output_token_ids), b.num_computed_tokens)
+        generator.step()
+        if b.num_computed_tokens > before[1]:
+            steps.append("chunk")
+        if len(a.output_token_ids) > before[0]:
+            steps.append("decode")
+    while generator.has_work:
+        generator.step()
+    return [a.output_token_ids, b.output_token_ids], steps
+
+
+def test_decode_steps_run_between_a_long_prompt_s_chunks_with_the_unchunked_tokens(tiny_model):
+    unchunked, whole = _run(tiny_model, max_chunk_tokens=512)
+    chunked, steps = _run(tiny_model, max_chunk_tokens=8)
+    assert whole == ["chunk"]  # the batch stalled for the whole prompt at once
+    assert steps == ["chunk", "decode"] * 4 + ["chunk"]  # 40 tokens: 8 at a time, A decoding between
+    assert chunked == unchunked
