@@ -134,7 +134,7 @@ def _gather(pool: KVPool, layer: int, plane: int, block_table: torch.Tensor, len
 
 def _decode_attention(layer: int, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, scale: float) -> torch.Tensor:
     kernel = _native_decode_kernel(q, pool)
-    if kernel is not None:  # reads K/V in place from the blocks: no gather, one pass
+    if kernel is not None:  # reads K/V in place from the blocks: no gather, each row once
         out = torch.empty_like(q)
         layout = pool.layout
         status = kernel(

@@ -8,7 +8,10 @@ layer's KV write and attention stay one opaque op (attention.py says why).
 
 One graph serves every batch of ``MIN_ROWS`` to ``MAX_ROWS`` rows and every
 block-table length: both are dynamic dimensions, compiled once at start-up
-(``warmup``), so a step under load never recompiles. Static graphs per batch
+(``warmup``), so a step under load never recompiles. ``MAX_ROWS`` is where the
+quantized layers stop using their kernels (quant.KERNEL_MAX_ROWS): small batches
+are the ones per-op overhead dominates; a larger batch runs eagerly, its time in
+the matmuls. Static graphs per batch
 bucket (the CPU analogue of CUDA-graph capture sizes) would cost a compile each,
 1.5-3 minutes apiece on two busy cores: too slow a start for seven of them, and
 the matmuls are library calls either way. A batch of one is padded to
@@ -31,12 +34,13 @@ import torch
 from libs.common.model.attention import AttentionBatch
 from libs.common.model.kv_pool import KVPool
 from libs.common.model.llama import LlamaModel
+from libs.common.model.quant import KERNEL_MAX_ROWS
 from libs.common.settings import ProcessSettings
 
 log = logging.getLogger(__name__)
 
 MIN_ROWS = 2  # a dynamic dimension of size 1 would be specialised: pad a single row
-MAX_ROWS = 64  # larger batches run in chunks of this many rows
+MAX_ROWS = KERNEL_MAX_ROWS  # larger batches run eagerly
 
 
 def compile_unavailable(settings: ProcessSettings) -> str | None:

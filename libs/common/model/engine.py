@@ -15,7 +15,6 @@ import torch
 from libs.common.errors import EmptyPromptError, PromptTooLongError
 from libs.common.model.attention import AttentionBatch, PrefillSpan
 from libs.common.model.compiled import (
-    MAX_ROWS,
     MIN_ROWS,
     CompiledDecode,
     compile_unavailable,
@@ -160,11 +159,7 @@ class Engine:
                 raise PromptTooLongError(seq.num_tokens, self.max_model_len)
         for seq in seqs:
             self.cache.allocate(seq, seq.num_tokens)
-        if self.compiled is not None and self.compiled.ready:
-            chunks = [seqs[i : i + MAX_ROWS] for i in range(0, len(seqs), MAX_ROWS)]
-        else:
-            chunks = [seqs]
-        logits = torch.cat([self._decode_rows(chunk) for chunk in chunks])
+        logits = self._decode_rows(seqs)
         for seq in seqs:
             seq.num_computed_tokens += 1
             self.cache.cache_full_blocks(seq)

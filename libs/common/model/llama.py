@@ -21,6 +21,7 @@ from libs.common.model.config import ModelConfig
 from libs.common.model.kv_pool import KVPool
 from libs.common.model.quant import (
     NONE,
+    Int8Linear,
     QuantizedWeight,
     concat,
     convert,
@@ -263,8 +264,9 @@ class LlamaModel(nn.Module):
         head = self.lm_head.weight
         if quantization != NONE and kernels_apply(head.device, head.dtype):
             # int8, the precision of SmolLM2's Q8_0 tied head: 2-5x faster than bfloat16 for
-            # one sequence's logits, a third slower for 32 (README, Quantization)
-            self.lm_head = quantized_linear(quantize_int8(head.detach()))
+            # a few sequences' logits, twice as slow for 32: those multiply by the float
+            # weight, kept anyway (a tied head's is the embedding table)
+            self.lm_head = Int8Linear(quantize_int8(head.detach()), dense=head.detach())
 
     def _shard_sizes(self, name: str) -> list[int]:
         c = self.config

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from libs.common.settings import QUANTIZATIONS
@@ -28,10 +29,13 @@ DEFAULT_INT4_GROUP = 32
 CHOICES = QUANTIZATIONS  # auto, none, int8, int4 (= int4-g32), int4-g32/64/128
 
 # The kernels run only on the CPU and are fast only with bfloat16/float16 activations
-# (float32 takes their scalar path, 10-100x slower). Their cost grows with every row
-# (int4, 3072x576 on 2 Zen 5 cores: ~0.011 ms a row) while dequantizing the weight
-# (~1 ms) and one BLAS matmul grow slowly: above these rows a matmul dequantizes.
-KERNEL_MAX_ROWS = 64
+# (float32 takes their scalar path, 10-100x slower). They read half (int4) or a quarter
+# (int8) of bfloat16's bytes but their cost grows with every row, where a BLAS matmul's
+# barely does: one sequence's int4 projections run in a third of bfloat16's time, eight
+# rows in about the same, 32 rows in twice it (576x960, 576x3072 and 1536x576 on one
+# Zen core; the int8 LM head crosses at the same size). Above these rows a layer
+# multiplies by its weight dequantized once and kept.
+KERNEL_MAX_ROWS = 8
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _INT4_PACK_N = 16  # _convert_weight_to_int4pack_for_cpu needs N divisible by this
 _INT4_INNER_K_TILES = 2  # ignored on the CPU; part of the op's signature
@@ -262,14 +266,19 @@ class Int4Linear(nn.Module):
 
 
 class Int8Linear(nn.Module):
-    """``y = x W^T + b`` with W in int8, one scale per output channel."""
+    """``y = x W^T + b`` with W in int8, one scale per output channel. ``dense`` is the
+    float weight ([N, K]) when the caller keeps one anyway (a tied LM head is the
+    embedding table): large batches multiply by it instead of a dequantized copy."""
 
-    def __init__(self, weight: Int8Channels, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: Int8Channels, bias: torch.Tensor | None = None, dense: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight_q", weight.q.contiguous())  # int8 [N, K]
         self.register_buffer("scale", weight.scale.clone())  # [N], cast with the model's dtype
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+        self._dense = dense  # [N, K]: given, or made at the first large batch
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
         return self.weight_q.to(dtype) * self.scale.to(dtype)[:, None]
@@ -280,10 +289,16 @@ class Int8Linear(nn.Module):
         if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES and x.dtype == self.scale.dtype:
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_q, self.scale)
         else:
-            y = (x @ self.weight_q.to(x.dtype).t()) * self.scale.to(x.dtype)
+            y = F.linear(x, self.dense(x.dtype))
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        dense = self._dense
+        if dense is None or dense.dtype != dtype or dense.device != self.weight_q.device:
+            dense = self._dense = self.dequantize(dtype)
+        return dense
 
 
 def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) -> nn.Module:
