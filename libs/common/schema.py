@@ -116,6 +116,7 @@ class GatewayBeat(Beat):
 
 class ConductorBeat(Beat):
     load: int = 0  # requests admitted and not yet finished
+    prefills_on_decode: bool = False  # its policy prefills on decode workers when no prefill worker is alive
 
 
 class KVPoolBeat(Beat):
@@ -200,6 +201,11 @@ class Heartbeat(Message):
     @property
     def cost(self) -> CostCoefficients | None:
         return self.pool.cost if self.pool is not None else None
+
+    @property
+    def prefills_on_decode(self) -> bool:
+        """A conductor whose requests need no prefill worker (its policy has local_prefill)."""
+        return isinstance(self.payload, ConductorBeat) and self.payload.prefills_on_decode
 
     @property
     def queued_tokens(self) -> int:

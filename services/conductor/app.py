@@ -160,5 +160,5 @@ class Conductor(Service):
 
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
-        beat.payload = ConductorBeat(load=self.scheduler.num_own)
+        beat.payload = ConductorBeat(load=self.scheduler.num_own, prefills_on_decode=self.scheduler.policy.local_prefill)
         return beat

@@ -114,7 +114,11 @@ class Handlers:
         reasons = []
         if nc is None or not nc.is_connected:
             reasons.append("not connected to NATS")
-        reasons += [f"no live {role} instance" for role in READY_ROLES if not self.generations.peers.alive(role)]
+        peers = self.generations.peers
+        # a conductor that prefills on decode workers (local_prefill) serves without a prefill worker
+        local = any(beat.prefills_on_decode for beat in peers.alive(Role.CONDUCTOR))
+        needed = [role for role in READY_ROLES if not (role == Role.PREFILL and local)]
+        reasons += [f"no live {role} instance" for role in needed if not peers.alive(role)]
         if reasons:
             body = {"status": "unavailable", "reasons": reasons, **self._instance_facts()}
             return _json_response(body, status=503)

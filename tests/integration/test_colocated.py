@@ -7,7 +7,8 @@ import urllib.request
 
 from libs.common.cpu_share import available_cpus
 from services.conductor.settings import DEFAULT_POLICY
-from tests.integration.conftest import start_cluster
+from tests.integration.conftest import start_cluster, wait_until
+from tests.integration.test_gateway_http import get
 from tests.integration.test_one_request import MODEL, reference
 
 
@@ -17,6 +18,8 @@ def test_a_cluster_with_no_prefill_worker_streams_a_chat_completion(smollm):
         assert {beat.role for beat in cluster.instances.values()} == {"conductor", "store", "decode", "gateway"}
         assert cluster.cpu_plan["decode-0"].cpus == tuple(sorted(available_cpus()))  # every core
         assert cluster.policy == f"{DEFAULT_POLICY}+local_prefill"
+        # ready with no prefill instance: the conductor says it prefills on decode workers
+        wait_until(lambda: get(cluster.gateway_url + "/health/ready")[0] == 200, 30.0)
         messages = [{"role": "user", "content": "Name three things that are red."}]
         body = json.dumps({"model": MODEL, "messages": messages, "max_tokens": 24, "temperature": 0,
                            "stream": True}).encode()  # fmt: skip
