@@ -77,7 +77,7 @@ def _decode(
         pool.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
     else:
         pool.write(layer, batch.slot_blocks, batch.slot_offsets, k[rows], v[rows])
-    return _decode_attention(layer, q, pool, batch, scale)
+    return _decode_attention(layer, q.contiguous(), pool, batch, scale)  # q: a view of q and k rotated together
 
 
 # A compiled decode step calls the KV write and the attention as one op that the
@@ -101,7 +101,7 @@ def _decode_op(
 ) -> torch.Tensor:
     batch = AttentionBatch(slot_blocks, slot_offsets, decode_block_tables=block_tables, decode_lens=lens,
                            slot_rows=slot_rows)  # fmt: skip
-    return _decode(layer, q.contiguous(), k, v, KVPool.over(kv), batch, scale)
+    return _decode(layer, q, k, v, KVPool.over(kv), batch, scale)
 
 
 @_decode_op.register_fake

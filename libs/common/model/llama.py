@@ -121,11 +121,11 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: Rope, pool: KVPool, batch: AttentionBatch) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        # q and k rotated together: [T, Hq + Hkv, D], half the ops of rotating each
+        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = paged_attention(self.layer, q, k, v, pool, batch, self.scale)  # [T, Hq, D]
         return self.o_proj(out.flatten(1))
 
