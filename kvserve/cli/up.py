@@ -40,7 +40,9 @@ gateway, conductor and store use one thread each, unpinned. --cpus sets the shar
 --prefill 0 runs no prefill worker: each decode worker prefills its own requests
 between its decode steps (conditional disaggregation taken all the way), and the
 decode workers divide every core; the conductor's policy ($KVSERVE_POLICY, else the default) gets +local_prefill
-where it lacks it, and admission counts each prefill's stall of the decode batch."""
+where it lacks it, and admission counts each prefill's stall of the decode batch.
+On 2 cores it served less than the default pair (bench/results/capacity.md: capacity
+0.81 against 1.42 requests/s)."""
 
 EPILOG = """\
 examples:
