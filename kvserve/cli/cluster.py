@@ -500,6 +500,10 @@ class LocalCluster:
         names = ", ".join(inst.instance_id for inst in silent)
         return f"no heartbeat from {names} within {timeout:g}s" + "".join(inst.last_lines() for inst in silent)
 
+    def exit_codes(self) -> dict[str, int | None]:
+        """Each service's exit code; None while it runs."""
+        return {i: inst.exit_code() for i, inst in self._procs.items()}
+
     def _instance(self, instance_id: str) -> ServiceProcess:
         try:
             return self._procs[instance_id]

@@ -51,7 +51,7 @@ class PrefillWorker(Service):
             metrics=self.metrics, decodes=False,
         )  # fmt: skip
         self.engine = self.host.engine
-        self.stop = token_stop(set(self.host.loaded.tokenizer.eos_token_ids), self.engine.max_model_len)
+        self.finish_rule = token_stop(set(self.host.loaded.tokenizer.eos_token_ids), self.engine.max_model_len)
         self.queue: asyncio.Queue[Job] = asyncio.Queue()
         self.in_flight: dict[str, Job] = {}
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
@@ -182,7 +182,7 @@ class PrefillWorker(Service):
 
         seqs = [job.seq for job in jobs]
         logits = self.engine.prefill(seqs, layer_done=ship)
-        return sample_tokens(seqs, logits, self.stop)
+        return sample_tokens(seqs, logits, self.finish_rule)
 
     async def _finish(self, job: Job, out: TokenOutput) -> None:
         seq, request_id = job.seq, job.request.request_id
