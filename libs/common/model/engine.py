@@ -21,6 +21,7 @@ from libs.common.model.compiled import (
     use_cache_dir,
     warn_eager,
 )
+from libs.common.model.fused import FusedDecode
 from libs.common.model.kv_cache import KVCacheManager
 from libs.common.model.kv_pool import KVPool
 from libs.common.model.llama import LlamaModel
@@ -41,6 +42,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context window
     enable_prefix_cache: bool = True
     compile: bool | None = None  # compile the decode step; None: as KVSERVE_COMPILE says (off), never in float32
+    fuse_decode: bool = True  # fused.py for batches of at most KERNEL_MAX_ROWS where it applies
 
 
 class Engine:
@@ -52,6 +54,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or 1 << 62, model.config.max_position_embeddings)
         self.device = pool.kv.device
         self.compiled = self._compiled_decode(config.compile)
+        # a few sequences' step with each layer's small ops fused (bfloat16 on the CPU)
+        self.fused = FusedDecode.build(model, pool) if config.fuse_decode else None
 
     def _compiled_decode(self, wanted: bool | None) -> CompiledDecode | None:
         settings = ProcessSettings.from_env()
@@ -166,13 +170,17 @@ class Engine:
         return logits
 
     def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Logits [B, V] of each sequence's last token, through the compiled graph
-        once it is warmed up, eagerly otherwise."""
+        """Logits [B, V] of each sequence's last token: through the compiled graph once
+        it is warmed up, else the fused path for a few sequences, else the modules."""
         if self.compiled is not None and self.compiled.can_run(len(seqs)):
             input_ids, positions, batch = self._decode_batch(seqs, max(MIN_ROWS, len(seqs)), padded=True)
             return self.compiled(input_ids, positions, batch)[: len(seqs)]
         input_ids, positions, batch = self._decode_batch(seqs, len(seqs), padded=False)
-        return self.model.compute_logits(self.model(input_ids, positions, self.pool, batch)).float()
+        if self.fused is not None and len(seqs) <= self.fused.max_rows:
+            hidden = self.fused(input_ids, positions, batch)
+        else:
+            hidden = self.model(input_ids, positions, self.pool, batch)
+        return self.model.compute_logits(hidden).float()
 
     def _decode_batch(
         self, seqs: list[Sequence], num_rows: int, padded: bool

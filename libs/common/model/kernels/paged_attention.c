@@ -54,7 +54,7 @@ static inline void load_row(const void *base, int64_t index, int dim, int bf16, 
  * the value sum, each ~100x slower than a normal one on x86 (real attention, with
  * most of its weight on a few positions, has thousands of them a step). */
 static inline float exp_nonpositive(float x) {
-    const float t = fmaxf(x, -40.0f) * 1.44269504088896341f;
+    const float t = (x < -40.0f ? -40.0f : x) * 1.44269504088896341f;  /* not fmaxf: it does not vectorise */
     const float fi = floorf(t);
     const float f = t - fi;
     float p = 2.1498022e-4f;
@@ -111,7 +111,7 @@ static void attend(const void *q, const void *pool, const int64_t *block_ids, in
     for (int g = 0; g < group; g++) {
         float *restrict s = scores + g * len;
         float m = -INFINITY;
-        for (int64_t t = 0; t < len; t++) m = fmaxf(m, s[t]);
+        for (int64_t t = 0; t < len; t++) m = s[t] > m ? s[t] : m;
         float l = 0.0f;
         for (int64_t t = 0; t < len; t++) {
             s[t] = exp_nonpositive(s[t] - m);

@@ -1,0 +1,78 @@
+"""The fused decode step (fused.py) computes what the modules of llama.py do, bit for
+bit: the same logits at every step, so the same greedy tokens; for int4, int8 and float
+projections, with and without biases, on the default model and a tiny one."""
+
+import pytest
+import torch
+
+from libs.common.model.engine import EngineConfig
+from libs.common.model.fused import FusedDecode, _ops
+from libs.common.model.loader import build_engine, load_model
+from libs.common.model.sequence import Sequence
+from tests.conftest import make_tiny_checkpoint
+
+STEPS = 12
+
+
+@pytest.fixture(autouse=True)
+def kernels():
+    if _ops() is None:
+        pytest.skip("no C compiler: the native kernels cannot be built here")
+
+
+@pytest.fixture(scope="module")
+def default_bf16():
+    return load_model(None, dtype="bfloat16", progress=False)  # the GGUF's int4, as served
+
+
+def prompts(batch: int, vocab: int) -> list[list[int]]:
+    return [[(11 * i + 5 * j) % (vocab - 10) + 3 for j in range(7 + 29 * i)] for i in range(batch)]  # 7..210 tokens
+
+
+def greedy(loaded, fuse: bool, batch: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    engine = build_engine(loaded, EngineConfig(num_blocks=256, enable_prefix_cache=False, fuse_decode=fuse))
+    assert (engine.fused is not None) == fuse
+    seqs = [Sequence.from_prompt(f"s{i}", p) for i, p in enumerate(prompts(batch, loaded.model.config.vocab_size))]
+    for seq, logits in zip(seqs, engine.prefill(seqs)):
+        seq.append_token(int(logits.argmax()))
+    steps = []
+    for _ in range(STEPS):
+        logits = engine.decode_step(seqs)
+        steps.append(logits)
+        for seq, row in zip(seqs, logits):
+            seq.append_token(int(row.argmax()))
+    return [s.output_token_ids for s in seqs], steps
+
+
+def assert_same(loaded, batch: int) -> None:
+    fused_tokens, fused_logits = greedy(loaded, True, batch)
+    tokens, logits = greedy(loaded, False, batch)
+    assert fused_tokens == tokens
+    for a, b in zip(fused_logits, logits):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_fused_step_equals_the_modules_on_the_default_model(default_bf16, batch):
+    assert_same(default_bf16, batch)
+
+
+@pytest.mark.parametrize("quantization, bias", [("int4", False), ("int8", False), ("none", True)])
+def test_fused_step_equals_the_modules_for_every_projection(tmp_path, quantization, bias):
+    folder = make_tiny_checkpoint(tmp_path / "tiny", seed=3, attention_bias=bias)
+    loaded = load_model(str(folder), dtype="bfloat16", quantization=quantization, progress=False)
+    if bias:
+        with torch.no_grad():  # a saved random model's biases are zeros: make them count
+            for layer in loaded.model.layers:
+                layer.self_attn.qkv_proj.bias.normal_(0, 0.5)
+    assert_same(loaded, 3)
+
+
+def test_larger_batches_and_float32_use_the_modules(default_bf16, tiny_checkpoint):
+    engine = build_engine(default_bf16, EngineConfig(num_blocks=64))
+    assert engine.fused is not None and engine.fused.max_rows == 8
+    with pytest.raises(ValueError, match="unpadded rows"):
+        ids = torch.zeros(9, dtype=torch.long)
+        engine.fused(ids, ids, None)
+    tiny32 = load_model(str(tiny_checkpoint), dtype="float32", progress=False)
+    assert FusedDecode.build(tiny32.model, build_engine(tiny32, EngineConfig(num_blocks=64)).pool) is None
