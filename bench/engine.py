@@ -40,6 +40,7 @@ NEW_TOKENS = 32  # decoded per sequence after the first token
 DECODE_PROMPT = 128  # tokens per decode prompt (each a little different in length)
 KVSERVE_VARIANTS = [f"{w}-{m}" for w in ("fp32", "bf16", "int8", "int4") for m in ("eager", "compiled")]
 HF_VARIANTS = ["hf-bf16", "hf-fp32"]
+DEFAULT_VARIANT = "int4-eager"  # what `kvserve up` serves: the GGUF's int4, decode not compiled
 WEIGHTS = {  # variant prefix -> (dtype, quantization)
     "fp32": ("float32", "none"),
     "bf16": ("bfloat16", "none"),
@@ -109,7 +110,8 @@ def kvserve_worker(variant: str, reps: int) -> None:
         warmup()
     emit(ready=True, dtype=str(loaded.dtype).removeprefix("torch."),
          quantization=str(getattr(loaded, "quantization", "none")),
-         compiled=engine.compiled is not None, weight_bytes=weight_bytes(loaded.model))  # fmt: skip
+         compiled=engine.compiled is not None, weight_bytes=weight_bytes(loaded.model),
+         step_bytes=step_bytes(loaded.model))  # fmt: skip
 
     def prefill(n: int, seed: int) -> float:
         seq = Sequence.from_prompt(f"p{seed}", random_prompt(n, seed))
@@ -144,6 +146,34 @@ def weight_bytes(model) -> int:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
+
+
+def step_bytes(model) -> int:
+    """Bytes of weights a kvserve batch-1 decode step reads: each projection in the form
+    its kernel multiplies by (int4: the packing and its group scales, not the nibble copy
+    kept for prefill), the norms, the LM head, and one row of the embedding table (the
+    whole table when the head is that table)."""
+    from torch import nn
+
+    from libs.common.model.llama import Linear, RMSNorm
+    from libs.common.model.quant import Int4Linear, Int8Linear
+
+    total = 0
+    for module in model.modules():
+        if isinstance(module, Int4Linear):
+            tensors = [module.packed, module.scale_zero, module.bias]
+        elif isinstance(module, Int8Linear):
+            tensors = [module.weight_q, module.scale, module.bias]
+        elif isinstance(module, Linear):
+            tensors = [module.weight_t, module.bias]
+        elif isinstance(module, (RMSNorm, nn.Linear)):  # nn.Linear: a float LM head
+            tensors = [module.weight, getattr(module, "bias", None)]
+        elif isinstance(module, nn.Embedding):
+            tensors = [module.weight[0]]
+        else:
+            continue
+        total += sum(t.nbytes for t in tensors if t is not None)
+    return total
 
 
 def hf_worker(variant: str, reps: int) -> None:
@@ -345,16 +375,22 @@ def report(results: list[dict], bandwidth: float, command: str) -> str:
             f"{fmt(d.get('4 parallel'), 1)} | {fmt(r.get('startup_s'), 1)} | {fmt(r.get('rss_mib'))} |"
         )
     lines += ["", "## Batch-1 decode step against the floor", "",
-              "The floor: the bytes of weights a step reads (all of them) over the copy bandwidth above (a copy "
-              "moves each byte twice, so the floor is pessimistic by up to 2x).", "",
-              "| variant | weight bytes | floor | batch-1 step | step / floor |", "|---|---|---|---|---|"]  # fmt: skip
+              "The floor: the bytes of weights a batch-1 step reads over the copy bandwidth above (a copy moves "
+              "each byte twice, so the floor is pessimistic by up to 2x). kvserve: every projection in the form its "
+              "kernel reads, the norms, the LM head and one embedding row; transformers: every parameter once (the "
+              "tied head reads the embedding table); llama.cpp: its file. Held: every buffer the process keeps "
+              "(kvserve's int4 also keeps a nibble copy and, from its first prefill, a bfloat16 copy for "
+              "prefill-sized batches).", "",
+              "| variant | bytes read | held | floor | batch-1 step | step / floor |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         if "error" in r or not r["decode"].get(1) or not r.get("weight_bytes"):
             continue
-        floor = r["weight_bytes"] / bandwidth
+        read = r.get("step_bytes", r["weight_bytes"])
+        floor = read / bandwidth
         step = 1 / r["decode"][1]
-        lines.append(f"| {r['variant']} | {r['weight_bytes'] / 1e6:.0f} MB | {floor * 1e3:.1f} ms | "
-                     f"{step * 1e3:.1f} ms | {step / floor:.2f}x |")  # fmt: skip
+        lines.append(f"| {r['variant']} | {read / 1e6:.0f} MB | {r['weight_bytes'] / 1e6:.0f} MB | "
+                     f"{floor * 1e3:.1f} ms | {step * 1e3:.1f} ms | {step / floor:.2f}x |")  # fmt: skip
     lines += ["", "## Targets", ""] + targets(results, bandwidth)
     return "\n".join(lines) + "\n"
 
@@ -365,9 +401,9 @@ def targets(results: list[dict], bandwidth: float) -> list[str]:
     ours = [r for r in results if "error" not in r and r["variant"] in KVSERVE_VARIANTS]
     if not ours:
         return ["- no kvserve variant ran"]
-    best1 = max(ours, key=lambda r: r["decode"].get(1, 0))
-    best32 = max(ours, key=lambda r: r["decode"].get(32, 0))
-    best_prefill = max(ours, key=lambda r: r["prefill"].get(2048, 0))
+    # the targets hold for what a user gets: the default variant, where it ran
+    default = by.get(DEFAULT_VARIANT) or max(ours, key=lambda r: r["decode"].get(1, 0))
+    name = default["variant"]
     out = []
 
     def line(what: str, ratio: float | None, goal: float, note: str = "") -> None:
@@ -378,19 +414,15 @@ def targets(results: list[dict], bandwidth: float) -> list[str]:
             out.append(f"- {what}: {ratio:.2f}x (target >= {goal:g}x: {verdict}){note}")
 
     if llama:
-        line(f"batch-1 decode, {best1['variant']} vs llama.cpp single stream",
-             best1["decode"][1] / llama["decode"][1], 1.0)  # fmt: skip
-        line(f"batch-32 aggregate decode, {best32['variant']} vs llama.cpp 4 parallel",
-             best32["decode"][32] / llama["decode"]["4 parallel"], 3.0)  # fmt: skip
-        line(f"prefill 2048, {best_prefill['variant']} vs llama.cpp",
-             best_prefill["prefill"][2048] / llama["prefill"][2048], 3.0)  # fmt: skip
+        line(f"batch-1 decode, {name} vs llama.cpp single stream", default["decode"][1] / llama["decode"][1], 1.0)
+        line(f"batch-32 aggregate decode, {name} vs llama.cpp 4 parallel",
+             default["decode"][32] / llama["decode"]["4 parallel"], 3.0)  # fmt: skip
+        line(f"prefill 2048, {name} vs llama.cpp", default["prefill"][2048] / llama["prefill"][2048], 3.0)
     if hf:
-        line(f"batch-32 aggregate decode, {best32['variant']} vs transformers bf16",
-             best32["decode"][32] / hf["decode"][32], 3.0)  # fmt: skip
-        line(f"prefill 2048, {best_prefill['variant']} vs transformers bf16",
-             best_prefill["prefill"][2048] / hf["prefill"][2048], 1.0)  # fmt: skip
-    step = (1 / best1["decode"][1]) / (best1["weight_bytes"] / bandwidth)
-    out.append(f"- batch-1 step of {best1['variant']}: {step:.2f}x the floor (target <= 1.5x: "
+        line(f"batch-32 aggregate decode, {name} vs transformers bf16", default["decode"][32] / hf["decode"][32], 3.0)
+        line(f"prefill 2048, {name} vs transformers bf16", default["prefill"][2048] / hf["prefill"][2048], 1.0)
+    step = (1 / default["decode"][1]) / (default.get("step_bytes", default["weight_bytes"]) / bandwidth)
+    out.append(f"- batch-1 step of {name}: {step:.2f}x the floor (target <= 1.5x: "
                f"{'met' if step <= 1.5 else 'not met'})")  # fmt: skip
     return out
 
