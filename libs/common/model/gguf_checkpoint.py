@@ -16,6 +16,7 @@ import torch
 
 from libs.common.errors import ModelCorruptError, ModelNotFoundError
 from libs.common.model import quant
+from libs.common.model.gguf_file import GGUFFile
 
 # llama.cpp pre-tokenizer names -> the tokenizers pre-tokenizer that matches them
 _DIGITS_THEN_BYTES = {
@@ -67,23 +68,19 @@ _GLOBAL_NAMES = {
 
 class GGUFCheckpoint:
     def __init__(self, path: Path) -> None:
-        import gguf  # imported here: only GGUF users pay for it
-
         if not path.is_file():
             raise ModelNotFoundError(f"GGUF file not found: {path}")
         try:
-            self._reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # the reader raises bare ValueErrors/IndexErrors on damage
+            self._reader = GGUFFile(path)
+        except Exception as e:  # ValueError on damage; gguf's type table raises its own
             raise ModelCorruptError(f"cannot read GGUF file {path}: {e}") from e
-        self._gguf = gguf
         self.path = path
         arch = self._field("general.architecture")
         if arch != "llama":
             raise ModelCorruptError(f"{path}: architecture {arch!r} is not supported (llama only)")
 
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._reader.fields.get(key, default)
 
     def hf_config(self) -> dict[str, Any]:
         f = self._field
@@ -93,7 +90,7 @@ class GGUFCheckpoint:
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
             "hidden_act": "silu",
-            "vocab_size": f("llama.vocab_size") or len(self._reader.fields["tokenizer.ggml.tokens"].data),
+            "vocab_size": f("llama.vocab_size") or len(self._reader.fields["tokenizer.ggml.tokens"]),
             "hidden_size": hidden,
             "intermediate_size": f("llama.feed_forward_length"),
             "num_hidden_layers": f("llama.block_count"),
@@ -136,7 +133,7 @@ class GGUFCheckpoint:
                         weight = weight.rows(torch.from_numpy(_unpermute_rotary(np.arange(weight.shape[0]), heads)))
                     yield name, weight
                     continue
-                array = self._gguf.quants.dequantize(t.data, t.tensor_type)
+                array = _dequantize(t.data, t.tensor_type)
             except Exception as e:  # gguf raises bare ValueErrors/NotImplementedErrors on damage
                 raise ModelCorruptError(f"{self.path}: cannot read {t.name} ({kind}): {e}") from e
             array = np.asarray(array, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
@@ -227,6 +224,12 @@ class GGUFCheckpoint:
         if template:
             config["chat_template"] = template
         return config
+
+
+def _dequantize(data: np.ndarray, tensor_type) -> np.ndarray:
+    import gguf.quants  # imported here: only GGUF users pay for it
+
+    return gguf.quants.dequantize(data, tensor_type)
 
 
 def _hf_name(gguf_name: str) -> str | None:
