@@ -4,8 +4,11 @@ plan that gives each worker its cores and torch threads.
 Each worker applies its share itself at start (libs/common/cpu_share.py, from
 KVSERVE_CPUS and KVSERVE_THREADS), before it loads and calibrates its model. The
 gateway, conductor and store move bytes, not tensors: one torch thread each, unpinned.
-OpenMP threads sleep when idle instead of spinning (OMP_WAIT_POLICY=PASSIVE): a worker
-waiting for work then leaves its cores to the others.
+OpenMP threads spin briefly and then sleep (GOMP_SPINCOUNT=1000, ~0.1 ms): a worker
+waiting for work leaves its cores to the others within a fraction of a millisecond,
+while the matmuls of one decode step, microseconds apart, still find their team awake
+(sleeping at once, OMP_WAIT_POLICY=PASSIVE, made every matmul wake its team: a
+two-thread batch-1 step took twice as long; bench/results/omp_wait.md).
 """
 
 import argparse
@@ -16,6 +19,7 @@ from libs.common.cpu_share import format_cpu_list, parse_cpu_list
 from libs.common.vocabulary import Role
 
 WORKER_ROLES = (Role.PREFILL, Role.DECODE)  # also the order cores are handed out in
+SPINCOUNT = "1000"  # libgomp's spins before an idle OpenMP thread sleeps (torch ships libgomp)
 
 
 @dataclass(frozen=True)
@@ -25,7 +29,7 @@ class CpuShare:
 
     def env(self) -> dict[str, str]:
         """The variables a process is started with to take this share."""
-        env = {"KVSERVE_THREADS": str(self.threads), "OMP_NUM_THREADS": str(self.threads), "OMP_WAIT_POLICY": "PASSIVE"}
+        env = {"KVSERVE_THREADS": str(self.threads), "OMP_NUM_THREADS": str(self.threads), "GOMP_SPINCOUNT": SPINCOUNT}
         if self.cpus is not None:
             env["KVSERVE_CPUS"] = format_cpu_list(self.cpus)
         return env
@@ -71,7 +75,7 @@ def divide(cores: Sequence[int], workers: Sequence[str]) -> dict[str, CpuShare]:
     """Share ``cores`` among ``workers``: with at least one core each, disjoint runs of
     cores in order, as even as they go (the first workers get one more when uneven);
     with fewer cores than workers, every worker may run on every core, with
-    ``max(1, cores // workers)`` threads (sleeping, not spinning, when idle)."""
+    ``max(1, cores // workers)`` threads (sleeping soon after they go idle)."""
     cores = sorted(cores)
     if len(cores) < len(workers):
         shared = CpuShare(tuple(cores), max(1, len(cores) // len(workers)))

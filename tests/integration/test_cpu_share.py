@@ -34,7 +34,7 @@ def test_each_worker_runs_on_its_own_cores_with_one_thread_per_core():
             assert match.groups() == (format_cpu_list(share.cpus), str(share.threads))
             assert share.threads == len(share.cpus)
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            assert b"OMP_WAIT_POLICY=PASSIVE" in environ
+            assert b"GOMP_SPINCOUNT=1000" in environ
         gateway = cluster.pids["gateway-0"]
         assert os.sched_getaffinity(gateway) == host  # the I/O processes are not pinned
     finally:

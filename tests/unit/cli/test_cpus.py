@@ -122,9 +122,9 @@ def test_divide_is_disjoint_and_covers_every_core_when_there_are_enough():
 
 def test_a_share_becomes_environment_variables():
     assert CpuShare((0, 1, 2, 5), 4).env() == {
-        "KVSERVE_CPUS": "0-2,5", "KVSERVE_THREADS": "4", "OMP_NUM_THREADS": "4", "OMP_WAIT_POLICY": "PASSIVE",
+        "KVSERVE_CPUS": "0-2,5", "KVSERVE_THREADS": "4", "OMP_NUM_THREADS": "4", "GOMP_SPINCOUNT": "1000",
     }  # fmt: skip
-    assert IO_SHARE.env() == {"KVSERVE_THREADS": "1", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert IO_SHARE.env() == {"KVSERVE_THREADS": "1", "OMP_NUM_THREADS": "1", "GOMP_SPINCOUNT": "1000"}
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -138,7 +138,7 @@ def test_every_process_of_a_cluster_is_started_with_its_share(model_dir):
         for instance_id, pid in cluster.pids.items():
             env = _environ(pid)
             share = cluster.cpu_plan[instance_id]
-            assert env["OMP_WAIT_POLICY"] == "PASSIVE"
+            assert env["GOMP_SPINCOUNT"] == "1000" and "OMP_WAIT_POLICY" not in env
             assert env["KVSERVE_THREADS"] == env["OMP_NUM_THREADS"] == str(share.threads)
             if instance_id.startswith(("prefill", "decode")):
                 assert parse_cpu_list(env["KVSERVE_CPUS"]) == share.cpus
