@@ -209,7 +209,9 @@ class Scheduler:
                 continue
             self.running.pop()
             self._reset(victim)
-            self.waiting.appendleft(victim)
+            # first in line again, but behind a partly prefilled sequence: that one holds
+            # its blocks and must stay at the head (``partial`` names only the head)
+            self.waiting.insert(0 if self.partial is None else 1, victim)
             preempted.append(victim)
         return []
 

@@ -101,3 +101,35 @@ def test_decode_steps_run_between_a_long_prompt_s_chunks_with_the_unchunked_toke
     assert whole == ["chunk"]  # the batch stalled for the whole prompt at once
     assert steps == ["chunk", "decode"] * 4 + ["chunk"]  # 40 tokens: 8 at a time, A decoding between
     assert chunked == unchunked
+
+
+def test_a_sequence_preempted_while_another_is_partly_prefilled_queues_behind_it():
+    """The partly prefilled sequence holds its blocks at the head of the queue: a decode
+    step's victim must not jump ahead of it (it would take the partial's place, and the
+    partial would later be admitted again as if new, over the blocks it holds: an
+    AssertionError in the cache, or with nothing running a step that never moves)."""
+    sched = scheduler(num_blocks=10, max_batch_size=4)
+    a, c, b = seq("a", 3, max_tokens=30), seq("c", 3, max_tokens=30), seq("b", 6 * BLOCK, max_tokens=2)
+    for s in (a, c):
+        sched.add(s)
+    first = sched.schedule(max_chunk_tokens=2)
+    ran(first)
+    sched.update(first, logits_for(1, 1))
+    sched.add(b)
+    preempted_while_partial = False
+    for _ in range(200):
+        batch = sched.schedule(max_chunk_tokens=2)
+        if batch.preempted and sched.partial is not None:
+            preempted_while_partial = True
+        if sched.partial is not None:
+            assert sched.waiting[0] is sched.partial
+        ran(batch)
+        for s in batch.seqs if not batch.is_prefill else []:  # the engine's part: blocks for the new token
+            sched.cache.allocate(s, s.num_tokens)
+        if batch.seqs:
+            sched.update(batch, logits_for(*[1] * len(batch.seqs)))
+        if not sched.has_work:
+            break
+    assert preempted_while_partial  # the case this test is about happened
+    assert not sched.has_work and all(s.finish_reason is not None for s in (a, b, c))
+    assert sched.cache.num_free_blocks == 10
