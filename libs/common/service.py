@@ -9,6 +9,7 @@ crash), and on SIGTERM/SIGINT stops taking work, drains NATS and exits.
 import asyncio
 import logging
 import signal
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -27,6 +28,7 @@ from libs.common.settings import ServiceSettings
 from libs.common.vocabulary import ErrorCode
 
 M = TypeVar("M", bound=Message)
+EXIT_FAILED = 70  # EX_SOFTWARE: an essential task failed (the log says which and why)
 Handler = Callable[[M, Msg], Awaitable[Message | None]]
 
 
@@ -39,6 +41,7 @@ class Service:
         self.reconnects = 0  # times the NATS connection came back: messages sent meanwhile may be lost
         self.started_at = time.time()
         self._tasks: set[asyncio.Task] = set()
+        self.failed = False  # an essential task failed: the process exits non-zero
         self.metrics = Metrics(settings.instance_id, settings.role, model_name(settings.model_spec))
         self.metrics.gauge("kvserve_start_time_seconds", "When this process started (Unix time): a restart changes it",
                            ).set(self.started_at)  # fmt: skip
@@ -216,17 +219,27 @@ class Service:
     async def publish(self, subject: str, message: Message) -> None:
         await self.nc.publish(subject, schema.encode(message))
 
-    def spawn(self, coro: Awaitable) -> asyncio.Task:
-        """Run ``coro`` in a task that is kept alive and whose failure is logged."""
+    def spawn(self, coro: Awaitable, essential: bool = False) -> asyncio.Task:
+        """Run ``coro`` in a task that is kept alive and whose failure is logged. An
+        ``essential`` one is the service's work itself (an engine loop, an expiry loop):
+        if it fails, the process stops and exits non-zero, so that its supervisor starts
+        it again, rather than living on without it."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._task_done)
+        task.add_done_callback(lambda task: self._task_done(task, essential))
         return task
 
-    def _task_done(self, task: asyncio.Task) -> None:
+    def _task_done(self, task: asyncio.Task, essential: bool) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
+        if task.cancelled() or task.exception() is None:
+            return
+        if not essential:
             self.log.error("background task failed", exc_info=task.exception())
+            return
+        self.log.critical("%s failed: stopping, to be started again", task.get_coro().__qualname__,
+                          exc_info=task.exception())  # fmt: skip
+        self.failed = True
+        self.stopping.set()
 
 
 def configure_logging(instance_id: str, level: str = "INFO") -> None:
@@ -244,3 +257,5 @@ def run_service(service: Service) -> None:
         asyncio.run(service.run())
     else:
         uvloop.run(service.run())
+    if service.failed:
+        sys.exit(EXIT_FAILED)

@@ -67,7 +67,7 @@ class Conductor(Service):
         await self.subscribe(subjects.CONDUCTOR_ADMITTED, ConductorAdmission, self.on_peer_admission)
         await self.subscribe(subjects.CONDUCTOR_ADMIT, AdmitRequest, self.on_admit, queue=subjects.CONDUCTOR_QUEUE)
         await self.subscribe(subjects.conductor_view(self.instance_id), ConductorViewRequest, self.on_view)
-        expiry = self.spawn(self._expire_loop())
+        expiry = self.spawn(self._expire_loop(), essential=True)
         stack.callback(expiry.cancel)
 
     # --- the cluster and its KV ------------------------------------------------------

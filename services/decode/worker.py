@@ -67,8 +67,8 @@ class DecodeWorker(Service):
         await self.subscribe(subjects.decode_admit(me), HandoffRequest, self.on_handoff)
         await self.subscribe(subjects.decode_release(me), ReleaseRequest, self.on_release)
         await self.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
-        loop = self.spawn(self._decode_loop())
-        expiry = self.spawn(self._expire_leases())
+        loop = self.spawn(self._decode_loop(), essential=True)
+        expiry = self.spawn(self._expire_leases(), essential=True)
         stack.callback(loop.cancel)
         stack.callback(expiry.cancel)
 

@@ -73,7 +73,7 @@ class PrefillWorker(Service):
         await self.subscribe(subjects.heartbeat(Role.DECODE), Heartbeat, self.on_decode_heartbeat)
         if self.store is not None:
             await self.store.start(self.reports.cost)
-        loop = self.spawn(self._prefill_loop())
+        loop = self.spawn(self._prefill_loop(), essential=True)
         stack.callback(loop.cancel)
 
     async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:

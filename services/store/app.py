@@ -109,7 +109,7 @@ class StoreService(Service):
         )  # fmt: skip
         await KVEventPublisher(self, self.events).start(stack)
         if self.tiers.next_tier is not None:
-            self._write_behind = self.spawn(self.tiers.write_behind(self.settings.write_behind_s))
+            self._write_behind = self.spawn(self.tiers.write_behind(self.settings.write_behind_s), essential=True)
         self._ops_subscription = await self.nc.subscribe(subjects.store_ops(self.instance_id), cb=self._dispatch)
 
     async def stop(self) -> None:
