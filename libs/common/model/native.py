@@ -38,8 +38,13 @@ def load(name: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler: native %s kernel disabled, using PyTorch", name)
         return None
-    source = (SOURCES / f"{name}.c").read_bytes()
-    digest = hashlib.blake2b(source + " ".join(FLAGS).encode(), digest_size=8).hexdigest()
+    try:
+        source = (SOURCES / f"{name}.c").read_bytes()
+    except OSError as e:  # an install without the sources
+        log.warning("native %s kernel source missing (using PyTorch): %s", name, e)
+        return None
+    headers = b"".join(path.read_bytes() for path in sorted(SOURCES.glob("*.h")))  # what the sources include
+    digest = hashlib.blake2b(source + headers + " ".join(FLAGS).encode(), digest_size=8).hexdigest()
     target = settings.cache_dir / "kernels" / f"{name}-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

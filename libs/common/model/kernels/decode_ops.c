@@ -12,7 +12,7 @@
  * - rope_kv_write: rotate the q and k heads of a fused qkv row (each product and the
  *   sum rounded, as x * cos + rotate_half(x) * sin in bfloat16 is), q to its own
  *   buffer, k and v straight into the paged pool (kv_pool.py's layout);
- * - silu_mul: bf16(bf16(silu(gate)) * up), its exponent a polynomial.
+ * - silu_mul: bf16(bf16(silu(gate)) * up), its exponent a polynomial (numeric.h).
  *
  * Single-threaded: at these sizes (a few rows of 576-1536 values) a thread's wake-up
  * costs more than the work.
@@ -29,45 +29,11 @@
 #pragma GCC optimize("no-associative-math", "no-reciprocal-math")
 #endif
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)x) << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN */
-    uint32_t rounding = 0x7fff + ((v.u >> 16) & 1);
-    return (uint16_t)((v.u + rounding) >> 16);
-}
-
-static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
-
-/* e^x, relative error ~2e-7 (below float32's own rounding of the sum it feeds), as a
- * polynomial so that the loop around it vectorises (libm's expf is a call per element):
- * 2^(x log2 e) split into an integer power (the exponent bits) and 2^f, f in [0, 1).
- * x is clamped to [-87, 88], where e^x stays a normal float. */
-static inline float exp_poly(float x) {
-    const float t = (x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x)) * 1.44269504088896341f;  /* not fminf: no vectors */
-    const float fi = floorf(t);
-    const float f = t - fi;
-    float p = 2.1498022e-4f;
-    p = p * f + 1.2833665e-3f;
-    p = p * f + 9.6413346e-3f;
-    p = p * f + 5.5503348e-2f;
-    p = p * f + 2.4022685e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)fi + 127) << 23;
-    return p * scale.f;
-}
+#include "numeric.h"
 
 /* The float32 sum PyTorch's CPU kernel computes for a contiguous row (cascade_sum in
  * ATen's SumKernel.cpp), in its order, so that the mean of squares, and so the norm,
- * is PyTorch's to the bit: `lanes` floats to a vector (16 with AVX-512, 8 with AVX2),
+ * is PyTorch's to the bit: `lanes` floats to a vector (fused.torch_lanes finds it: 8 on x86),
  * the vectors summed as rows of four into four accumulators with a cascade of levels,
  * the four added, then the tail scalars and the lanes one by one. No reassociation is
  * allowed here (the pragma at the top of the file). */

@@ -20,23 +20,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "numeric.h"
+
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define PARALLEL_MIN_ROWS 4096 /* key rows x kv heads below which one thread does it all */
-
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)x) << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torch does */
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7fffffff) > 0x7f800000) return (uint16_t)((v.u >> 16) | 0x40);  /* NaN */
-    uint32_t rounding = 0x7fff + ((v.u >> 16) & 1);
-    return (uint16_t)((v.u + rounding) >> 16);
-}
 
 static inline void load_row(const void *base, int64_t index, int dim, int bf16, float *restrict dst) {
     if (bf16) {
@@ -47,27 +35,11 @@ static inline void load_row(const void *base, int64_t index, int dim, int bf16, 
     }
 }
 
-/* e^x for x <= 0 (scores minus their maximum), relative error ~2e-7: 2^(x log2 e)
- * split into an integer power (the exponent bits) and 2^f, f in [0, 1), by a
- * degree-6 polynomial. Below -40 it is 0: e^-40 (4e-18) is far under a float32
- * sum's rounding, and the tiny weights it would give make subnormal products in
- * the value sum, each ~100x slower than a normal one on x86 (real attention, with
- * most of its weight on a few positions, has thousands of them a step). */
-static inline float exp_nonpositive(float x) {
-    const float t = (x < -40.0f ? -40.0f : x) * 1.44269504088896341f;  /* not fmaxf: it does not vectorise */
-    const float fi = floorf(t);
-    const float f = t - fi;
-    float p = 2.1498022e-4f;
-    p = p * f + 1.2833665e-3f;
-    p = p * f + 9.6413346e-3f;
-    p = p * f + 5.5503348e-2f;
-    p = p * f + 2.4022685e-1f;
-    p = p * f + 6.9314718e-1f;
-    p = p * f + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)fi + 127) << 23;
-    return x < -40.0f ? 0.0f : p * scale.f;
-}
+/* e^x for x <= 0 (scores minus their maximum). Below -40 it is 0: e^-40 (4e-18) is
+ * far under a float32 sum's rounding, and the tiny weights it would give make subnormal
+ * products in the value sum, each ~100x slower than a normal one on x86 (real
+ * attention, with most of its weight on a few positions, has thousands of them a step). */
+static inline float exp_nonpositive(float x) { return x < -40.0f ? 0.0f : exp_poly(x); }
 
 /* Ask for one block's rows of this head ahead of use: blocks lie scattered across the
  * pool, and a read that waits for each block's first miss runs at a fraction of the
