@@ -10,6 +10,7 @@ from libs.common.model.fused import FusedDecode, _ops
 from libs.common.model.loader import build_engine, load_model
 from libs.common.model.sequence import Sequence
 from tests.conftest import make_tiny_checkpoint
+from tests.unit.engine.test_compiled import decode
 
 STEPS = 12
 
@@ -33,14 +34,7 @@ def greedy(loaded, fuse: bool, batch: int) -> tuple[list[list[int]], list[torch.
     engine = build_engine(loaded, EngineConfig(num_blocks=256, enable_prefix_cache=False, fuse_decode=fuse))
     assert (engine.fused is not None) == fuse
     seqs = [Sequence.from_prompt(f"s{i}", p) for i, p in enumerate(prompts(batch, loaded.model.config.vocab_size))]
-    for seq, logits in zip(seqs, engine.prefill(seqs)):
-        seq.append_token(int(logits.argmax()))
-    steps = []
-    for _ in range(STEPS):
-        logits = engine.decode_step(seqs)
-        steps.append(logits)
-        for seq, row in zip(seqs, logits):
-            seq.append_token(int(row.argmax()))
+    steps = decode(engine, seqs, STEPS)
     return [s.output_token_ids for s in seqs], steps
 
 
