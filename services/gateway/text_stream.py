@@ -39,11 +39,9 @@ class TextStream:
         self.num_prompt_tokens = num_prompt_tokens
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
-        self._tokenizer = tokenizer
         self._stops = list(sampling.stop)
         self._stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(tokenizer.eos_token_ids))
         self._checker = StopChecker(tokenizer, sampling, max_model_len, num_prompt_tokens)
-        self._text_ids: list[int] = []  # the generated tokens that make text (stop tokens do not)
         self._cut_by_stop_string = False
         self._final_text: str | None = None  # once finished
         self._num_shown = 0  # characters released so far
@@ -66,8 +64,6 @@ class TextStream:
         pieces = []
         for token_id in chunk.token_ids:
             is_stop_token = token_id in self._stop_ids
-            if not is_stop_token:
-                self._text_ids.append(token_id)
             pieces.append(self._checker.add(token_id))
             if self._checker.finish_reason is not None:
                 self._cut_by_stop_string = self._checker.finish_reason == FinishReason.STOP and not is_stop_token
@@ -99,11 +95,9 @@ class TextStream:
         return Delta(delta, reason, stopped_early)
 
     def _undecoded_tail(self) -> str:
-        """The text of the tokens the incremental decoder still holds (the start of
-        a UTF-8 character no later token completed), as decoding every token shows it."""
-        whole = self._tokenizer.decode(self._text_ids)
-        shown = self._checker.text
-        return whole[len(shown) :] if whole.startswith(shown) else ""
+        """The text of the tokens the incremental decoder still holds (the checker adds
+        it itself when it ends the text; a worker's finish or a failure lands here)."""
+        return self._checker.undecoded_tail()
 
 
 def _first_stop(text: str, stops: list[str], ends_after: int) -> int | None:

@@ -76,3 +76,28 @@ def test_stop_tokens_eos_and_max_tokens(smollm):
     window.add(hello)
     window.add(hello)
     assert window.finish_reason is FinishReason.LENGTH
+
+
+def test_a_character_cut_by_max_tokens_shows_as_the_whole_decode_shows_it(smollm):
+    """The last token may end inside a UTF-8 character (an emoji is several byte tokens):
+    the text ends as decoding every token ends it, U+FFFD, instead of dropping the bytes."""
+    tok = smollm.tokenizer
+    ids = tok.encode("ok 😀", add_special_tokens=False)
+    assert tok.decode(ids[:-1]).endswith("\ufffd")  # the emoji's bytes span tokens: cut before its last
+    checker = StopChecker(tok, SamplingParams(max_tokens=len(ids) - 1), 8192, 10)
+    shown = "".join(checker.add(i) for i in ids[:-1])
+    assert checker.finish_reason == FinishReason.LENGTH
+    assert shown == checker.text == tok.decode(ids[:-1])
+    assert checker.undecoded_tail() == ""  # nothing is left to flush
+
+
+def test_a_stop_string_cut_leaves_no_tail(smollm):
+    tok = smollm.tokenizer
+    ids = tok.encode("ab END 😀", add_special_tokens=False)
+    checker = StopChecker(tok, SamplingParams(stop=["END"], max_tokens=100), 8192, 10)
+    shown = ""
+    for i in ids:
+        shown += checker.add(i)
+        if checker.finish_reason is not None:
+            break
+    assert shown == checker.text == "ab " and checker.undecoded_tail() == ""
