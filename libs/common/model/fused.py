@@ -24,8 +24,8 @@ import torch.nn.functional as F
 from libs.common.model import native
 from libs.common.model.attention import AttentionBatch, _load_kernel
 from libs.common.model.kv_pool import KVPool
-from libs.common.model.llama import Linear, LlamaModel, RMSNorm
-from libs.common.model.quant import KERNEL_MAX_ROWS, Int4Linear, Int8Linear
+from libs.common.model.llama import LlamaModel, RMSNorm
+from libs.common.model.quant import KERNEL_MAX_ROWS
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -64,28 +64,6 @@ def torch_lanes(dim: int) -> int:
     return 8
 
 
-def _projection(module: torch.nn.Module):
-    """``x -> x W^T (+ b)`` for a few bfloat16 rows, as one op call; None if ``module`` is not one we know."""
-    if isinstance(module, Int4Linear):
-        op, args = torch.ops.aten._weight_int4pack_mm_for_cpu.default, (module.packed, module.group_size,
-                                                                       module.scale_zero)  # fmt: skip
-        dtype = module.scale_zero.dtype
-    elif isinstance(module, Int8Linear):
-        op, args, dtype = torch.ops.aten._weight_int8pack_mm.default, (module.weight_q, module.scale), module.scale.dtype
-    elif isinstance(module, Linear):
-        op, args, dtype = torch.mm, (module.weight_t,), module.weight_t.dtype
-    else:
-        return None
-    if dtype != torch.bfloat16:
-        return None
-    bias = module.bias
-    if bias is None:
-        return lambda x: op(x, *args)
-    if isinstance(module, Linear):  # as Linear.forward: the bias inside the matmul's rounding
-        return lambda x: torch.addmm(bias, x, module.weight_t)
-    return lambda x: op(x, *args).add_(bias)
-
-
 class FusedDecode:
     """Callable as ``(input_ids, positions, batch) -> hidden [B, hidden]`` after the final
     norm, for batches of at most ``KERNEL_MAX_ROWS`` rows without padding."""
@@ -105,7 +83,8 @@ class FusedDecode:
         projections = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            four = [_projection(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+            modules = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            four = [m.row_op(torch.bfloat16) if hasattr(m, "row_op") else None for m in modules]
             if any(p is None for p in four):
                 return None
             projections.append(four)

@@ -48,6 +48,16 @@ class Linear(nn.Module):
             return x @ self.weight_t
         return torch.addmm(self.bias, x, self.weight_t)
 
+    def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``forward`` for 2-D ``dtype`` rows without its dispatch (as quant's row_op); None
+        when the weight is in another dtype."""
+        if self.weight_t.dtype != dtype:
+            return None
+        weight_t, bias = self.weight_t, self.bias
+        if bias is None:
+            return lambda x: torch.mm(x, weight_t)
+        return lambda x: torch.addmm(bias, x, weight_t)
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:

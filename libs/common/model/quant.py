@@ -12,7 +12,7 @@ no float copy of a whole tensor) or from float weights quantized at load. This
 module knows the block formats but not the GGUF file; the model knows neither.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,6 +39,8 @@ KERNEL_MAX_ROWS = 8
 _KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 _INT4_PACK_N = 16  # _convert_weight_to_int4pack_for_cpu needs N divisible by this
 _INT4_INNER_K_TILES = 2  # ignored on the CPU; part of the op's signature
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 
 
 def parse(spec: str) -> str:
@@ -255,6 +257,17 @@ class Int4Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
 
+    def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``forward`` for at most KERNEL_MAX_ROWS contiguous ``dtype`` rows, as one kernel
+        call without its checks (for callers that run many small steps); None when the
+        kernel does not take ``dtype`` here."""
+        if dtype not in _KERNEL_DTYPES or dtype != self.scale_zero.dtype:
+            return None
+        op, packed, group, scale_zero, bias = _INT4_MM, self.packed, self.group_size, self.scale_zero, self.bias
+        if bias is None:
+            return lambda x: op(x, packed, group, scale_zero)
+        return lambda x: op(x, packed, group, scale_zero).add_(bias)
+
     def dense_t(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight dequantized and transposed, kept after its first use: dequantizing
         costs about what the prefill matmul itself does, so prefill-sized batches pay it
@@ -293,6 +306,15 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+    def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """As Int4Linear.row_op."""
+        if dtype not in _KERNEL_DTYPES or dtype != self.scale.dtype:
+            return None
+        op, weight_q, scale, bias = _INT8_MM, self.weight_q, self.scale, self.bias
+        if bias is None:
+            return lambda x: op(x, weight_q, scale)
+        return lambda x: op(x, weight_q, scale).add_(bias)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         dense = self._dense
