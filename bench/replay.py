@@ -19,6 +19,11 @@ seed+i in every configuration) and writes bench/results/capacity.md (or
 --capacity-report) with capacity.png beside it:
 
     .venv/bin/python bench/replay.py --requests 120 --find-capacity --start-scale 4 --max-probes 6
+
+--start I --warm-history takes the window from the trace's steady state: before
+each run it sends the prefixes the window shares with requests 0..I-1, the cache a
+server holds after serving the trace up to I (the first requests of a trace meet a
+cold cache).
 """
 
 import argparse
@@ -51,6 +56,7 @@ from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path 
 from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
+from kvserve.replay.history import shared_prefixes  # noqa: E402
 from kvserve.replay.metrics import SLO, Summary, goodput_at_attainment, summarize  # noqa: E402
 from kvserve.replay.prompts import PromptSynthesizer  # noqa: E402
 from kvserve.replay.records import Run  # noqa: E402
@@ -269,7 +275,7 @@ def write_capacity(args, capacities, settings, started, requests, notes, cpu_not
         f"{os.getloadavg()[0]:.2f}. Trace `{args.trace.name}` requests {first}-{last}, "
         f"{settings.block_tokens}-token blocks, inputs at most {settings.max_input} tokens, at most "
         f"{settings.max_output} output tokens{', bucketed arrivals spread' if settings.spread else ''}; "
-        f"kvserve in {args.dtype}."
+        f"kvserve in {args.dtype}.{warmed_note(settings, requests)}"
     )
     note_lines = [f"{name}: {note}" for name, note in notes.items() if note]
     text = capacity_document(
@@ -284,6 +290,23 @@ def write_capacity(args, capacities, settings, started, requests, notes, cpu_not
     return 0
 
 
+def warmed_note(settings: SweepSettings, requests) -> str:
+    """What the window reuses: from its own earlier requests, and from the warmed history."""
+    synth = PromptSynthesizer(settings.vocab, settings.block_tokens, settings.seed, settings.max_input,
+                              settings.max_output)  # fmt: skip
+    prefixes = shared_prefixes(settings.history, requests, synth)
+    total = sum(synth.input_length(r) for r in requests)
+    own = sum(p.record.cached_blocks_expected for p in plan(requests, synth, 1.0)) * settings.block_tokens
+    warm = sum(p.record.cached_blocks_expected for p in plan(requests, synth, 1.0, warmed=prefixes))
+    text = f" Reusable prompt tokens: {own:,} of {total:,} ({own / total:.1%}) from the window's own earlier requests"
+    if not settings.history:
+        return text + "; cold cache."
+    warm *= settings.block_tokens
+    return (text + f", {warm:,} ({warm / total:.1%}) with the history: before each probe, the "
+            f"{len(prefixes)} prefixes ({sum(map(len, prefixes)) * settings.block_tokens:,} tokens) the window shares "
+            f"with requests 0-{len(settings.history) - 1} were sent, one at a time, one output token each.")
+
+
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the servers as Ctrl-C does
 
@@ -294,6 +317,9 @@ def main() -> int:
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--start", type=int, default=0, help="first trace request (default 0)")
     ap.add_argument("--requests", type=int, default=200, help="trace window length (default 200)")
+    ap.add_argument("--warm-history", action="store_true",
+                    help="before each run, send the prefixes the window shares with the trace before --start "
+                    "(`kvserve bench --warm-history`): the cache a server holds after serving the trace up to there")
     ap.add_argument("--time-scales", type=float, nargs="+", default=[8.0, 4.0, 2.0])
     ap.add_argument("--block-tokens", type=int, default=16)
     ap.add_argument("--max-input", type=int, default=1024)
@@ -342,6 +368,8 @@ def main() -> int:
     if not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}")
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.warm_history and args.start == 0:
+        ap.error("--warm-history warms what the window shares with the requests before --start: give --start")
     requests = load_trace(args.trace, args.requests, args.start)
     if args.find_capacity:
         try:
@@ -351,6 +379,7 @@ def main() -> int:
     settings = SweepSettings(
         vocab=load_vocab(None), time_scales=args.time_scales, block_tokens=args.block_tokens, seed=args.seed,
         max_input=args.max_input, max_output=args.max_output, spread=args.spread, slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),
+        history=load_trace(args.trace, args.start) if args.warm_history else (),
     )  # fmt: skip
     started = datetime.datetime.now().astimezone()
     print(f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")

@@ -49,7 +49,12 @@ space, --max-probes runs in all, probe i with prompt seed seed+i. It reports the
 rate of the heaviest passing probe), the bracket's width in req/s, the peak
 goodput, attainment and goodput per probe, or "no capacity" when no load tried
 reached the target. --out gets a JSON file per probe, capacity.md and
-capacity.png (attainment and goodput against offered load)."""
+capacity.png (attainment and goodput against offered load).
+
+A window from the start of a trace meets a cold cache; --start I --warm-history
+first sends, before each run, the prefixes the window shares with requests
+0..I-1 (one prompt each, made of those blocks, with the run's seed), as a server
+that had served the trace up to I would hold them."""
 
 EPILOG = """\
 examples:
@@ -114,6 +119,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--start", type=_non_negative_int, default=0, metavar="I", help="first trace request (default 0)")
     p.add_argument("--max-requests", type=_positive, default=None, metavar="N", help="replay N requests (default all)")
     p.add_argument(
+        "--warm-history", action="store_true",
+        help="before each run, send (one at a time, one output token each) the prefixes the window shares with "
+        "the trace's requests before --start, so the run starts from the cache a server holds after serving the "
+        "trace up to there instead of a cold one",
+    )  # fmt: skip
+    p.add_argument(
         "--max-input", type=_positive, default=None, metavar="T",
         help="cap prompts at T tokens by truncating (keeps the leading hash-id blocks, so sharing is preserved)",
     )  # fmt: skip
@@ -147,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.find_capacity and any(v is not None for v in search_options.values()):
         given = [k for k, v in search_options.items() if v is not None]
         args.usage_error(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only with --find-capacity")
+    if args.warm_history and args.start == 0:
+        args.usage_error("--warm-history warms what the window shares with the requests before --start: give --start")
     requests = load_trace(args.trace, args.max_requests, args.start)
     settings = SweepSettings(
         vocab=load_vocab(args.tokenizer),
@@ -157,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         max_output=args.max_output,
         spread=args.spread,
         slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),
+        history=load_trace(args.trace, args.start) if args.warm_history else (),
     )
     endpoint = Endpoint(args.base_url, args.model, args.api_key, args.timeout)
     out = args.out or Path("bench/out") / time.strftime("bench-%Y%m%d-%H%M%S")

@@ -48,15 +48,21 @@ class StreamError(Exception):
 
 
 def plan(
-    requests: Sequence[TraceRequest], synth: PromptSynthesizer, time_scale: float, spread: bool = False
+    requests: Sequence[TraceRequest],
+    synth: PromptSynthesizer,
+    time_scale: float,
+    spread: bool = False,
+    warmed: Sequence[Sequence[int]] = (),
 ) -> list[PlannedRequest]:
     """Prompts and send times for a trace window, computed before the clock starts.
     Send times are the trace's timestamps, relative to the window's first, times
-    ``time_scale`` (0.5 replays twice as fast); ``spread``: see ``arrival_offsets_ms``."""
+    ``time_scale`` (0.5 replays twice as fast); ``spread``: see ``arrival_offsets_ms``;
+    ``warmed``: hash-id prefixes sent before the run (``history.warm``), which count
+    as sent for ``cached_blocks_expected``."""
     if time_scale < 0:
         raise ValueError("time_scale must not be negative")
     offsets = arrival_offsets_ms(list(requests), spread)
-    seen: set[int] = set()
+    seen: set[int] = {hash_id for prefix in warmed for hash_id in prefix}
     planned = []
     for request in sorted(requests, key=lambda r: (r.timestamp_ms, r.index)):
         blocks = request.hash_ids[: synth.num_shared_blocks(request)]

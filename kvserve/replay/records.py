@@ -19,7 +19,7 @@ class RequestRecord:
     scheduled_s: float  # when the trace (times the time scale) says it arrives
     input_tokens: int  # prompt tokens sent
     max_tokens: int
-    cached_blocks_expected: int = 0  # hash-id blocks an earlier request of the run already sent
+    cached_blocks_expected: int = 0  # hash-id blocks an earlier request of the run (or its warming) sent
     status: Status = "error"
     http_status: int | None = None
     error: str | None = None

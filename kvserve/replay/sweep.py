@@ -7,17 +7,21 @@ with ``capacity.md`` and ``capacity.png``.
 Run ``i`` of a sweep (probe ``i`` of a capacity search) synthesizes its prompts with seed ``seed + i``: the same
 lengths and the same sharing, but different tokens, so a run never finds the
 previous run's prompts in the server's cache and the runs can share one server.
+With ``SweepSettings.history`` (the trace before the window), each run first
+warms, with its own seed, the prefixes the window shares with that history
+(``history.warm``).
 """
 
 import asyncio
 import os
 import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from kvserve.replay import plots, report
+from kvserve.replay import history, plots, report
 from kvserve.replay.capacity import Capacity, Measure, Probe
 from kvserve.replay.client import Endpoint, plan, replay
 from kvserve.replay.metrics import SLO, Summary, summarize
@@ -37,6 +41,7 @@ class SweepSettings:
     max_output: int | None = None
     spread: bool = False  # spread same-timestamp requests over their bucket (see trace.arrival_offsets_ms)
     slo: SLO = SLO()
+    history: Sequence[TraceRequest] = ()  # the trace before the window: each run first warms what it shares with it
 
 
 def run_sweep(
@@ -50,10 +55,14 @@ def run_sweep(
     progress: bool = True,
 ) -> list[tuple[Run, Summary]]:
     results = []
+    prefixes = history.shared_prefixes(settings.history, requests, _synth(settings, settings.seed))
     for i, scale in enumerate(settings.time_scales):
         seed = settings.seed + i
-        synth = PromptSynthesizer(settings.vocab, settings.block_tokens, seed, settings.max_input, settings.max_output)
-        planned = plan(requests, synth, scale, settings.spread)
+        synth = _synth(settings, seed)
+        warming = asyncio.run(history.warm(endpoint, prefixes, synth)) if settings.history else None
+        if warming and warming.failed:
+            print(f"{label}: {warming.failed} of {warming.prompts} warming prompts failed", file=sys.stderr)
+        planned = plan(requests, synth, scale, settings.spread, warmed=prefixes)
         meta = {
             "trace": trace_name,
             "first_request": min(r.index for r in requests),
@@ -65,6 +74,8 @@ def run_sweep(
             "spread": settings.spread,
             "model": endpoint.model,
             "loadavg_before": os.getloadavg()[0],
+            "history_requests": len(settings.history),
+            **(warming.to_json() if warming else {}),
             "started_at": time.time(),
         }
         run = asyncio.run(replay(endpoint, planned, label=label, time_scale=scale, settings=meta, progress=progress))
@@ -75,6 +86,10 @@ def run_sweep(
             run.save(out_dir / f"{_slug(label)}-x{scale:g}.json", summary.to_json())
         results.append((run, summary))
     return results
+
+
+def _synth(settings: SweepSettings, seed: int) -> PromptSynthesizer:
+    return PromptSynthesizer(settings.vocab, settings.block_tokens, seed, settings.max_input, settings.max_output)
 
 
 def write_outputs(results: Sequence[tuple[Run, Summary]], out_dir: Path, title: str = "Trace replay") -> list[Path]:

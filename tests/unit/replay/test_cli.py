@@ -3,6 +3,7 @@ tiny trace leaves every request in JSON, a summary and the plots."""
 
 import json
 
+import pytest
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
@@ -96,3 +97,36 @@ def test_find_capacity_refuses_a_window_whose_requests_arrive_at_once(tmp_path, 
     assert code == 1
     assert "this trace window's arrivals span no time (1 request): a load search needs" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()  # refused before any probe
+
+
+def test_warm_history_sends_what_the_window_shares_with_the_trace_before_it_then_the_run(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in TRACE) + "\n")
+    tiny_tokenizer(tmp_path / "tokenizer.json")
+    server = FakeServer({}, default=Script())
+    out = tmp_path / "out"
+    with serving_in_thread(server) as url:
+        code = main([
+            "bench", "--trace", str(trace), "--base-url", url, "--tokenizer", str(tmp_path / "tokenizer.json"),
+            "--block-tokens", "8", "--start", "1", "--warm-history", "--time-scale", "1", "--seed", "10",
+            "--label", "fake", "--out", str(out), "--no-progress",
+        ])  # fmt: skip
+    assert code == 0
+    warming, *sent = server.bodies
+    assert warming["max_tokens"] == 1 and len(sent) == 2
+    run = json.loads((out / "fake-x1.json").read_text())
+    by_index = {r["index"]: r for r in run["requests"]}
+    assert warming["prompt"] == next(b["prompt"] for b in sent if len(b["prompt"]) == 16)  # hash ids 0, 1, seed 10
+    assert by_index[1]["cached_blocks_expected"] == 2 and by_index[2]["cached_blocks_expected"] == 0
+    assert run["settings"]["history_requests"] == 1
+    settings = run["settings"]
+    assert (settings["warm_prompts"], settings["warm_tokens"], settings["warm_failed"]) == (1, 16, 0)
+
+
+def test_warm_history_without_a_start_is_a_usage_error(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(json.dumps(TRACE[0]) + "\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", "--trace", str(trace), "--base-url", "http://127.0.0.1:9", "--warm-history"])
+    assert stop.value.code == 2
+    assert "--warm-history warms what the window shares with the requests before --start" in capsys.readouterr().err
