@@ -169,6 +169,8 @@ class Scheduler:
         of the next one's prompt it computes within ``budget`` tokens (None: no limit)."""
         cache, admitted = self.cache, []
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            if budget == 0:
+                break  # before any allocation: a partial one keeps its blocks and computed KV, a new one takes none
             seq = self.waiting[0]
             if seq is not self.partial:  # a partial one holds its blocks already
                 if not self._can_ever_fit(seq):
@@ -184,8 +186,6 @@ class Scheduler:
                 cache.allocate(seq, seq.num_tokens)
             left = seq.num_tokens - seq.num_computed_tokens
             if budget is not None and left > budget:
-                if budget == 0:
-                    break  # a partial one is not reset: its blocks and computed KV stay
                 self.partial = seq
                 return admitted, (seq, budget)
             if budget is not None:

@@ -133,3 +133,30 @@ def test_a_sequence_preempted_while_another_is_partly_prefilled_queues_behind_it
     assert preempted_while_partial  # the case this test is about happened
     assert not sched.has_work and all(s.finish_reason is not None for s in (a, b, c))
     assert sched.cache.num_free_blocks == 10
+
+
+def test_a_step_whose_budget_runs_out_exactly_leaves_the_next_prompt_untouched():
+    """Prompts that use up a chunk step's budget exactly: the next one in line must not
+    be given blocks it is not then prefilled into (it would be admitted again over them
+    next step: an AssertionError in the cache that killed the decode worker's loop)."""
+    sched = scheduler(num_blocks=16)
+    a = seq("a", 3, max_tokens=30)
+    sched.add(a)
+    sched.update(sched.schedule(max_chunk_tokens=4), logits_for(1))
+    exact, nxt = seq("exact", 4), seq("next", 5)
+    sched.add(exact)
+    sched.add(nxt)
+    free = sched.cache.num_free_blocks
+    batch = sched.schedule(max_chunk_tokens=4)
+    assert ran(batch) == ("prefill", ["exact"], None)
+    assert nxt.block_table == [] and sched.partial is None and list(sched.waiting) == [nxt]
+    assert sched.cache.num_free_blocks == free - 1  # exact's one block, none for next
+    sched.update(batch, logits_for(1))
+    steps = []
+    for _ in range(4):
+        batch = sched.schedule(max_chunk_tokens=4)
+        steps.append(ran(batch))
+        if batch.seqs:
+            sched.update(batch, logits_for(*[1] * len(batch.seqs)))
+    assert steps == [("decode", ["a", "exact"]), ("prefill", [], ("next", 4)), ("decode", ["a", "exact"]),
+                     ("prefill", ["next"], None)]  # fmt: skip
