@@ -126,7 +126,9 @@ def kvserve(config: Config, log_path: Path, dtype: str) -> Iterator[tuple[str, d
     # A fresh disk tier per configuration: the store keeps its blocks across restarts,
     # so a shared one would hand a later configuration every prompt an earlier one stored.
     with log_path.open("w") as log, tempfile.TemporaryDirectory(prefix="kvserve-bench-stores-") as stores:
-        cluster = LocalCluster(gateway_port=0, log=log, env=config.env, dtype=dtype, store_dir=stores, **config.cluster)
+        # supervised as `kvserve up` runs it: a process that exits is started again
+        cluster = LocalCluster(gateway_port=0, log=log, env=config.env, dtype=dtype, store_dir=stores, supervise=True,
+                               **config.cluster)  # fmt: skip
         cluster.start(timeout=180)
         try:
             yield cluster.gateway_url, cluster.pids

@@ -64,9 +64,23 @@ def test_a_policy_without_local_prefill_gets_it(given, expected):
     assert colocated_policy(given) == expected
 
 
-def _conductor_env(cluster) -> dict[str, str]:
+def _env(cluster, role: str = "conductor") -> dict[str, str]:
     cluster._nats = SimpleNamespace(public_url="nats://127.0.0.1:1", credentials_file=lambda role: f"/{role}.json")
-    return cluster._plan("conductor", "conductor-0").env
+    return cluster._plan(role, f"{role}-0").env
+
+
+def _conductor_env(cluster) -> dict[str, str]:
+    return _env(cluster, "conductor")
+
+
+def test_decode_workers_keep_a_prefix_cache_only_when_they_prefill_every_request(model_dir, monkeypatch):
+    monkeypatch.delenv("KVSERVE_ENABLE_PREFIX_CACHE", raising=False)
+    assert _env(make_cluster(model_dir, None, prefill=0), "decode")["KVSERVE_ENABLE_PREFIX_CACHE"] == "1"
+    assert "KVSERVE_ENABLE_PREFIX_CACHE" not in _env(make_cluster(model_dir, None, prefill=1), "decode")
+    off = {"KVSERVE_ENABLE_PREFIX_CACHE": "0"}  # a baseline without it, as kvserve-nocache runs
+    assert _env(make_cluster(model_dir, None, prefill=0, env=off), "decode")["KVSERVE_ENABLE_PREFIX_CACHE"] == "0"
+    monkeypatch.setenv("KVSERVE_ENABLE_PREFIX_CACHE", "0")  # the user's own environment
+    assert _env(make_cluster(model_dir, None, prefill=0), "decode")["KVSERVE_ENABLE_PREFIX_CACHE"] == "0"
 
 
 def test_the_conductor_gets_local_prefill_only_when_there_is_no_prefill_worker(model_dir, monkeypatch):
