@@ -83,7 +83,9 @@ def run_sweep(
         summary = summarize(run, settings.slo, settings.block_tokens)
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
-            run.save(out_dir / f"{_slug(label)}-x{scale:g}.json", summary.to_json())
+            repeated = list(settings.time_scales).count(scale) > 1  # one file per run all the same
+            name = f"{_slug(label)}-x{scale:g}" + (f"-seed{seed}" if repeated else "")
+            run.save(out_dir / f"{name}.json", summary.to_json())
         results.append((run, summary))
     return results
 

@@ -130,3 +130,18 @@ def test_warm_history_without_a_start_is_a_usage_error(tmp_path, capsys):
         main(["bench", "--trace", str(trace), "--base-url", "http://127.0.0.1:9", "--warm-history"])
     assert stop.value.code == 2
     assert "--warm-history warms what the window shares with the requests before --start" in capsys.readouterr().err
+
+
+def test_a_load_given_twice_runs_twice_and_keeps_both_runs(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps(r) for r in TRACE) + "\n")
+    tiny_tokenizer(tmp_path / "tokenizer.json")
+    out = tmp_path / "out"
+    with serving_in_thread(FakeServer({}, default=Script())) as url:
+        code = main([
+            "bench", "--trace", str(trace), "--base-url", url, "--tokenizer", str(tmp_path / "tokenizer.json"),
+            "--time-scale", "1", "1", "--seed", "4", "--label", "fake", "--out", str(out), "--no-progress",
+        ])  # fmt: skip
+    assert code == 0
+    runs = sorted(p.name for p in out.glob("*.json"))
+    assert runs == ["fake-x1-seed4.json", "fake-x1-seed5.json"]
