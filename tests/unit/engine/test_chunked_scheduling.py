@@ -23,6 +23,16 @@ def ran(batch) -> tuple:
     return "decode", ids
 
 
+def step(sched, max_chunk_tokens: int):
+    """One scheduler step, the engine's part played by ``ran``, every sequence sampling
+    token 1: the batch and what ``ran`` says it did."""
+    batch = sched.schedule(max_chunk_tokens=max_chunk_tokens)
+    what = ran(batch)
+    if batch.seqs:
+        sched.update(batch, logits_for(*[1] * len(batch.seqs)))
+    return batch, what
+
+
 def test_a_long_prompt_is_prefilled_a_chunk_a_step_between_decode_steps():
     sched = scheduler(num_blocks=16)
     a, b = seq("a", 3), seq("b", 10)
@@ -33,10 +43,8 @@ def test_a_long_prompt_is_prefilled_a_chunk_a_step_between_decode_steps():
     sched.add(b)
     steps = []
     for _ in range(6):
-        batch = sched.schedule(max_chunk_tokens=4)
-        steps.append(ran(batch))
-        if batch.seqs:
-            sched.update(batch, logits_for(*[1] * len(batch.seqs)))
+        batch, what = step(sched, 4)
+        steps.append(what)
         if batch.chunk is not None:
             assert list(sched.waiting) == [b] and sched.partial is b  # waiting, its blocks held
             assert b.block_table == [1, 2, 3]  # all of them, from its first chunk on
@@ -152,11 +160,6 @@ def test_a_step_whose_budget_runs_out_exactly_leaves_the_next_prompt_untouched()
     assert nxt.block_table == [] and sched.partial is None and list(sched.waiting) == [nxt]
     assert sched.cache.num_free_blocks == free - 1  # exact's one block, none for next
     sched.update(batch, logits_for(1))
-    steps = []
-    for _ in range(4):
-        batch = sched.schedule(max_chunk_tokens=4)
-        steps.append(ran(batch))
-        if batch.seqs:
-            sched.update(batch, logits_for(*[1] * len(batch.seqs)))
+    steps = [step(sched, 4)[1] for _ in range(4)]
     assert steps == [("decode", ["a", "exact"]), ("prefill", [], ("next", 4)), ("decode", ["a", "exact"]),
                      ("prefill", ["next"], None)]  # fmt: skip

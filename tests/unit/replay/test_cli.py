@@ -24,18 +24,24 @@ def tiny_tokenizer(path) -> None:
     tok.save(str(path))
 
 
-def test_bench_sweep_writes_every_request_a_summary_and_plots(tmp_path):
+def bench(tmp_path, server: FakeServer, *args: str) -> int:
+    """`kvserve bench` on TRACE, with the tiny tokenizer, against ``server``, labelled
+    "fake", its results in ``tmp_path / "out"``."""
     trace = tmp_path / "trace.jsonl"
     trace.write_text("\n".join(json.dumps(r) for r in TRACE) + "\n")
     tiny_tokenizer(tmp_path / "tokenizer.json")
+    with serving_in_thread(server) as url:
+        return main([
+            "bench", "--trace", str(trace), "--base-url", url, "--tokenizer", str(tmp_path / "tokenizer.json"),
+            "--label", "fake", "--out", str(tmp_path / "out"), "--no-progress", *args,
+        ])  # fmt: skip
+
+
+def test_bench_sweep_writes_every_request_a_summary_and_plots(tmp_path):
     server = FakeServer({}, default=Script(ttft_s=0.01, itl_s=(0.01,), cached_tokens=8))
     out = tmp_path / "out"
-    with serving_in_thread(server) as url:
-        code = main([
-            "bench", "--trace", str(trace), "--base-url", url, "--tokenizer", str(tmp_path / "tokenizer.json"),
-            "--block-tokens", "8", "--max-output", "4", "--time-scale", "1", "0.5", "--seed", "10",
-            "--label", "fake", "--out", str(out), "--no-progress",
-        ])  # fmt: skip
+    code = bench(tmp_path, server, "--block-tokens", "8", "--max-output", "4", "--time-scale", "1", "0.5",
+                 "--seed", "10")  # fmt: skip
     assert code == 0
     assert sorted(p.name for p in out.iterdir()) == [
         "fake-x0.5.json", "fake-x1.json", "goodput_vs_load.png", "summary.md", "ttft_cdf.png",
@@ -62,17 +68,10 @@ def test_bench_sweep_writes_every_request_a_summary_and_plots(tmp_path):
 
 
 def test_find_capacity_probes_heavier_loads_with_fresh_seeds_and_writes_its_report(tmp_path):
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("\n".join(json.dumps(r) for r in TRACE) + "\n")
-    tiny_tokenizer(tmp_path / "tokenizer.json")
     server = FakeServer({}, default=Script(ttft_s=0.0, itl_s=(0.0,)))  # every request meets the SLOs
     out = tmp_path / "out"
-    with serving_in_thread(server) as url:
-        code = main([
-            "bench", "--trace", str(trace), "--base-url", url, "--tokenizer", str(tmp_path / "tokenizer.json"),
-            "--block-tokens", "8", "--max-output", "2", "--find-capacity", "--start-scale", "2", "--max-probes", "2",
-            "--seed", "10", "--label", "fake", "--out", str(out), "--no-progress",
-        ])  # fmt: skip
+    code = bench(tmp_path, server, "--block-tokens", "8", "--max-output", "2", "--find-capacity", "--start-scale", "2",
+                 "--max-probes", "2", "--seed", "10")  # fmt: skip
     assert code == 0
     assert sorted(p.name for p in out.iterdir()) == ["capacity.md", "capacity.png", "fake-x1.json", "fake-x2.json"]
     # every probe passed, so the second halved the time scale, with the next seed
@@ -100,17 +99,10 @@ def test_find_capacity_refuses_a_window_whose_requests_arrive_at_once(tmp_path, 
 
 
 def test_warm_history_sends_what_the_window_shares_with_the_trace_before_it_then_the_run(tmp_path):
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("\n".join(json.dumps(r) for r in TRACE) + "\n")
-    tiny_tokenizer(tmp_path / "tokenizer.json")
     server = FakeServer({}, default=Script())
     out = tmp_path / "out"
-    with serving_in_thread(server) as url:
-        code = main([
-            "bench", "--trace", str(trace), "--base-url", url, "--tokenizer", str(tmp_path / "tokenizer.json"),
-            "--block-tokens", "8", "--start", "1", "--warm-history", "--time-scale", "1", "--seed", "10",
-            "--label", "fake", "--out", str(out), "--no-progress",
-        ])  # fmt: skip
+    code = bench(tmp_path, server, "--block-tokens", "8", "--start", "1", "--warm-history", "--time-scale", "1",
+                 "--seed", "10")  # fmt: skip
     assert code == 0
     warming, *sent = server.bodies
     assert warming["max_tokens"] == 1 and len(sent) == 2
@@ -133,15 +125,7 @@ def test_warm_history_without_a_start_is_a_usage_error(tmp_path, capsys):
 
 
 def test_a_load_given_twice_runs_twice_and_keeps_both_runs(tmp_path):
-    trace = tmp_path / "trace.jsonl"
-    trace.write_text("\n".join(json.dumps(r) for r in TRACE) + "\n")
-    tiny_tokenizer(tmp_path / "tokenizer.json")
-    out = tmp_path / "out"
-    with serving_in_thread(FakeServer({}, default=Script())) as url:
-        code = main([
-            "bench", "--trace", str(trace), "--base-url", url, "--tokenizer", str(tmp_path / "tokenizer.json"),
-            "--time-scale", "1", "1", "--seed", "4", "--label", "fake", "--out", str(out), "--no-progress",
-        ])  # fmt: skip
+    code = bench(tmp_path, FakeServer({}, default=Script()), "--time-scale", "1", "1", "--seed", "4")
     assert code == 0
-    runs = sorted(p.name for p in out.glob("*.json"))
+    runs = sorted(p.name for p in (tmp_path / "out").glob("*.json"))
     assert runs == ["fake-x1-seed4.json", "fake-x1-seed5.json"]
