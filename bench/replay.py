@@ -56,7 +56,7 @@ from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path 
 from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
-from kvserve.replay.history import shared_prefixes  # noqa: E402
+from kvserve.replay.history import load_history, shared_prefixes  # noqa: E402
 from kvserve.replay.metrics import SLO, Summary, goodput_at_attainment, summarize  # noqa: E402
 from kvserve.replay.prompts import PromptSynthesizer  # noqa: E402
 from kvserve.replay.records import Run  # noqa: E402
@@ -370,8 +370,10 @@ def main() -> int:
     if not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}")
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.warm_history and args.start == 0:
-        ap.error("--warm-history warms what the window shares with the requests before --start: give --start")
+    try:
+        history = load_history(args.trace, args.start) if args.warm_history else ()
+    except ValueError as e:
+        ap.error(str(e))
     requests = load_trace(args.trace, args.requests, args.start)
     if args.find_capacity:
         try:
@@ -381,7 +383,7 @@ def main() -> int:
     settings = SweepSettings(
         vocab=load_vocab(None), time_scales=args.time_scales, block_tokens=args.block_tokens, seed=args.seed,
         max_input=args.max_input, max_output=args.max_output, spread=args.spread, slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),
-        history=load_trace(args.trace, args.start) if args.warm_history else (),
+        history=history,
     )  # fmt: skip
     started = datetime.datetime.now().astimezone()
     print(f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")

@@ -144,6 +144,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvserve.replay.client import Endpoint
+    from kvserve.replay.history import load_history
     from kvserve.replay.metrics import SLO
     from kvserve.replay.report import runs_table
     from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs
@@ -158,8 +159,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.find_capacity and any(v is not None for v in search_options.values()):
         given = [k for k, v in search_options.items() if v is not None]
         args.usage_error(f"{', '.join(given)} {'apply' if len(given) > 1 else 'applies'} only with --find-capacity")
-    if args.warm_history and args.start == 0:
-        args.usage_error("--warm-history warms what the window shares with the requests before --start: give --start")
+    try:
+        history = load_history(args.trace, args.start) if args.warm_history else ()
+    except ValueError as e:
+        args.usage_error(str(e))
     requests = load_trace(args.trace, args.max_requests, args.start)
     settings = SweepSettings(
         vocab=load_vocab(args.tokenizer),
@@ -170,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         max_output=args.max_output,
         spread=args.spread,
         slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),
-        history=load_trace(args.trace, args.start) if args.warm_history else (),
+        history=history,
     )
     endpoint = Endpoint(args.base_url, args.model, args.api_key, args.timeout)
     out = args.out or Path("bench/out") / time.strftime("bench-%Y%m%d-%H%M%S")

@@ -20,7 +20,17 @@ import aiohttp
 from kvserve.replay.client import Endpoint, PlannedRequest, send
 from kvserve.replay.prompts import PromptSynthesizer
 from kvserve.replay.records import RequestRecord
-from kvserve.replay.trace import TraceRequest
+from kvserve.replay.trace import TraceRequest, load_trace
+
+NO_HISTORY = "--warm-history warms what the window shares with the requests before --start: give --start"
+
+
+def load_history(path, start: int) -> list[TraceRequest]:
+    """The trace's requests before ``start``: what ``--warm-history`` warms from; a
+    ValueError (``NO_HISTORY``) when there are none."""
+    if start == 0:
+        raise ValueError(NO_HISTORY)
+    return load_trace(path, start)
 
 
 def shared_prefixes(
