@@ -46,6 +46,7 @@ class ErrorReply(Message):
     code: ErrorCode
     message: str
     retry_after_s: float | None = None  # a rejected admission: when the conductor predicts it could be admitted
+    reason: str | None = None  # ... and which target it would miss (ttft_slo, tbt_slo, slo_unattainable, ...)
     predicted_ttft_s: float | None = None  # ... and what it predicted for the request now
     predicted_tbt_s: float | None = None
 
@@ -132,6 +133,8 @@ class KVPoolBeat(Beat):
 class PrefillBeat(KVPoolBeat):
     load: int = 0  # requests running or queued
     queued_tokens: int = 0  # prompt tokens still to compute
+    speed: float = 0.0  # its steps' measured time over its cost model's, the median of recent ones; 0: not yet
+    chunk_tokens: int = 0  # the most prompt tokens one step computes (a request is cut only between steps); 0: unknown
     kv_epoch: int = 0  # its KV event stream: the epoch ...
     kv_seq: int = 0  # ... and the last sequence number published
 
@@ -208,6 +211,15 @@ class Heartbeat(Message):
         return isinstance(self.payload, ConductorBeat) and self.payload.prefills_on_decode
 
     @property
+    def prefill_speed(self) -> float:
+        """A prefill worker's measured slowness against its cost model; 0: not reported."""
+        return self.payload.speed if isinstance(self.payload, PrefillBeat) else 0.0
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.payload.chunk_tokens if isinstance(self.payload, PrefillBeat) else 0
+
+    @property
     def queued_tokens(self) -> int:
         return self.payload.queued_tokens if isinstance(self.payload, PrefillBeat) else 0
 
@@ -253,6 +265,8 @@ class AdmitRequest(Message):
     slo_tbt_s: float | None = None
     exclude: list[InstanceId] = msgspec.field(default_factory=list)  # instances not to route to (seen dead by the gateway)
     session_id: str | None = None  # a conversation's turns: kept where its KV is unless moving is predicted cheaper
+    best_effort: bool = False  # no SLO: served only in time SLO work does not need, never refused as unattainable
+    moved: bool = False  # a request continued after its worker was lost: never refused, and no sample for the margins
 
 
 class AdmitReply(Message):
@@ -262,6 +276,7 @@ class AdmitReply(Message):
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     cached_tokens: dict[KVTier, int] = msgspec.field(default_factory=dict)  # predicted reuse, by tier
+    slo_ttft_s: float | None = None  # the TTFT target it was admitted against; None: best effort
 
 
 class ConductorAdmission(Message):
@@ -280,6 +295,8 @@ class ConductorAdmission(Message):
     predicted_ttft_s: float
     predicted_tbt_s: float | None = None
     session_id: str | None = None
+    deadline_in_s: float | None = None  # its first token is due this long after the admission; None: best effort
+    moved: bool = False
 
 
 class RequestProgress(Message):
@@ -338,6 +355,7 @@ class PrefillRequest(Message):
     prompt_token_ids: list[int]
     sampling: SamplingParams
     decode_id: InstanceId  # on a decode worker's own prefill subject: itself
+    ttft_budget_s: float | None = None  # its first token is due this long after the worker takes it; None: best effort
 
 
 class Ack(Message):

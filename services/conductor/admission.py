@@ -11,9 +11,14 @@ disaggregation (prefill on the decode worker when that is predicted faster).
                         prefill included: plain early rejection sees decode load
                         only once it has landed and so admits in waves.
 Both compare each prediction times the margin learned from its observed error
-(`margin.py`) with the SLO. A request that misses an SLO even on an idle cluster
-is judged against what it costs alone (admitted only when nothing queues ahead
-of it), never refused forever; with nothing queued a request is never refused.
+(`margin.py`) with the SLO. The TTFT is predicted where the request lands in
+the prefill instance's order (shortest first, earlier promises kept:
+`libs/common/prefill_order.py`), and a request whose admission would make an
+admitted one miss its target is refused. A request that misses its TTFT target
+even on an idle instance is refused at once as ``slo_unattainable`` (no
+Retry-After: waiting would not help) unless it asked for best effort; with
+nothing queued, one that can meet its targets is never refused. A moved request
+(its worker was lost) is never refused.
 A request its decode instance prefills itself is judged with the TBT that
 prefill costs the batch: its own compute and the local prefills queued ahead of
 it stall every member (`AdmitContext.with_prefill_stall`); alone, its own.
@@ -28,7 +33,7 @@ from services.conductor.affinity import Home, stay_or_move
 from services.conductor.cluster import Instance
 from services.conductor.policies import (OPTIONS, ROUTERS, Decision, Route, Router, build_router, local_route,
                                          missing_roles)
-from services.conductor.predict import AdmitContext, DecodeEstimate
+from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEstimate
 
 _SLACK = 1e-9  # seconds: a prediction equal to the SLO meets it
 
@@ -37,7 +42,8 @@ _SLACK = 1e-9  # seconds: a prediction equal to the SLO meets it
 class Verdict:
     decode: DecodeEstimate  # the TBT prediction the verdict rests on (settled against the measured TBT)
     rejection: Decision | None = None  # None: admit
-    best_effort: bool = False  # admitted, though predicted to miss an SLO even on an idle cluster
+    best_effort: bool = False  # admitted without an SLO to keep (asked for, or its TBT misses even alone)
+    prefill: PrefillEstimate | None = None  # the TTFT prediction, queue as placed in the instance's order
 
 
 class Admission(Protocol):
@@ -60,32 +66,52 @@ class EarlyRejection:
         return ctx.decode_now(d)
 
     def judge(self, ctx: AdmitContext, route: Route) -> Verdict:
-        p, slo = route.prefill, ctx.slo
-        margin = ctx.margins.ttft(p.instance_id)
-        ttft, limit = p.ttft_s * margin, max(slo.ttft_s, p.unloaded_ttft_s * margin)
-        best_effort = limit > slo.ttft_s
-        if ttft > limit + _SLACK:
+        request, slo = ctx.request, ctx.slo
+        margin = ctx.margins.ttft(ctx.num_tokens)
+        p = route.prefill
+        judged = not request.moved and not request.best_effort  # a moved request is never refused
+        if judged and p.unloaded_ttft_s * margin > slo.ttft_s + _SLACK:
+            message = (f"predicted TTFT {p.unloaded_ttft_s:.3f} s{_times(margin)} on {p.instance_id} even with "
+                       f"nothing queued exceeds the {slo.ttft_s:.3f} s target; send it as best effort "
+                       f"(x-kvserve-slo: best-effort) or with a TTFT target it can meet")  # fmt: skip
+            return Verdict(route.decode, _reject("slo_unattainable", message, None, route,
+                                                 ttft_s=p.unloaded_ttft_s * margin))  # fmt: skip
+        breaks: tuple[str, ...] = ()
+        if not route.is_local:  # where it lands in the prefill instance's order, and what that delays
+            placement = ctx.view.get(p.instance_id).prefill.place(
+                request.request_id, p.work_s, ctx.now, ctx.deadline, margin)  # fmt: skip
+            p = replace(p, queue_s=max(0.0, placement.done_at - ctx.now - p.work_s))
+            route, breaks = replace(route, prefill=p), placement.breaks
+        ttft = p.ttft_s * margin
+        if judged and ttft > slo.ttft_s + _SLACK:
             message = (f"predicted TTFT {p.ttft_s:.3f} s{_times(margin)} on {p.instance_id} (queue {p.queue_s:.3f} s) "
-                       f"exceeds the {limit:.3f} s target")  # fmt: skip
-            return Verdict(route.decode, _reject("ttft_slo", message, (ttft - limit) / margin, route, ttft_s=ttft))
+                       f"exceeds the {slo.ttft_s:.3f} s target")  # fmt: skip
+            return Verdict(route.decode, _reject("ttft_slo", message, (ttft - slo.ttft_s) / margin, route, ttft_s=ttft),
+                           p)  # fmt: skip
+        if judged and breaks:
+            message = (f"admitting it on {p.instance_id} would make {len(breaks)} admitted request(s) miss their "
+                       f"TTFT target ({', '.join(breaks[:3])})")  # fmt: skip
+            return Verdict(route.decode, _reject("ttft_slo", message, p.work_s, route, ttft_s=ttft), p)
         d = ctx.view.get(route.decode.instance_id)
-        tbt = self.decode_estimate(ctx, d, p.ttft_s * margin)
+        tbt = self.decode_estimate(ctx, d, ttft)
         alone = ctx.decode_estimate(d, (0, 0))
         if route.is_local:  # the batch waits for the prefills queued on d and for this one
             tbt = ctx.with_prefill_stall(tbt, p.queue_s + p.compute_s)
             alone = ctx.with_prefill_stall(alone, p.compute_s)
         margin = ctx.margins.tbt(d.instance_id)
         limit = max(slo.tbt_s, alone.tbt_s * margin)
-        best_effort = best_effort or limit > slo.tbt_s
+        best_effort = request.best_effort or limit > slo.tbt_s
+        if request.moved:
+            return Verdict(tbt, best_effort=best_effort, prefill=p)
         if not tbt.fits:
             message = f"{d.instance_id} is predicted to have no room for this request's KV (batch {tbt.batch_size})"
-            return Verdict(tbt, _reject("decode_full", message, _decode_wait(ctx, d, tbt, limit / margin), route))
+            return Verdict(tbt, _reject("decode_full", message, _decode_wait(ctx, d, tbt, limit / margin), route), p)
         if tbt.tbt_s * margin > limit + _SLACK:
             message = (f"predicted TBT {tbt.tbt_s * 1e3:.1f} ms{_times(margin)} on {d.instance_id} (batch "
                        f"{tbt.batch_size}) exceeds the {limit * 1e3:.1f} ms target")  # fmt: skip
             return Verdict(tbt, _reject("tbt_slo", message, _decode_wait(ctx, d, tbt, limit / margin), route,
-                                        tbt_s=tbt.tbt_s * margin))  # fmt: skip
-        return Verdict(tbt, best_effort=best_effort)
+                                        tbt_s=tbt.tbt_s * margin), p)  # fmt: skip
+        return Verdict(tbt, best_effort=best_effort, prefill=p)
 
 
 class PredictiveRejection(EarlyRejection):
@@ -100,14 +126,16 @@ def _times(margin: float) -> str:
 
 
 def _reject(
-    reason: str, message: str, wait_s: float, route: Route, ttft_s: float | None = None, tbt_s: float | None = None
+    reason: str, message: str, wait_s: float | None, route: Route, ttft_s: float | None = None,
+    tbt_s: float | None = None,
 ) -> Decision:
     """A refusal that reports the prediction it compared with the target (margin included)."""
     return Decision(
         prefill_id=route.prefill.instance_id, decode_id=route.decode.instance_id,
         predicted_ttft_s=route.prefill.ttft_s if ttft_s is None else ttft_s,
         predicted_tbt_s=route.decode.tbt_s if tbt_s is None else tbt_s,
-        error_code=ErrorCode.REJECTED, error_message=message, reason=reason, retry_after_s=max(wait_s, 0.0),
+        error_code=ErrorCode.REJECTED, error_message=message, reason=reason,
+        retry_after_s=None if wait_s is None else max(wait_s, 0.0),
     )  # fmt: skip
 
 
@@ -157,7 +185,7 @@ class Policy:
         verdict = self.admission.judge(ctx, route)
         if verdict.rejection is not None:
             return replace(verdict.rejection, prefill_on_decode=on_decode, affinity=affinity)
-        p = route.prefill
+        p = verdict.prefill or route.prefill
         return Decision(
             prefill_id=p.instance_id, decode_id=route.decode.instance_id, prefill_on_decode=on_decode,
             predicted_ttft_s=p.ttft_s, predicted_tbt_s=verdict.decode.tbt_s, best_effort=verdict.best_effort,

@@ -123,7 +123,7 @@ class Conductor(Service):
             else:
                 self.log.warning("cannot admit %s: %s", request.request_id, d.error_message)
             return ErrorReply(
-                code=d.error_code, message=d.error_message, retry_after_s=d.retry_after_s,
+                code=d.error_code, message=d.error_message, retry_after_s=d.retry_after_s, reason=d.reason,
                 predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s,
             )  # fmt: skip
         if (shared := self.replicas.shared(request.request_id)) is not None:
@@ -133,6 +133,7 @@ class Conductor(Service):
         return AdmitReply(
             prefill_id=d.prefill_id, decode_id=d.decode_id, prefill_on_decode=d.prefill_on_decode,
             predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s, cached_tokens=d.cached_tokens,
+            slo_ttft_s=None if request.best_effort else self.scheduler.context_slo(request).ttft_s,
         )  # fmt: skip
 
     async def on_view(self, request: ConductorViewRequest, msg: Msg) -> ConductorViewReply:

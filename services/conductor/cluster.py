@@ -50,11 +50,14 @@ class ClusterView:
         self._instances: dict[str, Instance] = {}
         self._by_role: dict[str, list[Instance]] = {}
         self.on_gone: Callable[[Instance], None] | None = None  # called for each instance forgotten
+        self.last_fault = float("-inf")  # when an instance last restarted or went silent
 
     def observe(self, heartbeat: Heartbeat) -> Instance:
         now = self.clock()
         instance = self._instances.get(heartbeat.instance_id)
         if instance is None or instance.heartbeat.started_at != heartbeat.started_at:
+            if instance is not None:  # the same instance, started again
+                self.last_fault = now
             instance = Instance(heartbeat, now, self._cost_of(heartbeat))
             self._instances[heartbeat.instance_id] = instance
             self._by_role.clear()
@@ -65,6 +68,9 @@ class ClusterView:
             if heartbeat.load == 0 and instance.assigned_since_heartbeat == 0:
                 instance.prefill.clear(now)  # idle, and nothing can be on its way to it
             instance.assigned_since_heartbeat = 0
+        if heartbeat.chunk_tokens:  # a request on it is cut only between chunks of this many seconds
+            chunk_s = instance.cost.prefill_time(heartbeat.chunk_tokens)
+            instance.prefill.chunk_s = chunk_s * (heartbeat.prefill_speed or 1.0)
         return instance
 
     def get(self, instance_id: str) -> Instance | None:
@@ -75,6 +81,7 @@ class ClusterView:
         now = self.clock()
         silent = [inst for inst in self._instances.values() if now - inst.last_seen > self.timeout]
         for inst in silent:
+            self.last_fault = now
             del self._instances[inst.instance_id]
             self._by_role.clear()
             if self.on_gone is not None:

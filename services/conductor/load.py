@@ -1,8 +1,9 @@
 """What the conductor predicts each instance is busy with, between heartbeats.
 
-`PrefillLoad` chains the predicted cost of every request sent to a prefill
-instance (first in, first out), so the queue time of the next one is known at
-once; each first token resets the chain to what is left. `DecodeLoad` keeps,
+`PrefillLoad` plays the work booked on a prefill instance forward in the order
+the instance computes it (shortest first, keeping earlier promises), so the wait
+of the next request and the promises it would break are known at once; each
+first token takes its job off. `DecodeLoad` keeps,
 per request sent to a decode instance, when it is predicted to start decoding
 and how many tokens it is expected to generate, so the batch can be read now
 or forecast for any moment at the instance's current step time.
@@ -11,63 +12,189 @@ Pure bookkeeping: times are whatever clock the caller uses.
 
 from dataclasses import dataclass
 
+from libs.common.prefill_order import Work, completions, plan
+
 
 @dataclass(frozen=True)
 class Served:
     """A prefill reported done: how long it was predicted to take by the instance's
-    cost model alone, and how long it took from when it reached the head of the
-    queue (None: it finished out of order, so when it started is not known)."""
+    cost model alone, and how long it took (None: other work shared the instance
+    meanwhile, so its own service time is not known)."""
 
     predicted_s: float
     measured_s: float | None
 
 
+@dataclass
+class Booked:
+    remaining_s: float  # predicted seconds of work left (the instance's learned slowness applied)
+    model_s: float  # what the cost model alone predicted for the whole job
+    deadline: float | None  # when its first token is due; None: best effort
+    added: float
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A job placed into an instance's predicted order: when it is predicted to be done,
+    and the earlier promises it would break (jobs predicted on time without it, late with it)."""
+
+    done_at: float
+    breaks: tuple[str, ...] = ()
+
+
 class PrefillLoad:
+    """The work booked on one prefill instance, played forward in the order the
+    instance computes it (`libs/common/prefill_order.py`): shortest first unless an
+    earlier promise would break, late jobs next, best effort last. The job in
+    progress is cut only at a chunk boundary (``chunk_s``: the instance's chunk
+    time; None: never cut), so a new plan starts after what is left of its chunk
+    (taken as a whole chunk: where in it the worker is, is not known). Each first
+    token takes its job off; a heartbeat saying the instance is idle clears the rest."""
+
     def __init__(self) -> None:
-        self._pending: dict[str, tuple[float, float]] = {}  # request id -> (booked, cost-model) seconds, FIFO
-        self._total = 0.0
-        self._head_start: float | None = None  # when the first pending request started
-        self.busy_until = 0.0  # when the queued work is predicted to be done
+        self._jobs: dict[str, Booked] = {}
+        self._pinned: tuple[str, float] | None = None  # the running job and what is left of its chunk
+        self._order: list[str] = []  # the plan after the pinned chunk, as of ``_at``
+        self._at = 0.0
+        self._alone_since: float | None = None  # a job has had the instance to itself since
+        self.chunk_s: float | None = None
 
     @property
     def num_pending(self) -> int:
-        return len(self._pending)
+        return len(self._jobs)
 
     def backlog(self, now: float) -> float:
-        """Predicted seconds until a request sent now would start: the chain's end, and
-        never less than the work queued behind a running request that is overdue."""
-        waiting = self._total - next(iter(self._pending.values()))[0] if self._pending else 0.0
-        return max(0.0, self.busy_until - now, waiting)
+        """Predicted seconds of work booked and not yet done."""
+        self._advance(now)
+        return sum(job.remaining_s for job in self._jobs.values())
 
-    def add(self, request_id: str, seconds: float, now: float, speed: float = 1.0) -> float:
-        """Queue a request predicted to take ``seconds`` (the cost model's prediction
-        times ``speed``, the instance's learned slowness); return when it should be done."""
-        if not self._pending:
-            self._head_start = now
-        self._pending[request_id] = (seconds, seconds / speed if speed > 0 else seconds)
-        self._total += seconds
-        self.busy_until = max(now, self.busy_until) + seconds
-        return self.busy_until
+    def wait(self, seconds: float, now: float, deadline: float | None = 0.0) -> float:
+        """How long a new job of ``seconds`` would wait before it starts: the chunk in
+        progress, then every SLO job no longer than it (all the work for best effort,
+        ``deadline`` None). Cheap: routing compares it on every candidate."""
+        self._advance(now)
+        if deadline is None:
+            return self.backlog(now)
+        head, uncut = self._head()
+        waited = uncut
+        for key, job in self._jobs.items():
+            left = job.remaining_s - (uncut if key == head else 0.0)
+            if job.deadline is not None and 0 < left <= seconds:
+                waited += left
+        return waited
+
+    def imposed(self, seconds: float, now: float) -> float:
+        """The delay a new SLO job of ``seconds`` would add to the SLO jobs it goes ahead
+        of (those longer than it): what routing it here costs everyone else."""
+        self._advance(now)
+        longer = sum(1 for job in self._jobs.values() if job.deadline is not None and job.remaining_s > seconds)
+        return longer * seconds
+
+    def place(self, key: str, seconds: float, now: float, deadline: float | None, margin: float = 1.0) -> Placement:
+        """Where a new job would land in the instance's order (nothing is booked): its
+        predicted end, and the jobs predicted to meet their deadline (durations times
+        ``margin``) before it came and to miss it with it."""
+        self._advance(now)
+        before = self._ends(now, {})
+        after = self._ends(now, {key: Booked(seconds, seconds, deadline, now)})
+        broken = tuple(k for k, job in self._jobs.items()
+                       if job.deadline is not None and _kept(before[k], job.deadline, now, margin)
+                       and not _kept(after[k], job.deadline, now, margin))  # fmt: skip
+        return Placement(after[key], broken)
+
+    def add(self, request_id: str, seconds: float, now: float, speed: float = 1.0, deadline: float | None = None) -> None:
+        """Book a job predicted to take ``seconds`` (the cost model's prediction times
+        ``speed``, the instance's learned slowness), due at ``deadline``."""
+        self._advance(now)
+        self._alone_since = now if not self._jobs else None
+        self._jobs[request_id] = Booked(seconds, seconds / speed if speed > 0 else seconds, deadline, now)
+        self._replan(now)
 
     def done(self, request_id: str, now: float) -> Served | None:
-        """The request's prefill finished at ``now``: what is left starts now."""
-        is_head = bool(self._pending) and next(iter(self._pending)) == request_id
-        entry = self._pending.pop(request_id, None)
-        if entry is None:
+        """The request's prefill finished at ``now``."""
+        self._advance(now)
+        job = self._jobs.pop(request_id, None)
+        if job is None:
             return None
-        measured = now - self._head_start if is_head and self._head_start is not None else None
-        if is_head:
-            self._head_start = now if self._pending else None
-        self._total = max(0.0, self._total - entry[0]) if self._pending else 0.0
-        self.busy_until = now + self._total
-        return Served(entry[1], measured)
+        measured = now - self._alone_since if self._alone_since is not None and not self._jobs else None
+        self._alone_since = None
+        if self._pinned is not None and self._pinned[0] == request_id:
+            self._pinned = None
+        self._replan(now)
+        return Served(job.model_s, measured)
 
     def clear(self, now: float) -> None:
         """The instance says it is idle: forget requests it never reported done."""
-        self._pending.clear()
-        self._total = 0.0
-        self._head_start = None
-        self.busy_until = now
+        self._jobs.clear()
+        self._order = []
+        self._pinned = None
+        self._alone_since = None
+        self._at = now
+
+    # --- playing the order forward --------------------------------------------------
+    def _head(self) -> tuple[str | None, float]:
+        """The job in progress and what is left of its chunk (0: none)."""
+        if self._pinned is not None and self._pinned[1] > 0:
+            return self._pinned
+        return None, 0.0
+
+    def _replan(self, now: float) -> None:
+        """Pin the chunk in progress (the plan's head, a whole chunk of it), plan the rest after it."""
+        if self._head()[0] is None:
+            first = next((k for k in self._order if k in self._jobs and self._jobs[k].remaining_s > 0), None)
+            if first is None:
+                first = next((k for k in self._jobs if self._jobs[k].remaining_s > 0), None)
+            if first is not None:
+                left = self._jobs[first].remaining_s
+                self._pinned = (first, left if self.chunk_s is None else min(left, self.chunk_s))
+        head, uncut = self._head()
+        self._order = [w.key for w in plan(self._work(head, uncut), now + uncut)]
+        self._at = now
+
+    def _work(self, head: str | None, uncut: float) -> list[Work[str]]:
+        return [Work(k, j.remaining_s - (uncut if k == head else 0.0), j.deadline, j.added)
+                for k, j in self._jobs.items() if j.remaining_s - (uncut if k == head else 0.0) > 0]  # fmt: skip
+
+    def _advance(self, now: float) -> None:
+        """Take the time since the last look off the jobs: the pinned chunk first, then
+        in plan order. A job the plan has finished but whose first token has not come
+        stays, with nothing left."""
+        elapsed = now - self._at
+        if elapsed <= 0:
+            return
+        self._at = now
+        head, uncut = self._head()
+        if head is not None:
+            took = min(uncut, elapsed)
+            self._jobs[head].remaining_s = max(0.0, self._jobs[head].remaining_s - took)
+            self._pinned = (head, uncut - took)
+            elapsed -= took
+        for key in self._order:
+            if elapsed <= 0:
+                break
+            job = self._jobs.get(key)
+            if job is None:
+                continue
+            took = min(job.remaining_s, elapsed)
+            job.remaining_s -= took
+            elapsed -= took
+
+    def _ends(self, now: float, extra: dict[str, Booked]) -> dict[str, float]:
+        """When every job (and ``extra``) is predicted to end: the pinned chunk first,
+        then the order re-planned from its end."""
+        head, uncut = self._head()
+        start, ends = now + uncut, {}
+        if head is not None and self._jobs[head].remaining_s <= uncut:
+            ends[head] = start
+        work = self._work(head, uncut) + [Work(k, j.remaining_s, j.deadline, j.added) for k, j in extra.items()]
+        ends.update(completions(plan([w for w in work if w.key not in ends], start), start))
+        for key in self._jobs:  # finished in the plan, not yet reported: due now
+            ends.setdefault(key, now)
+        return ends
+
+
+def _kept(end: float, deadline: float, now: float, margin: float) -> bool:
+    return now + (end - now) * margin <= deadline + 1e-9
 
 
 @dataclass

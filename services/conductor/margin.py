@@ -6,23 +6,33 @@ the median of the recent ones is the instance's speed, by which every prefill
 prediction for it is scaled (a worker slower than its calibration, or sharing
 its cores with another, is predicted as it runs, and its queue with it).
 
-Every settled request gives an observed/predicted ratio: its TTFT, and, once it
-ends, its mean TBT against the steps the model gives the batch it ran in (whose
+Every settled request gives an observed/predicted ratio: its TTFT (kept per
+prompt-size band), and, once it ends, its mean TBT against the steps the model gives the batch it ran in (whose
 median is the decode instance's speed, by which the conductor forecasts when
 requests leave a batch). A margin is a high quantile of the recent ratios: admission
 multiplies a prediction by it before comparing with the SLO, so a cost model that
 is optimistic (a worker slower than its calibration, contention between
 co-located workers, queueing the model does not see) costs refusals instead of
 broken promises, and one that is pessimistic gives the capacity back. Per
-instance once it has enough samples, else over the whole cluster.
+instance (TTFT: per band) once it has enough samples, else over the whole
+cluster. Margins are bounded and forget ratios older than a few minutes, and the
+scheduler feeds them no sample taken across a fault, a restart or a migration.
 """
 
 from bisect import bisect_left, insort
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from libs.common.prefill_order import band_of
+
 MIN_SAMPLES = 20  # ratios before a window's quantile is trusted over the next wider one
-MIN_MARGIN, MAX_MARGIN = 0.5, 20.0
+# A margin only covers the spread of the predictions around what the instance runs at (its
+# speed is learned apart), so it is bounded: no burst, kill or restart can turn it into a
+# refusal of everyone.
+TTFT_MARGIN = (1.0, 1.5)
+TBT_MARGIN = (0.8, 2.0)
+MIN_SPEED, MAX_SPEED = 0.1, 20.0
 MIN_SPEED_SAMPLES = 5
 _TINY = 1e-6  # seconds: predictions below this say nothing about the ratio
 
@@ -30,19 +40,24 @@ _TINY = 1e-6  # seconds: predictions below this say nothing about the ratio
 @dataclass(frozen=True)
 class MarginConfig:
     quantile: float = 0.95  # of observed/predicted: about this share of admitted requests keep their promise
-    window: int = 200  # recent ratios per instance (and for the cluster); 0: learn nothing
+    window: int = 100  # recent ratios per window; 0: learn nothing
+    max_age_s: float = 300.0  # a ratio older than this is forgotten: the margin decays back to what runs now
 
 
 class RatioWindow:
-    """The last ``size`` observed/predicted ratios and their ``quantile``, kept sorted as
-    they come and go, so reading it costs O(1) (admission reads several per request)."""
+    """The last ``size`` observed/predicted ratios (none older than ``max_age_s``) and
+    their ``quantile``, kept sorted as they come and go, so reading it is cheap
+    (admission reads several per request)."""
 
-    def __init__(self, size: int, quantile: float, low: float = MIN_MARGIN, high: float = MAX_MARGIN) -> None:
-        self.ratios: deque[float] = deque()
+    def __init__(self, size: int, quantile: float, low: float, high: float, max_age_s: float = float("inf"),
+                 clock: Callable[[], float] | None = None) -> None:  # fmt: skip
+        self.ratios: deque[tuple[float, float]] = deque()  # (when, ratio)
         self.size, self.quantile, self.low, self.high = size, quantile, low, high
+        self.max_age_s, self.clock = max_age_s, clock
         self._sorted: list[float] = []
 
     def __len__(self) -> int:
+        self._expire()
         return len(self.ratios)
 
     def observe(self, observed: float, predicted: float) -> None:
@@ -50,45 +65,60 @@ class RatioWindow:
             return
         ratio = observed / predicted
         if len(self.ratios) == self.size:
-            del self._sorted[bisect_left(self._sorted, self.ratios.popleft())]
-        self.ratios.append(ratio)
+            self._drop_oldest()
+        self.ratios.append((self.clock() if self.clock else 0.0, ratio))
         insort(self._sorted, ratio)
 
     def value(self) -> float:
         """The quantile of the window, within [low, high]; 1 while it is empty."""
+        self._expire()
         ordered = self._sorted
         if not ordered:
             return 1.0
         q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
         return min(self.high, max(self.low, q))
 
+    def _drop_oldest(self) -> None:
+        del self._sorted[bisect_left(self._sorted, self.ratios.popleft()[1])]
+
+    def _expire(self) -> None:
+        if self.clock is None or not self.ratios:
+            return
+        oldest = self.clock() - self.max_age_s
+        while self.ratios and self.ratios[0][0] < oldest:
+            self._drop_oldest()
+
 
 class Margins:
-    """Prefill speeds, TTFT and TBT margins: per instance, with the cluster's as the fallback."""
+    """Prefill speeds (per instance), TTFT margins (per prompt-size band: a long prompt's
+    prediction errs otherwise than a short one's) and TBT margins (per instance), each
+    with the cluster's as the fallback."""
 
-    def __init__(self, config: MarginConfig | None = None) -> None:
+    def __init__(self, config: MarginConfig | None = None, clock: Callable[[], float] | None = None) -> None:
         self.config = config or MarginConfig()
-        self._ttft: dict[str, RatioWindow] = {}
+        self.clock = clock
+        self._ttft: dict[int, RatioWindow] = {}
         self._tbt: dict[str, RatioWindow] = {}
         self._speed: dict[str, RatioWindow] = {}
         self._decode_speed: dict[str, RatioWindow] = {}
-        self.ttft_all = self._window()
-        self.tbt_all = self._window()
+        self.ttft_all = self._window(*TTFT_MARGIN)
+        self.tbt_all = self._window(*TBT_MARGIN)
         self.speed_all = self._speed_window()
         self.decode_speed_all = self._speed_window()
 
     def _speed_window(self) -> RatioWindow:
-        return RatioWindow(self.config.window, 0.5, 0.1, MAX_MARGIN)
+        return RatioWindow(self.config.window, 0.5, MIN_SPEED, MAX_SPEED, self.config.max_age_s, self.clock)
 
-    def _window(self) -> RatioWindow:
-        return RatioWindow(self.config.window, self.config.quantile)
+    def _window(self, low: float, high: float) -> RatioWindow:
+        return RatioWindow(self.config.window, self.config.quantile, low, high, self.config.max_age_s, self.clock)
 
-    def observe_ttft(self, instance_id: str, observed: float, predicted: float) -> None:
-        self._ttft.setdefault(instance_id, self._window()).observe(observed, predicted)
+    def observe_ttft(self, num_prompt_tokens: int, observed: float, predicted: float) -> None:
+        band = band_of(num_prompt_tokens)
+        self._ttft.setdefault(band, self._window(*TTFT_MARGIN)).observe(observed, predicted)
         self.ttft_all.observe(observed, predicted)
 
     def observe_tbt(self, instance_id: str, observed: float, predicted: float) -> None:
-        self._tbt.setdefault(instance_id, self._window()).observe(observed, predicted)
+        self._tbt.setdefault(instance_id, self._window(*TBT_MARGIN)).observe(observed, predicted)
         self.tbt_all.observe(observed, predicted)
         self._decode_speed.setdefault(instance_id, self._speed_window()).observe(observed, predicted)
         self.decode_speed_all.observe(observed, predicted)
@@ -105,14 +135,14 @@ class Margins:
         """Measured/predicted prefill time, the median of recent prefills on ``instance_id``."""
         return _pick(self._speed.get(instance_id), self.speed_all, MIN_SPEED_SAMPLES)
 
-    def ttft(self, instance_id: str) -> float:
-        return _pick(self._ttft.get(instance_id), self.ttft_all)
+    def ttft(self, num_prompt_tokens: int) -> float:
+        """The TTFT margin for a prompt of this size: its band's, else every band's."""
+        return _pick(self._ttft.get(band_of(num_prompt_tokens)), self.ttft_all)
 
     def tbt(self, instance_id: str) -> float:
         return _pick(self._tbt.get(instance_id), self.tbt_all)
 
     def forget(self, instance_id: str) -> None:
-        self._ttft.pop(instance_id, None)
         self._tbt.pop(instance_id, None)
         self._speed.pop(instance_id, None)
         self._decode_speed.pop(instance_id, None)

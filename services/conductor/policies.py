@@ -9,7 +9,9 @@ router and, joined with ``+``, options: ``cache_aware+replication+predictive_rej
 - least_loaded: the fewest requests on each side.
 - cache_aware:  Mooncake's Algorithm 1: the prefill instance with the least
                 TTFT = queue + load of the cached blocks it lacks + prefill of
-                the rest; the decode instance with the least predicted TBT.
+                the rest (plus, since an instance computes the shortest work
+                first, the delay it adds to the longer requests queued there);
+                the decode instance with the least predicted TBT.
 - +replication: a prefix much longer (``balancing_threshold`` times) in a peer's
                 cache than in a candidate's may be copied to that candidate:
                 a busy instance's hot prefix is replicated on an idle one.
@@ -129,7 +131,7 @@ class CacheAwareRouter:
         peer = ctx.best_peer() if self.replication else None
         best, best_key = None, None
         for p in ctx.prefills:
-            key = (ctx.prefill_ttft(p, self.replication, peer), p.load, p.instance_id)
+            key = (ctx.prefill_cost(p, self.replication, peer), p.load, p.instance_id)
             if best_key is None or key < best_key:
                 best, best_key = p, key
         decode = min(ctx.decodes, key=lambda d: (ctx.decode_tbt(d), d.instance_id))

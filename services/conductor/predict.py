@@ -107,6 +107,8 @@ class AdmitContext:
         self.usable_blocks = min(match.num_blocks, (self.num_tokens - 1) // bs)
         self.handoff_blocks = ceil(self.num_tokens / bs)
         self.expected_output_tokens = max(1, min(request.max_tokens, config.expected_output_tokens))
+        # when its first token is due (None: best effort, which waits behind all SLO work)
+        self.deadline = None if request.best_effort else now + slo.ttft_s
         self._store = self._best_store()
 
     # --- TTFT -------------------------------------------------------------------------
@@ -133,14 +135,30 @@ class AdmitContext:
         n_cached = reached * self.config.block_size
         n_new = self.num_tokens - n_cached
         compute = c.prefill_base + n_new * (c.prefill_per_token + c.prefill_per_token_context * (n_cached + n_new / 2))
-        speed = self.margins.prefill_speed(p.instance_id)
+        speed = self.prefill_speed(p)
         handoff = self.handoff_blocks * c.transfer_per_block
-        return (p.prefill.backlog(self.now), load * speed, compute * speed, handoff * speed, local,
+        work = (load + compute + handoff) * speed
+        return (p.prefill.wait(work, self.now, self.deadline), load * speed, compute * speed, handoff * speed, local,
                 max(store_len - local, 0), copy_from, copy_blocks, speed)  # fmt: skip
+
+    def prefill_speed(self, p: Instance) -> float:
+        """How much slower than its cost model ``p`` runs: what it measured of its own
+        steps (its heartbeat), else what its reported prefills showed."""
+        measured = p.heartbeat.prefill_speed
+        return measured if measured > 0 else self.margins.prefill_speed(p.instance_id)
 
     def prefill_ttft(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> float:
         queue, load, compute, handoff, *_ = self._prefill_parts(p, replication, best_peer if replication else None)
         return queue + load + compute + handoff
+
+    def prefill_cost(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> float:
+        """What routing the request to ``p`` costs: its own TTFT there, plus the delay it
+        adds to the longer requests it would go ahead of (a prefill instance computes
+        the shortest work first)."""
+        queue, load, compute, handoff, *_ = self._prefill_parts(p, replication, best_peer if replication else None)
+        work = load + compute + handoff
+        imposed = 0.0 if self.deadline is None else p.prefill.imposed(work, self.now)
+        return queue + work + imposed
 
     def prefill_estimate(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> PrefillEstimate:
         queue, load, compute, handoff, local, from_store, copy_from, copy_blocks, speed = self._prefill_parts(

@@ -46,6 +46,13 @@ class Booking:
     predicted_ttft_s: float
     predicted_tbt_s: float | None
     session_id: str | None = None
+    deadline_in_s: float | None = None  # its first token is due this long after admission; None: best effort
+    moved: bool = False  # continued after a lost worker: its latencies teach the margins nothing
+
+
+# Samples taken this close to a fault (an instance restarted or gone) or after it say
+# more about the fault than about the predictions: the margins do not learn from them.
+FAULT_GRACE_S = 10.0
 
 
 @dataclass
@@ -121,16 +128,21 @@ class Scheduler:
         self.admitted: dict[str, Admitted] = {}
         self.errors = PredictionErrors()
         self.tbt_errors = PredictionErrors(TBT_ERROR_BUCKETS, "TBT")
-        self.margins = Margins(self.config.margin)
+        self.margins = Margins(self.config.margin, view.clock)
         self.sessions = SessionTable()
         self.num_admitted = 0
         self.rejections: dict[str, int] = {}  # by error code or rejection reason
         self.explain: Callable[[AdmitContext, Decision], None] | None = None  # told of every choice (the console)
 
-    def context(self, request: AdmitRequest) -> AdmitContext:
+    def context_slo(self, request: AdmitRequest) -> SLO:
+        """The targets ``request`` is judged by: its own where it set them, else the default."""
         slo = self.config.slo
         if request.slo_ttft_s is not None or request.slo_tbt_s is not None:
             slo = SLO(request.slo_ttft_s or slo.ttft_s, request.slo_tbt_s or slo.tbt_s)
+        return slo
+
+    def context(self, request: AdmitRequest) -> AdmitContext:
+        slo = self.context_slo(request)
         view = self.view
         prefills, decodes = view.alive(Role.PREFILL), view.alive(Role.DECODE)
         if request.exclude:  # instances the gateway has seen die, before this view times them out
@@ -156,7 +168,8 @@ class Scheduler:
         booking = Booking(
             request.request_id, decision.prefill_id, decision.decode_id, decision.work_s, decision.prefill_speed,
             ctx.num_tokens, request.max_tokens, ctx.expected_output_tokens, decision.predicted_ttft_s,
-            decision.predicted_tbt_s, request.session_id,
+            decision.predicted_tbt_s, request.session_id, None if request.best_effort else ctx.slo.ttft_s,
+            request.moved,
         )  # fmt: skip
         self.book(booking, ctx.now)
         return decision
@@ -174,7 +187,8 @@ class Scheduler:
             self._release(booking.request_id, previous, now)
         b = booking
         if (prefill := self.view.get(b.prefill_id)) is not None:  # a peer may know an instance this view does not yet
-            prefill.prefill.add(b.request_id, b.work_s, now, b.prefill_speed)
+            deadline = None if b.deadline_in_s is None else now + b.deadline_in_s
+            prefill.prefill.add(b.request_id, b.work_s, now, b.prefill_speed, deadline)
         if (decode := self.view.get(b.decode_id)) is not None:
             decode.decode.add(b.request_id, b.num_prompt_tokens, now + b.predicted_ttft_s, b.max_tokens,
                               b.expected_output_tokens)  # fmt: skip
@@ -208,7 +222,13 @@ class Scheduler:
         measured = ttft_s if ttft_s is not None else now - record.admitted_at
         if record.origin is None:  # a peer's is its own to report
             self.errors.observe(measured - record.predicted_ttft_s)
-        self.margins.observe_ttft(record.prefill_id, measured, record.predicted_ttft_s)
+        if self._teaches(record):
+            self.margins.observe_ttft(record.booking.num_prompt_tokens, measured, record.predicted_ttft_s)
+
+    def _teaches(self, record: "Admitted") -> bool:
+        """Whether a request's latencies are samples of the predictions: not a moved
+        request's, nor one's that a fault (a restart, an instance gone) may have touched."""
+        return not record.booking.moved and self.view.last_fault < record.admitted_at - FAULT_GRACE_S
 
     def finished(self, request_id: str, num_output_tokens: int = 0) -> None:
         """The request is over (done, failed, cancelled or refused by its decode instance),
@@ -223,7 +243,7 @@ class Scheduler:
             measured = (now - record.first_token_at) / (num_output_tokens - 1)
             if record.predicted_tbt_s and record.origin is None:
                 self.tbt_errors.observe(measured - record.predicted_tbt_s)
-            if modelled is not None and modelled > record.modelled_at_first_s:
+            if modelled is not None and modelled > record.modelled_at_first_s and self._teaches(record):
                 # against the steps the model gives the batch it ran in (which later admissions
                 # were allowed to grow up to the SLO), not the batch it was admitted into
                 model_tbt = (modelled - record.modelled_at_first_s) / (now - record.first_token_at)

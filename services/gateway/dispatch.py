@@ -67,10 +67,12 @@ log = logging.getLogger("kvserve.gateway.dispatch")
 
 @dataclass(frozen=True)
 class SLOOverride:
-    """Per-request targets (from the x-kvserve-slo-* headers); None: the conductor's default."""
+    """Per-request targets (from the x-kvserve-slo-* headers); None: the conductor's default.
+    ``best_effort`` (x-kvserve-slo: best-effort): no target, served in time SLO work does not need."""
 
     ttft_s: float | None = None
     tbt_s: float | None = None
+    best_effort: bool = False
 
 
 class WorkerLostError(ServiceUnavailableError):
@@ -93,6 +95,7 @@ class RequestRun:
         exclude: frozenset[str] = frozenset(),
         watch: WorkerWatch | None = None,
         session_id: str | None = None,
+        moved: bool = False,
     ) -> None:
         self.service = service
         self.prepared = prepared
@@ -103,6 +106,7 @@ class RequestRun:
         self.exclude = exclude  # instances the conductor must not choose
         self.watch = watch  # None: only the token timeout notices a dead worker
         self.session_id = session_id  # the conversation it belongs to (the conductor keeps its turns together)
+        self.moved = moved  # a later attempt of a request whose worker was lost
         self.prefill_id: str | None = None
         self.decode_id: str | None = None  # the conductor's choice ...
         self.serving_decode_id: str | None = None  # ... and the one whose tokens came (a hand-off may be retried)
@@ -110,6 +114,7 @@ class RequestRun:
         self.ttft_s: float | None = None  # measured from admission to the first token
         self.num_output_tokens = 0  # generated so far (the conductor settles its TBT prediction with it)
         self._admitted_at: float | None = None
+        self._asked_at = 0.0  # when the admission was asked for: the TTFT target counts from there
         self._reorder = ChunkReorderer()
         self._sub = None
         self._may_be_running = False  # some service may hold the request: cancel it on the way out
@@ -148,7 +153,10 @@ class RequestRun:
             slo_tbt_s=self.slo.tbt_s,
             exclude=sorted(self.exclude),
             session_id=self.session_id,
+            best_effort=self.slo.best_effort,
+            moved=self.moved,
         )
+        asked_at = time.monotonic()
         self._may_be_running = True  # from here on the conductor may have admitted it
         try:
             reply = await self._ask_conductor(admit)
@@ -161,7 +169,7 @@ class RequestRun:
                 self._may_be_running = False
             raise _admission_error(reply)
         self.prefill_id, self.decode_id = reply.prefill_id, reply.decode_id
-        self.admission, self._admitted_at = reply, time.monotonic()
+        self.admission, self._admitted_at, self._asked_at = reply, time.monotonic(), asked_at
         if self.watch is not None:
             self.watch.watch(self.decode_id, Role.DECODE)
             self.watch.watch(self.prefill_id, Role.DECODE if reply.prefill_on_decode else Role.PREFILL)
@@ -181,11 +189,13 @@ class RequestRun:
 
     async def _submit(self) -> None:
         p = self.prepared
+        target = self.admission.slo_ttft_s if self.admission is not None else None
         request = PrefillRequest(
             request_id=self.request_id,
             prompt_token_ids=p.prompt_token_ids,
             sampling=p.sampling,
             decode_id=self.decode_id,
+            ttft_budget_s=None if target is None else max(0.0, target - (time.monotonic() - self._asked_at)),
         )
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation
@@ -306,7 +316,8 @@ def _admission_error(error: ErrorReply) -> Exception:
     if error.code == ErrorCode.REJECTED:
         details = {"retry_after_s": error.retry_after_s, "predicted_ttft_s": error.predicted_ttft_s,
                    "predicted_tbt_s": error.predicted_tbt_s}  # fmt: skip
-        return RateLimitedError(error.message, error.retry_after_s, {k: v for k, v in details.items() if v is not None})
+        details = {k: v for k, v in details.items() if v is not None}
+        return RateLimitedError(error.message, error.retry_after_s, details, error.reason)
     if error.code in _MISSING_ROLE_CODES:
         return ServiceUnavailableError(error.message, error.code)
     if error.code in _FAILED_CODES:

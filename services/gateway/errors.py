@@ -40,10 +40,12 @@ class ServiceUnavailableError(KVServeError):
 class RateLimitedError(KVServeError):
     """The conductor rejected the request: the cluster cannot meet its targets now."""
 
-    def __init__(self, message: str, retry_after: float | None = None, details: dict[str, float] | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, details: dict[str, float] | None = None,
+                 reason: str | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.retry_after = retry_after
         self.details = details or {}  # the conductor's predictions, added to the error body
+        self.reason = reason  # the target it would miss: ttft_slo, tbt_slo, decode_full, slo_unattainable
 
 
 class RequestTimeoutError(KVServeError):
@@ -84,8 +86,12 @@ def to_http(error: Exception) -> HTTPError:
         return HTTPError(401, error_body(message, "invalid_request_error", None, "invalid_api_key"), {})
     if isinstance(error, RateLimitedError):
         headers = {"Retry-After": str(max(1, math.ceil(error.retry_after)))} if error.retry_after is not None else {}
-        body = error_body(message, "rate_limit_error", None, "rate_limit_exceeded")
+        # a request no wait can help (its TTFT misses the target even on an idle worker) says so as its code
+        code = "slo_unattainable" if error.reason == "slo_unattainable" else "rate_limit_exceeded"
+        body = error_body(message, "rate_limit_error", None, code)
         body["error"].update(error.details)
+        if error.reason is not None:
+            body["error"]["reason"] = error.reason
         return HTTPError(429, body, headers)
     if isinstance(error, ServiceUnavailableError):
         return HTTPError(503, error_body(message, "server_error", None, error.code), {})

@@ -79,7 +79,7 @@ class Generations:
         def attempt(p: PreparedRequest, exclude: frozenset[str]) -> RequestRun:
             watch = WorkerWatch(self.peers, silence)
             return RequestRun(self.service, p, s.request_timeout, slo=slo, exclude=exclude, watch=watch,
-                              session_id=session_id)  # fmt: skip
+                              session_id=session_id, moved=p is not prepared)  # fmt: skip
 
         generation, started_at = None, time.monotonic()
         self.num_in_flight += 1

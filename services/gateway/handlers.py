@@ -176,6 +176,7 @@ async def _complete(generation: Generation, bodies: ResponseBodies, headers: dic
 
 
 SLO_HEADERS = {"x-kvserve-slo-ttft-ms": "ttft_s", "x-kvserve-slo-tbt-ms": "tbt_s"}
+SLO_MODE_HEADER = "x-kvserve-slo"  # "best-effort": no SLO; served only in time SLO work does not need
 
 
 def _slo_override(request: web.Request) -> SLOOverride:
@@ -192,6 +193,11 @@ def _slo_override(request: web.Request) -> SLOOverride:
         if not ms > 0 or ms == float("inf"):
             raise InvalidParameterError(f"{header} must be a positive number of milliseconds, got {raw!r}")
         values[field] = ms / 1e3
+    mode = request.headers.get(SLO_MODE_HEADER)
+    if mode is not None:
+        if mode.strip().lower() != "best-effort":
+            raise InvalidParameterError(f"{SLO_MODE_HEADER} must be 'best-effort', got {mode!r}")
+        values["best_effort"] = True
     return SLOOverride(**values)
 
 

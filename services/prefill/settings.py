@@ -15,8 +15,7 @@ from libs.common.transfer.settings import TransferSettings
 class PrefillSettings(ServiceSettings):
     model: ModelSettings
     transfer: TransferSettings = TransferSettings()
-    max_chunk_tokens: int = 512
-    max_batch_tokens: int = 2048
+    max_chunk_tokens: int = 512  # the most prompt tokens one step computes: a prompt waits at most one step
     use_store: bool = True
     store_replicas: int = 1  # writes go to this many store instances per block; reads try them in turn
     enable_prefix_cache: bool = True  # off: every prompt is computed in full (a baseline)
@@ -25,8 +24,6 @@ class PrefillSettings(ServiceSettings):
         self.model.require_cpu()
         if self.max_chunk_tokens < 1:
             raise ValueError(f"KVSERVE_MAX_CHUNK_TOKENS must be at least 1, got {self.max_chunk_tokens}")
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"KVSERVE_MAX_BATCH_TOKENS must be at least 1, got {self.max_batch_tokens}")
         if self.store_replicas < 1:
             raise ValueError(f"KVSERVE_STORE_REPLICAS must be at least 1, got {self.store_replicas}")
 
@@ -37,7 +34,6 @@ class PrefillSettings(ServiceSettings):
             model=ModelSettings.from_env(),
             transfer=TransferSettings.from_env(),
             max_chunk_tokens=env_int("MAX_CHUNK_TOKENS", 512),
-            max_batch_tokens=env_int("MAX_BATCH_TOKENS", 2048),
             use_store=env_bool("USE_STORE", True),
             store_replicas=env_int("STORE_REPLICAS", 1),
             enable_prefix_cache=env_bool("ENABLE_PREFIX_CACHE", True),

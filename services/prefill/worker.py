@@ -2,24 +2,33 @@
 from its own cache, then from the store), samples the first token, and hands
 the KV to the decode worker the conductor chose.
 
-Per request: prepare (local prefix hit, store fetch, decode lease) -> compute
-(batched with whatever else is waiting) -> finish (first token out, KV copied
-into the decode worker's leased blocks, hand-over, new blocks to the store).
-Finishing overlaps the next batch's compute.
+Per request: prepare (local prefix hit, store fetch, decode lease) -> compute,
+a chunk at a time -> finish (first token out, KV copied into the decode worker's
+leased blocks, hand-over, new blocks to the store). Each step computes at most
+``max_chunk_tokens`` prompt tokens, taken from the prepared requests in the
+order of `libs/common/prefill_order.py`: shortest remaining work first unless
+that would make an earlier request miss its TTFT deadline, late ones next,
+best effort last. So a short prompt arriving behind a long one waits one step,
+not the whole long prompt, and a long prompt keeps its computed KV between its
+chunks. Finishing overlaps the next step's compute.
 """
 
 import asyncio
+import statistics
 import time
+from collections import deque
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
 
 from libs.common import failpoints, subjects
+from libs.common.cost_model import CostModel, uncalibrated_coefficients
 from libs.common.engine_host import EngineHost
-from libs.common.errors import KVServeError
+from libs.common.errors import KVServeError, OutOfKVBlocksError
 from libs.common.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.common.model.sequence import Sequence
+from libs.common.prefill_order import Work, plan
 from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
 from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest
@@ -33,11 +42,20 @@ from services.prefill.settings import PrefillSettings
 from services.prefill.store_client import StoreClient
 
 
+SPEED_STEPS = 64  # steps whose measured/predicted time gives the worker's speed
+
+
 @dataclass
 class Job:
     request: PrefillRequest
     seq: Sequence
+    arrived: float  # the event loop's clock
+    deadline: float | None  # when its first token is due; None: best effort
     transfer: Transfer | None = None  # the hand-off to the decode worker, once leased
+
+    @property
+    def tokens_left(self) -> int:
+        return self.seq.num_tokens - self.seq.num_computed_tokens
 
 
 class PrefillWorker(Service):
@@ -52,11 +70,14 @@ class PrefillWorker(Service):
         )  # fmt: skip
         self.engine = self.host.engine
         self.finish_rule = token_stop(set(self.host.loaded.tokenizer.eos_token_ids), self.engine.max_model_len)
-        self.queue: asyncio.Queue[Job] = asyncio.Queue()
-        self.in_flight: dict[str, Job] = {}
+        self.in_flight: dict[str, Job] = {}  # taken, not yet finished
+        self.ready: dict[str, Job] = {}  # prepared: the steps choose their chunks from these
+        self._work = asyncio.Event()  # a job became ready
+        self._blocks_freed = asyncio.Event()  # a job's blocks went back to the pool
+        self.step_ratios: deque[float] = deque(maxlen=SPEED_STEPS)  # measured / predicted step time
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
-                                            num_running=lambda: len(self.in_flight) - self.queue.qsize(),
-                                            num_waiting=self.queue.qsize)  # fmt: skip
+                                            num_running=lambda: len(self.ready),
+                                            num_waiting=lambda: len(self.in_flight) - len(self.ready))  # fmt: skip
         self.cancelled = RecentIds()
         self.store = StoreClient(self, self.host, settings.store_replicas) if settings.use_store else None
         self.handoff = Handoff(self, self.host)
@@ -83,9 +104,11 @@ class PrefillWorker(Service):
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
-        job = Job(request, seq)
+        now = asyncio.get_running_loop().time()
+        deadline = None if request.ttft_budget_s is None else now + request.ttft_budget_s
+        job = Job(request, seq, now, deadline)
         self.in_flight[request.request_id] = job
-        self.queue.put_nowait(job)
+        self.spawn(self._make_ready(job))
         return Ack()
 
     async def on_cancel(self, request: Cancel, msg: Msg) -> None:
@@ -95,29 +118,72 @@ class PrefillWorker(Service):
         self.decoders.observe(heartbeat)
 
     # --- the loop --------------------------------------------------------------
+    async def _make_ready(self, job: Job) -> None:
+        if await self._prepare(job) is not None:
+            self.ready[job.request.request_id] = job
+            self._work.set()
+
     async def _prefill_loop(self) -> None:
         while True:
-            jobs = [await self.queue.get()]
-            budget = self.settings.max_batch_tokens - jobs[0].seq.num_tokens
-            while not self.queue.empty() and budget > 0:
-                job = self.queue.get_nowait()
-                jobs.append(job)
-                budget -= job.seq.num_tokens
-            ready = [job for job in await asyncio.gather(*(self._prepare(j) for j in jobs)) if job is not None]
-            if not ready:
+            if not self.ready:
+                self._work.clear()
+                await self._work.wait()
                 continue
-            new_tokens, started = sum(j.seq.num_tokens - j.seq.num_computed_tokens for j in ready), time.perf_counter()
+            for request_id in [r for r in self.ready if r in self.cancelled]:
+                await self._drop(self.ready.pop(request_id))
+            chunk = self._next_chunk(asyncio.get_running_loop().time())
+            if not chunk:
+                continue
+            started = time.perf_counter()
             try:
-                outputs = await self.host.run(self._compute, ready)
-                if self.store is not None:  # the speed a store fetch must beat
-                    self.store.policy.observe_prefill(new_tokens, time.perf_counter() - started)
+                finished = await self.host.run(self._compute, chunk)
             except Exception as e:
-                self.log.exception("prefill of %d requests failed", len(ready))
-                for job in ready:
+                self.log.exception("a prefill step of %d requests failed", len(chunk))
+                for job, _ in chunk:
+                    self.ready.pop(job.request.request_id, None)
                     await self._fail(job, ErrorInfo(code=ErrorCode.INTERNAL, message=f"prefill failed: {e}"))
                 continue
-            for job, out in zip(ready, outputs):
+            self._observe_step(chunk, time.perf_counter() - started)
+            for job, out in finished:
+                self.ready.pop(job.request.request_id, None)
                 self.spawn(self._finish(job, out))
+
+    def _next_chunk(self, now: float) -> list[tuple[Job, int]]:
+        """The next step: up to ``max_chunk_tokens`` prompt tokens, from the ready jobs in
+        the order `prefill_order.plan` gives them."""
+        speed = self.speed or 1.0
+        work = [Work(request_id, self.cost.prefill_time(job.tokens_left, job.seq.num_computed_tokens) * speed,
+                     job.deadline, job.arrived) for request_id, job in self.ready.items()]  # fmt: skip
+        chunk, budget = [], self.settings.max_chunk_tokens
+        for w in plan(work, now):
+            if budget <= 0:
+                break
+            job = self.ready[w.key]
+            n = min(job.tokens_left, budget)
+            chunk.append((job, n))
+            budget -= n
+        return chunk
+
+    @property
+    def cost(self) -> CostModel:
+        return CostModel(self.reports.cost or uncalibrated_coefficients(self.engine.block_size))
+
+    @property
+    def speed(self) -> float:
+        """Its steps' measured time over what its cost model predicted, the median of
+        the last ones; 0 before the first."""
+        return statistics.median(self.step_ratios) if self.step_ratios else 0.0
+
+    def _observe_step(self, chunk: list[tuple[Job, int]], seconds: float) -> None:
+        c = self.cost.coefficients
+        predicted = c.prefill_base + sum(
+            n * (c.prefill_per_token + c.prefill_per_token_context * (job.seq.num_computed_tokens - n / 2))
+            for job, n in chunk
+        )  # the jobs' KV was computed up to num_computed_tokens by the step
+        if predicted > 0:
+            self.step_ratios.append(seconds / predicted)
+        if self.store is not None:  # the speed a store fetch must beat
+            self.store.policy.observe_prefill(sum(n for _, n in chunk), seconds)
 
     async def _prepare(self, job: Job) -> Job | None:
         """Reuse cached blocks (local, then store) and lease room on the decode worker."""
@@ -129,11 +195,22 @@ class PrefillWorker(Service):
             await self._drop(job)
             return None
         seq = job.seq
-        try:
-            await self.host.run(self._attach_local_prefix, seq)
-        except KVServeError as e:
-            await self._fail(job, ErrorInfo(code=ErrorCode.NO_CAPACITY, message=str(e)))
-            return None
+        while True:
+            try:
+                await self.host.run(self._attach_local_prefix, seq)
+                break
+            except OutOfKVBlocksError as e:  # the jobs ahead hold the pool: wait for one to give its blocks back
+                if not self.ready and not any(j.seq.block_table for j in self.in_flight.values()):
+                    await self._fail(job, ErrorInfo(code=ErrorCode.NO_CAPACITY, message=str(e)))
+                    return None
+                self._blocks_freed.clear()
+                await self._blocks_freed.wait()
+                if job.request.request_id in self.cancelled:
+                    await self._drop(job)
+                    return None
+            except KVServeError as e:
+                await self._fail(job, ErrorInfo(code=ErrorCode.NO_CAPACITY, message=str(e)))
+                return None
         hits = {KVTier.DEVICE: seq.num_cached_tokens}
         if self.store is not None:
             hits |= await self.store.fetch_prefix(seq)
@@ -165,14 +242,23 @@ class PrefillWorker(Service):
         return await self.handoff.reserve(job.request, others[0].instance_id, job.seq.num_prompt_tokens)
 
     def _attach_local_prefix(self, seq: Sequence) -> None:
-        """Engine thread: take this worker's cached prefix blocks and allocate the rest."""
-        self.engine.cache.match_prefix(seq)
-        self.engine.cache.allocate(seq, seq.num_tokens)
+        """Engine thread: take this worker's cached prefix blocks and allocate the rest
+        (or, when the pool cannot hold it, nothing)."""
+        cache = self.engine.cache
+        cache.match_prefix(seq)
+        try:
+            cache.allocate(seq, seq.num_tokens)
+        except OutOfKVBlocksError:
+            cache.free(seq)
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            seq.block_hashes = []
+            raise
 
-    def _compute(self, jobs: list[Job]) -> list[TokenOutput]:
-        """Engine thread: prefill the batch, shipping each layer's KV to its decode
-        worker as soon as it is computed; sample each first token."""
-        by_seq = {id(job.seq): job for job in jobs}
+    def _compute(self, chunk: list[tuple[Job, int]]) -> list[tuple[Job, TokenOutput]]:
+        """Engine thread: compute one step, shipping each layer of the prompts it
+        completes to their decode worker as soon as it is computed; sample their first
+        tokens."""
+        by_seq = {id(job.seq): job for job, _ in chunk}
 
         def ship(layer: int, done: list[Sequence]) -> None:
             for seq in done:
@@ -180,9 +266,11 @@ class PrefillWorker(Service):
                 if transfer.writer is not None:
                     transfer.writer.submit(self.handoff.layer_spans(transfer, seq, layer))
 
-        seqs = [job.seq for job in jobs]
-        logits = self.engine.prefill(seqs, layer_done=ship)
-        return sample_tokens(seqs, logits, self.finish_rule)
+        logits = self.engine.prefill_chunk([(job.seq, n) for job, n in chunk], layer_done=ship)
+        if logits is None:
+            return []
+        done = [job for job, _ in chunk if job.tokens_left == 0]
+        return list(zip(done, sample_tokens([job.seq for job in done], logits, self.finish_rule)))
 
     async def _finish(self, job: Job, out: TokenOutput) -> None:
         seq, request_id = job.seq, job.request.request_id
@@ -228,8 +316,10 @@ class PrefillWorker(Service):
 
     async def _drop(self, job: Job) -> None:
         self.in_flight.pop(job.request.request_id, None)
+        self.ready.pop(job.request.request_id, None)
         if job.seq.block_table:
             await self.host.run(self.engine.cache.free, job.seq)
+            self._blocks_freed.set()
 
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
@@ -239,6 +329,7 @@ class PrefillWorker(Service):
             segment=self.host.segment.name, contract=self.host.contract,
             queued_tokens=sum(j.seq.num_prompt_tokens - j.seq.num_computed_tokens for j in self.in_flight.values()
                               if j.seq.num_computed_tokens < j.seq.num_prompt_tokens),
+            speed=self.speed, chunk_tokens=self.settings.max_chunk_tokens,
         )  # fmt: skip
         self.reports.fill(beat.payload)
         return beat

@@ -96,6 +96,29 @@ class Engine:
         hidden = self._prefill(seqs, keep_all=False, layer_done=layer_done)
         return self.model.compute_logits(torch.cat([h[-1] for h in hidden])).float()
 
+    @torch.inference_mode()
+    def prefill_chunk(self, chunk: list[tuple[Sequence, int]], layer_done: LayerDone | None = None) -> torch.Tensor | None:
+        """One step of chunked prefill, as a scheduler chose it: the next ``n`` tokens of
+        each ``(sequence, n)``, each sequence's blocks grown to hold its tokens; a partly
+        computed prompt keeps its KV for its next chunk. Returns the logits of the last
+        token of each sequence this step completes, in chunk order ([k, V]), or None when
+        it completes none. ``layer_done`` fires as in `prefill`, for those sequences."""
+        for seq, n in chunk:
+            self.check_prompt(seq.num_tokens)
+            if n < 1 or seq.num_computed_tokens + n > seq.num_tokens:
+                raise ValueError(f"{seq.request_id}: cannot compute {n} more of its {seq.num_tokens} tokens")
+            self.cache.allocate(seq, seq.num_tokens)
+        completing = [i for i, (seq, n) in enumerate(chunk) if seq.num_computed_tokens + n == seq.num_tokens]
+        done = [chunk[i][0] for i in completing]
+        on_layer = (lambda layer: layer_done(layer, done)) if layer_done is not None and done else None  # noqa: E731
+        hidden = self._run_prefill_chunk(chunk, on_layer)  # [sum n, hidden]
+        for seq, _ in chunk:
+            self.cache.cache_full_blocks(seq)
+        if not completing:
+            return None
+        ends = torch.tensor([n for _, n in chunk], device=hidden.device).cumsum(0) - 1
+        return self.model.compute_logits(hidden[ends[completing]]).float()
+
     def prefill_all_logits(self, seqs: list[Sequence]) -> list[torch.Tensor]:
         """Like ``prefill``, but the logits of every computed token: one [n_i, V] per sequence."""
         hidden = self._prefill(seqs, keep_all=True, layer_done=None)

@@ -1,10 +1,10 @@
 """Simulated instances: what a prefill worker, a decode worker and a store do,
 in simulated time, with their durations taken from a cost model.
 
-A prefill instance serves its queue one request at a time: it reuses the
-prompt's prefix from its own block cache (LRU), loads what the store holds
-next, copies a peer's blocks when the conductor said so, computes the rest and
-hands the KV over. A decode instance runs one continuous batch; between two
+A prefill instance reuses each prompt's prefix from its own block cache (LRU),
+loads what the store holds next, copies a peer's blocks when the conductor said
+so, computes the rest and hands the KV over, a chunk at a time in the order a
+prefill worker computes it (shortest first, earlier promises kept). A decode instance runs one continuous batch; between two
 membership changes every step costs the same formula, so a whole stretch of
 steps is one closed-form sum and one event, not one event per token.
 """
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from math import ceil, sqrt
 
 from libs.common.cost_model import CostModel
+from libs.common.prefill_order import Work, plan
 from libs.common.schema import DecodeBeat, Heartbeat, PrefillBeat, StoreBeat
 from libs.common.vocabulary import KVTier, Role
 from services.conductor.policies import Decision
@@ -33,6 +34,7 @@ class SimRequest:
     finish: float | None = None
     cached_tokens: dict[str, int] = field(default_factory=dict)  # measured reuse, by tier
     prefill_seconds: float = 0.0  # busy time its prefill took (wasted when refused afterwards)
+    best_effort: bool = False  # sent without an SLO
     remaining: int = 0  # decode steps left
     context: int = 0  # tokens of KV it holds while decoding
 
@@ -90,25 +92,32 @@ class SimStore:
 
 
 class SimPrefill:
-    def __init__(self, sim, instance_id: str, cost: CostModel, cache_blocks: int) -> None:
+    """Serves its jobs as a prefill worker does (`libs/common/prefill_order.py`): each
+    chunk of at most ``chunk_tokens`` goes to the head of the plan (shortest first,
+    earlier promises kept, late ones next, best effort last), so a job is cut only
+    between chunks."""
+
+    def __init__(self, sim, instance_id: str, cost: CostModel, cache_blocks: int, chunk_tokens: int = 2048) -> None:
         self.sim = sim
         self.instance_id = instance_id
         self.cost = cost
         self.cache = BlockLRU(cache_blocks)
-        self.queue: deque[SimRequest] = deque()
-        self.running: SimRequest | None = None
+        self.chunk_tokens = chunk_tokens
+        self.queue: deque[SimRequest] = deque()  # submitted, not yet started
+        self.jobs: dict[str, list] = {}  # request id -> [request, seconds left, deadline]
+        self.running: SimRequest | None = None  # the chunk in progress is this request's
         self.busy_seconds = 0.0
+        self.speeds: deque[float] = deque(maxlen=64)  # measured / reported, per job
 
     def submit(self, request: SimRequest) -> None:
         self.queue.append(request)
+        self._start(request)
         if self.running is None:
-            self._start_next()
+            self._next_chunk()
 
-    def _start_next(self) -> None:
-        if not self.queue:
-            self.running = None
-            return
-        request = self.running = self.queue.popleft()
+    def _start(self, request: SimRequest) -> None:
+        """Its prefix from this cache, the store, a peer; its duration from the cost model."""
+        self.queue.remove(request)
         sim, t = self.sim, request.trace
         bs = self.cost.block_size
         usable = min(len(t.hash_ids), (t.input_length - 1) // bs)
@@ -132,9 +141,36 @@ class SimPrefill:
         compute = self.cost.prefill_time(t.input_length - n_cached, n_cached)
         handoff = self.cost.transfer_time(ceil(t.input_length / bs))
         duration = (load_s + compute + handoff) * sim.noise()
-        request.prefill_start, request.cached_tokens, request.prefill_seconds = sim.now, cached, duration
+        reported = CostModel(sim.reported)
+        model = (load_s + reported.prefill_time(t.input_length - n_cached, n_cached)
+                 + reported.transfer_time(ceil(t.input_length / bs)))  # fmt: skip
+        if model > 0:
+            self.speeds.append(duration / model)
+        request.cached_tokens, request.prefill_seconds = cached, duration
+        deadline = None if request.best_effort else t.arrival_s + sim.config.slo.ttft_s
+        self.jobs[request.request_id] = [request, duration, deadline]
         self.busy_seconds += duration
-        sim.schedule(sim.now + duration, self._finish, request)
+
+    def _next_chunk(self) -> None:
+        if not self.jobs:
+            self.running = None
+            return
+        sim = self.sim
+        order = plan((Work(k, left, deadline, r.trace.arrival_s) for k, (r, left, deadline) in self.jobs.items()), sim.now)
+        job = self.jobs[order[0].key]
+        request = self.running = job[0]
+        if request.prefill_start is None:
+            request.prefill_start = sim.now
+        step = min(job[1], self.cost.prefill_time(self.chunk_tokens))
+        job[1] -= step
+        sim.schedule(sim.now + step, self._chunk_done, request)
+
+    def _chunk_done(self, request: SimRequest) -> None:
+        job = self.jobs[request.request_id]
+        if job[1] <= 1e-12:
+            del self.jobs[request.request_id]
+            self._finish(request)
+        self._next_chunk()
 
     def _finish(self, request: SimRequest) -> None:
         sim, t = self.sim, request.trace
@@ -147,13 +183,14 @@ class SimPrefill:
             sim.index.discard(sim.store.instance_id, KVTier.DRAM, evicted)
             sim.index.add(sim.store.instance_id, KVTier.DRAM, new)
         sim.prefilled(request)
-        self._start_next()
 
     def heartbeat(self) -> Heartbeat:
-        queued = list(self.queue) + ([self.running] if self.running is not None else [])
+        queued = [job[0] for job in self.jobs.values()]
+        speeds = sorted(self.speeds)
         return Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", payload=PrefillBeat(
             cost=self.sim.reported, load=len(queued), queued_tokens=sum(r.trace.input_length for r in queued),
-            capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks)))  # fmt: skip
+            capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks),
+            speed=speeds[len(speeds) // 2] if speeds else 0.0, chunk_tokens=self.chunk_tokens))  # fmt: skip
 
 
 class SimDecode:

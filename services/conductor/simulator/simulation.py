@@ -135,7 +135,7 @@ class Simulation:
         for instance in (*self.prefills.values(), *self.decodes.values(), *([self.store] if self.store else [])):
             self.view.observe(instance.heartbeat())
         self.samples.append(Sample(
-            self.now, sum(len(p.queue) + (p.running is not None) for p in self.prefills.values()),
+            self.now, sum(len(p.jobs) for p in self.prefills.values()),
             sum(d.num_sequences for d in self.decodes.values()), self._rejected, self._wasted,
         ))  # fmt: skip
         self.schedule(self.now + self.config.heartbeat_interval, self._heartbeats)

@@ -70,8 +70,8 @@ def test_a_sessions_turn_says_whether_it_stayed_home():
 
 
 def test_a_rejection_says_which_target_and_why():
-    s, _, log = explained("cache_aware+early_rejection", P0, D0, ttft_s=0.05)
-    s.admit(request("r0"))  # alone on an idle cluster: admitted even past its target
+    s, _, log = explained("cache_aware+early_rejection", P0, D0, ttft_s=0.3)
+    s.admit(request("r0"))  # alone on an idle cluster: 0.17 s
     s.admit(request("r1"))  # behind it: 0.34 s predicted
     rejected = log.decisions(1)[0]
     assert rejected.request_id == "r1" and rejected.rejected == "ttft_slo"

@@ -5,16 +5,42 @@ import pytest
 from services.conductor.load import DecodeLoad, PrefillLoad
 
 
-def test_the_prefill_queue_chains_and_resets_at_each_first_token():
+def test_the_prefill_order_puts_short_work_first_and_the_running_chunk_is_not_cut():
     q = PrefillLoad()
-    assert q.add("a", 1.0, now=10.0) == 11.0
-    assert q.add("b", 2.0, now=10.5) == 13.0
-    assert q.backlog(10.5) == 2.5
-    assert q.done("a", now=12.0)  # late: "b" starts now
-    assert q.busy_until == 14.0
-    assert not q.done("a", now=12.0)
-    q.clear(now=12.5)
-    assert (q.num_pending, q.backlog(12.5)) == (0, 0.0)
+    q.chunk_s = 0.25
+    q.add("long", 1.5, now=0.0, deadline=2.0)
+    q.add("short", 0.1, now=0.1, deadline=2.1)
+    assert q.backlog(0.1) == pytest.approx(1.5)  # "long" ran 0.1 s, "short" not yet
+    # a new 0.2 s job waits for the chunk in progress and for "short" (shorter than it), not for "long"
+    assert q.wait(0.2, now=0.1) == pytest.approx(0.15 + 0.1)
+    assert q.wait(0.2, now=0.1, deadline=None) == pytest.approx(1.5)  # best effort: behind everything
+    assert q.imposed(0.2, now=0.1) == pytest.approx(0.2)  # it delays "long" by its own time
+    placed = q.place("new", 0.2, now=0.1, deadline=2.1)
+    assert placed.done_at == pytest.approx(0.1 + 0.15 + 0.1 + 0.2) and placed.breaks == ()
+    # a 0.6 s job cannot fit: before "long" it makes it late, after it, itself
+    late = q.place("big", 0.6, now=0.1, deadline=2.1)
+    assert late.breaks == ("long",)  # it could only go first: refused for breaking the promise
+    assert q.done("short", now=0.5) is not None and q.done("short", now=0.5) is None
+    q.clear(now=1.0)
+    assert (q.num_pending, q.backlog(1.0)) == (0, 0.0)
+
+
+def test_a_placement_names_the_promises_it_would_break():
+    q = PrefillLoad()  # chunk_s None: a running job is never cut
+    q.add("a", 1.0, now=0.0, deadline=1.0)
+    q.add("b", 0.5, now=0.0, deadline=1.6)  # "a" runs first (it would miss otherwise), then "b"
+    placed = q.place("c", 0.3, now=0.0, deadline=1.3, margin=1.0)  # c before b: b ends at 1.8 > 1.6
+    assert placed.breaks == ("b",) or placed.done_at > 1.3
+
+
+def test_a_prefill_alone_reports_its_service_time():
+    q = PrefillLoad()
+    q.add("a", 1.5, now=0.0, speed=1.5, deadline=5.0)  # the cost model said 1.0 s; this instance runs 1.5x slower
+    served = q.done("a", now=2.0)
+    assert (served.predicted_s, served.measured_s) == (1.0, 2.0)
+    q.add("b", 1.0, now=3.0, deadline=5.0)
+    q.add("c", 1.0, now=3.5, deadline=5.0)
+    assert q.done("b", now=4.0).measured_s is None  # "c" shared the instance meanwhile
 
 
 def test_the_decode_batch_now_later_and_its_expected_ends():
@@ -31,14 +57,3 @@ def test_the_decode_batch_now_later_and_its_expected_ends():
     assert d.current(now=2.0, step_s=0.1) == (0, 0)
 
 
-def test_a_prefill_reports_its_service_time_and_an_overdue_one_keeps_the_queue_behind_it():
-    q = PrefillLoad()
-    q.add("a", 1.5, now=0.0, speed=1.5)  # the cost model said 1.0 s; this instance runs 1.5x slower
-    q.add("b", 3.0, now=0.5, speed=1.5)
-    assert q.busy_until == 4.5
-    assert q.backlog(now=6.0) == 3.0  # "a" is overdue: "b" has not started, so its 3 s are still ahead
-    served = q.done("a", now=7.0)
-    assert (served.predicted_s, served.measured_s) == (1.0, 7.0)  # from when "a" started
-    q.add("c", 1.0, now=7.5)
-    assert q.done("c", now=8.0).measured_s is None  # out of order: when it started is unknown
-    assert q.done("b", now=9.0).measured_s == 2.0  # "b" started when "a" ended

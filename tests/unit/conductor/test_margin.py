@@ -2,20 +2,21 @@
 observed prediction errors, and never a refusal on an idle cluster."""
 
 import random
+from collections import deque
 
 import pytest
 
 from services.conductor.admission import build_policy
-from services.conductor.margin import MIN_SAMPLES, MarginConfig, Margins, RatioWindow
+from services.conductor.margin import MIN_SAMPLES, TTFT_MARGIN, MarginConfig, Margins, RatioWindow
 from services.conductor.scheduler import Scheduler
 from services.conductor.simulator.report import kept
 from services.conductor.simulator.simulation import SimConfig, Simulation
 from services.conductor.simulator.trace import TraceRequest
-from tests.unit.conductor.helpers import beat, cluster, coefficients, config, request
+from tests.unit.conductor.helpers import Clock, beat, cluster, coefficients, config, request
 
 
 def test_a_window_gives_its_quantile_within_bounds_and_one_while_empty():
-    w = RatioWindow(size=100, quantile=0.95)
+    w = RatioWindow(size=100, quantile=0.95, low=0.5, high=20.0)
     assert w.value() == 1.0
     for i in range(100):
         w.observe(observed=1.0 + i / 100, predicted=1.0)
@@ -24,17 +25,58 @@ def test_a_window_gives_its_quantile_within_bounds_and_one_while_empty():
     assert w.value() == pytest.approx(1.96)
     w.observe(observed=5.0, predicted=0.0)  # says nothing: ignored
     assert len(w) == 100
+    assert RatioWindow(size=10, quantile=0.5, low=1.0, high=1.5).value() == 1.0
+    capped = RatioWindow(size=10, quantile=0.5, low=1.0, high=1.5)
+    capped.observe(observed=30.0, predicted=1.0)
+    assert capped.value() == 1.5  # an outlier cannot push a margin past its bound
 
 
-def test_an_instance_uses_its_own_margin_once_it_has_enough_samples_else_the_clusters():
+def test_a_window_forgets_ratios_older_than_its_age():
+    clock = Clock()
+    w = RatioWindow(size=100, quantile=0.5, low=0.5, high=20.0, max_age_s=60.0, clock=clock)
+    w.observe(observed=10.0, predicted=1.0)
+    clock.now = 30.0
+    w.observe(observed=2.0, predicted=1.0)
+    assert (len(w), w.value()) == (2, 10.0)
+    clock.now = 61.0  # the first ratio is too old
+    assert (len(w), w.value()) == (1, 2.0)
+
+
+def test_ttft_margins_are_per_prompt_size_band_with_every_bands_as_the_fallback():
     m = Margins()
     for _ in range(MIN_SAMPLES - 1):
-        m.observe_ttft("p0", observed=3.0, predicted=1.0)
-    assert m.ttft("p0") == 1.0  # too few anywhere
-    m.observe_ttft("p0", observed=3.0, predicted=1.0)
+        m.observe_ttft(1500, observed=1.4, predicted=1.0)
+    assert m.ttft(1500) == 1.0  # too few anywhere
+    m.observe_ttft(1500, observed=1.4, predicted=1.0)
     for _ in range(MIN_SAMPLES):
-        m.observe_ttft("p1", observed=1.5, predicted=1.0)
-    assert (m.ttft("p0"), m.ttft("p1"), m.ttft("p2")) == pytest.approx((3.0, 1.5, 3.0))
+        m.observe_ttft(40, observed=1.1, predicted=1.0)
+    # a long prompt's errors do not widen a short one's margin, nor the other way round
+    assert (m.ttft(1500), m.ttft(40), m.ttft(300)) == pytest.approx((1.4, 1.1, 1.4))
+    for _ in range(MIN_SAMPLES):
+        m.observe_ttft(40, observed=50.0, predicted=1.0)  # a burst of wild errors
+    assert m.ttft(40) == TTFT_MARGIN[1]
+
+
+def test_samples_taken_across_a_fault_or_a_migration_teach_the_margins_nothing():
+    view, index, clock = cluster(beat("p0", "prefill"), beat("d0", "decode"))
+    s = Scheduler(build_policy("cache_aware+predictive_rejection"), view, index, config())
+    clock.now = 100.0
+    view.observe(beat("p0", "prefill"))
+    view.observe(beat("d0", "decode", started_at=50.0))  # d0 restarted
+    for i in range(MIN_SAMPLES):
+        s.admit(request(f"a{i}", tokens=40, blocks=[]))
+        s.first_token(f"a{i}", ttft_s=5.0)  # slow: the restart's doing
+    assert len(s.margins.ttft_all) == 0
+    clock.now = 200.0  # long after the fault
+    view.observe(beat("p0", "prefill"))
+    view.observe(beat("d0", "decode", started_at=50.0))
+    for i in range(MIN_SAMPLES):
+        s.admit(request(f"m{i}", tokens=40, blocks=[], moved=True))
+        s.first_token(f"m{i}", ttft_s=5.0)  # a moved request re-prefills what it streamed: not a sample
+    assert len(s.margins.ttft_all) == 0
+    s.admit(request("b", tokens=40, blocks=[]))
+    s.first_token("b", ttft_s=0.05)
+    assert len(s.margins.ttft_all) == 1
 
 
 def overload(n: int = 700, seed: int = 3) -> list[TraceRequest]:
@@ -51,37 +93,43 @@ def test_admission_learns_a_slow_cluster_until_it_keeps_its_promise(policy):
     result = sim.run()
     later = result.requests[len(result.requests) // 2:]
     assert sum(r.outcome == "rejected" for r in later) > len(later) // 4  # overload: admission had to refuse
-    assert kept(later, result.config.slo) >= 0.95
+    # a job the noise made late goes behind the on-time ones: a few such misses remain
+    assert kept(later, result.config.slo) >= 0.93
     margins = sim.scheduler.margins
-    assert 1.35 < margins.prefill_speed("prefill-0") < 1.65  # it learned how slow the workers are
+    assert 1.35 < sim.view.get("prefill-0").heartbeat.prefill_speed < 1.65  # the workers measure how slow they are
     assert margins.tbt("decode-0") > 1.3
 
 
 def test_without_learning_the_same_admission_breaks_its_promise():
     sim = Simulation(SimConfig(2, 1, "cache_aware+early_rejection", slowdown=1.5, store_blocks=0), overload())
     sim.scheduler.margins = Margins(MarginConfig(window=0))  # learns nothing
+    for prefill in sim.prefills.values():
+        prefill.speeds = deque(maxlen=0)  # and the workers report no speed
     result = sim.run()
     assert kept(result.requests[len(result.requests) // 2:], result.config.slo) < 0.9
 
 
-def test_an_idle_cluster_admits_what_fits_whatever_the_margins_say():
+def test_an_idle_cluster_admits_what_fits_and_the_margin_stays_bounded():
     view, index, clock = cluster(beat("p0", "prefill"), beat("d0", "decode"))
-    s = Scheduler(build_policy("cache_aware+predictive_rejection"), view, index, config(ttft_s=0.2))
+    s = Scheduler(build_policy("cache_aware+predictive_rejection"), view, index, config(ttft_s=0.3))
     for _ in range(MIN_SAMPLES):  # predictions have been 3x too optimistic
-        s.margins.observe_ttft("p0", observed=3.0, predicted=1.0)
+        s.margins.observe_ttft(170, observed=3.0, predicted=1.0)
+        s.margins.observe_ttft(40, observed=3.0, predicted=1.0)
         s.margins.observe_tbt("d0", observed=3.0, predicted=1.0)
-    # 170 tokens at 1 ms: 0.170 s alone, x3 = 0.51 s: over the 0.2 s target, but nothing is queued
+    # 170 tokens at 1 ms: 0.170 s alone, x1.5 (the bound, not 3) = 0.255 s: fits the 0.3 s target
     first = s.admit(request("a"))
-    assert first.admitted and first.best_effort
+    assert first.admitted and not first.best_effort
     assert first.predicted_ttft_s == pytest.approx(0.170)
     second = s.admit(request("b"))  # behind it: refused, the margin applied to the queue
     assert (second.admitted, second.reason) == (False, "ttft_slo")
-    assert "x margin 3.00" in second.error_message
-    small = s.admit(request("c", tokens=40, blocks=[]))  # 40 ms alone, x3 fits; queued behind "a": refused
+    assert "x margin 1.50" in second.error_message
+    small = s.admit(request("c", tokens=40, blocks=[]))  # 40 ms alone; after "a" (not cut): 0.21 x 1.5
     assert not small.admitted
     clock.now = 0.5
     s.first_token("a")  # the queue is empty again
     assert s.admit(request("d", tokens=40, blocks=[])).admitted
+    hopeless = s.admit(request("e", tokens=250, blocks=[]))  # 0.25 s alone x 1.5 misses even on an idle worker
+    assert (hopeless.reason, hopeless.retry_after_s) == ("slo_unattainable", None)
 
 
 def test_decode_workers_are_compared_as_they_run_not_as_they_calibrated():

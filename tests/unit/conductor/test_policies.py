@@ -45,7 +45,7 @@ def test_a_first_token_settles_the_queue_it_was_predicted_in():
     s.admit(request("b"))
     clock.now = 0.1  # "a" took 0.1 s, not 0.074: "b" starts now
     s.first_token("a", ttft_s=0.1)
-    assert s.view.get("p0").prefill.backlog(clock.now) == pytest.approx(0.074)
+    assert s.view.get("p0").prefill.backlog(clock.now) == pytest.approx(0.074 - (0.1 - 0.074))
     assert s.errors.count == 1 and s.errors.sum == pytest.approx(0.1 - 0.074)
     s.finished("a")
     s.finished("b")
@@ -107,11 +107,31 @@ def test_early_rejection_refuses_what_would_queue_past_the_ttft_slo():
     assert s.rejections == {"ttft_slo": 1} and s.num_admitted == 2
 
 
-def test_a_request_over_the_slo_by_itself_is_admitted_on_an_idle_instance_only():
+def test_a_request_over_the_slo_by_itself_is_refused_at_once_unless_best_effort_or_moved():
     s, _, _ = scheduler("cache_aware+early_rejection", P0, D0, ttft_s=0.1)
-    alone, queued = s.admit(request("a")), s.admit(request("b"))  # 0.170 s each, alone
-    assert alone.admitted and alone.predicted_ttft_s == pytest.approx(0.170)
-    assert queued.reason == "ttft_slo" and queued.retry_after_s == pytest.approx(0.170)
+    hopeless = s.admit(request("a"))  # 0.170 s even alone
+    assert (hopeless.admitted, hopeless.reason, hopeless.retry_after_s) == (False, "slo_unattainable", None)
+    assert "best effort" in hopeless.error_message
+    best_effort = s.admit(request("b", best_effort=True))
+    assert best_effort.admitted and best_effort.best_effort
+    moved = s.admit(request("c", moved=True))  # a moved request is never refused
+    assert moved.admitted
+    assert s.view.get("p0").prefill.num_pending == 2
+
+
+def test_a_short_prompt_is_predicted_ahead_of_a_long_one_but_never_past_an_earlier_promise():
+    s, _, _ = scheduler("cache_aware+early_rejection", P0, D0, ttft_s=2.0)
+    s.view.get("p0").prefill.chunk_s = 0.05  # the worker cuts a prompt every 50 ms
+    long = s.admit(request("long", tokens=1500, blocks=[]))  # 1.5 s: on time with 0.5 s to spare
+    assert long.admitted and long.predicted_ttft_s == pytest.approx(1.5)
+    short = s.admit(request("short", tokens=40, blocks=[]))  # goes first, after the chunk in progress
+    assert short.admitted and short.predicted_ttft_s == pytest.approx(0.05 + 0.04)
+    many = [s.admit(request(f"s{i}", tokens=100, blocks=[])) for i in range(6)]
+    # each 0.1 s: four more fit into the long prompt's slack (0.5 - 0.04 - 0.05 chunk...), then the rest
+    # would make "long" late: refused, naming it
+    refused = [d for d in many if not d.admitted]
+    assert refused and all(d.reason == "ttft_slo" for d in refused)
+    assert any("long" in d.error_message for d in refused) or all("exceeds" in d.error_message for d in refused)
 
 
 @pytest.mark.parametrize("batch_size, admitted", [(4, True), (5, False)])

@@ -1,0 +1,98 @@
+"""The order prefill work is done in, shared by every prefill worker (which picks
+each chunk by it), the conductor (which predicts it to admit) and the simulator.
+
+Goodput counts requests, so a short prompt must not wait behind a long one: the
+shortest remaining work goes first, unless that would make an earlier promise
+late. A job is *on time* while it can still meet its TTFT deadline on its own.
+The plan is built greedily: at each position, the shortest on-time job whose
+going next still lets every other on-time job meet its deadline when the rest
+run earliest-deadline-first (EDF is optimal for that check on one machine);
+when no job passes (the promises cannot all be kept), the shortest. Jobs already
+late follow, shortest first; best-effort jobs (no deadline) come last, in
+arrival order, so they only use time SLO work does not need.
+
+Pure functions over plain numbers: the caller's clock, seconds of predicted work.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+
+# Prompt-size bands, in tokens (<128, 128-511, 512-1023, >=1024): admission learns its
+# margins per band and the benchmarks report per band.
+BAND_EDGES = (128, 512, 1024)
+BAND_NAMES = ("<128", "128-511", "512-1023", ">=1024")
+
+
+def band_of(num_prompt_tokens: int) -> int:
+    """The index of the band a prompt of this many tokens is in."""
+    return sum(num_prompt_tokens >= edge for edge in BAND_EDGES)
+
+
+@dataclass(frozen=True)
+class Work(Generic[K]):
+    key: K
+    remaining_s: float  # predicted seconds of prefill left
+    deadline: float | None  # when its first token is due (the caller's clock); None: best effort
+    arrived: float = 0.0  # tie-breaker, oldest first
+
+
+def plan(jobs: Iterable[Work[K]], now: float) -> list[Work[K]]:
+    """Every job, in the order it is to be computed from ``now``."""
+    on_time, late, best_effort = [], [], []
+    for job in jobs:
+        if job.deadline is None:
+            best_effort.append(job)
+        elif now + job.remaining_s <= job.deadline:
+            on_time.append(job)
+        else:
+            late.append(job)
+    ordered = _keep_promises(on_time, now)
+    late.sort(key=_shortest)
+    best_effort.sort(key=lambda j: j.arrived)
+    return ordered + late + best_effort
+
+
+def completions(ordered: Sequence[Work[K]], now: float, first_start: float | None = None) -> dict[K, float]:
+    """When each job of a plan is predicted to finish, run back to back from ``now``
+    (or from ``first_start`` for the second job on, when the first may not be cut:
+    a chunk in progress)."""
+    out, t = {}, now
+    for i, job in enumerate(ordered):
+        if i == 1 and first_start is not None:
+            t = max(t, first_start)
+        t += job.remaining_s
+        out[job.key] = t
+    return out
+
+
+def _shortest(job: Work) -> tuple[float, float]:
+    return job.remaining_s, job.arrived
+
+
+def _keep_promises(jobs: list[Work[K]], now: float) -> list[Work[K]]:
+    pending = sorted(jobs, key=_shortest)
+    by_deadline = sorted(jobs, key=lambda j: (j.deadline, j.arrived))
+    ordered: list[Work[K]] = []
+    t = now
+    while pending:
+        pick = next((j for j in pending if _edf_feasible(by_deadline, j, t + j.remaining_s)), pending[0])
+        ordered.append(pick)
+        pending.remove(pick)
+        by_deadline.remove(pick)
+        t += pick.remaining_s
+    return ordered
+
+
+def _edf_feasible(by_deadline: list[Work], first: Work, start: float) -> bool:
+    """Whether, after ``first`` ends at ``start``, the others in deadline order all make it."""
+    t = start
+    for job in by_deadline:
+        if job is first:
+            continue
+        t += job.remaining_s
+        if t > job.deadline:
+            return False
+    return True
