@@ -61,7 +61,7 @@ from kvserve.replay.metrics import SLO, Summary, goodput_at_attainment, summariz
 from kvserve.replay.prompts import PromptSynthesizer  # noqa: E402
 from kvserve.replay.records import Run  # noqa: E402
 from kvserve.replay.plots import capacity_curves  # noqa: E402
-from kvserve.replay.report import capacity_verdict, probes_table, runs_table  # noqa: E402
+from kvserve.replay.report import bands_table, capacity_verdict, probes_table, run_name, runs_table  # noqa: E402
 from kvserve.replay.sweep import (  # noqa: E402
     SweepSettings,
     capacity_measure,
@@ -261,7 +261,8 @@ def report_only(out: Path, slo: SLO) -> int:
     by_config: dict[str, list[Summary]] = {}
     for _, summary in results:
         by_config.setdefault(summary.label, []).append(summary)
-    text = [comparison(by_config, 0.9), runs_table([s for _, s in results])]
+    summaries = [s for _, s in results]
+    text = [comparison(by_config, 0.9), runs_table(summaries), bands_table([(run_name(s), s) for s in summaries])]
     (out / "comparison-report.md").write_text("\n".join(text))
     print("\n".join(text))
     return 0
@@ -434,6 +435,7 @@ def main() -> int:
         f"`{' '.join(sys.argv)}` — load average at start {os.getloadavg()[0]:.2f}\n",
         comparison(by_config, 0.9),
         runs_table([s for _, s in all_results]),
+        bands_table([(run_name(s), s) for _, s in all_results]),
         *(f"- {name}: {note}" for name, note in notes.items() if note),
         "\nCPU seconds during each sweep (from /proc; the pids LocalCluster or llama-server report):\n",
         *cpu_notes,

@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.replay.client import Endpoint
     from kvserve.replay.history import load_history
     from kvserve.replay.metrics import SLO
-    from kvserve.replay.report import runs_table
+    from kvserve.replay.report import bands_table, run_name, runs_table
     from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs
     from kvserve.replay.trace import load_trace
 
@@ -185,6 +185,7 @@ def run(args: argparse.Namespace) -> int:
     )
     written = write_outputs(results, out, title=f"kvserve bench: {label}")
     print(runs_table([summary for _, summary in results]))
+    print(bands_table([(run_name(summary), summary) for _, summary in results]))
     print("wrote " + ", ".join(str(p) for p in written) + f" and one JSON file per run in {out}")
     return 0 if all(s.completed for _, s in results) else 1
 
@@ -198,7 +199,7 @@ def find_capacity(
     label: str,
 ) -> int:
     from kvserve.replay import capacity
-    from kvserve.replay.report import capacity_verdict, probes_table
+    from kvserve.replay.report import capacity_bands, capacity_verdict, probes_table
     from kvserve.replay.sweep import capacity_measure, write_capacity_outputs
 
     measure = capacity_measure(
@@ -215,6 +216,7 @@ def find_capacity(
     written = write_capacity_outputs(result, settings.slo, out, title=f"kvserve bench --find-capacity: {label}")
     print(probes_table(result))
     print(capacity_verdict(result))
+    print(capacity_bands(result))
     print("wrote " + ", ".join(str(p) for p in written) + f" and one JSON file per probe in {out}")
     return 0 if any(p.summary and p.summary.completed for p in result.probes) else 1
 
