@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.capacity import document as capacity_document  # noqa: E402
-from kvserve.cli.bench import load_vocab  # noqa: E402
+from kvserve.cli.bench import input_cap, load_vocab  # noqa: E402
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
 from libs.common.errors import KVServeError  # noqa: E402
 from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path  # noqa: E402
@@ -276,7 +276,7 @@ def write_capacity(args, capacities, settings, started, requests, notes, cpu_not
     window = (
         f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load average at start "
         f"{os.getloadavg()[0]:.2f}. Trace `{args.trace.name}` requests {first}-{last}, "
-        f"{settings.block_tokens}-token blocks, inputs at most {settings.max_input} tokens, at most "
+        f"{settings.block_tokens}-token blocks, {input_note(settings.max_input)}, at most "
         f"{settings.max_output} output tokens{', bucketed arrivals spread' if settings.spread else ''}; "
         f"kvserve in {args.dtype}.{warmed_note(settings, requests)}"
     )
@@ -291,6 +291,10 @@ def write_capacity(args, capacities, settings, started, requests, notes, cpu_not
     print(text)
     print(f"wrote {report}, {plot} and one JSON file per probe in {args.out}")
     return 0
+
+
+def input_note(max_input: int | None) -> str:
+    return "inputs uncapped (the trace's lengths scaled)" if max_input is None else f"inputs at most {max_input} tokens"
 
 
 def warmed_note(settings: SweepSettings, requests) -> str:
@@ -314,8 +318,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the servers as Ctrl-C does
 
 
-def main() -> int:
-    signal.signal(signal.SIGTERM, _interrupt)
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--start", type=int, default=0, help="first trace request (default 0)")
@@ -325,7 +328,9 @@ def main() -> int:
                     "(`kvserve bench --warm-history`): the cache a server holds after serving the trace up to there")
     ap.add_argument("--time-scales", type=float, nargs="+", default=[8.0, 4.0, 2.0])
     ap.add_argument("--block-tokens", type=int, default=16)
-    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--max-input", type=input_cap, default=1024, metavar="T",
+                    help="cap prompts at T tokens by truncating (default 1024); 0 is no cap: prompt lengths follow "
+                    "the trace scaled by block-tokens/512")
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tbt-ms", type=float, default=150.0)
@@ -356,6 +361,12 @@ def main() -> int:
                     "(default bench/results/capacity.md)")
     ap.add_argument("--out", type=Path, default=None,
                     help="runs, logs and reports (default bench/out/replay, with --find-capacity bench/out/capacity)")
+    return ap
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
+    ap = parser()
     args = ap.parse_args()
     if args.out is None:
         args.out = ROOT / "bench" / "out" / ("capacity" if args.find_capacity else "replay")

@@ -125,8 +125,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "trace up to there instead of a cold one",
     )  # fmt: skip
     p.add_argument(
-        "--max-input", type=_positive, default=None, metavar="T",
-        help="cap prompts at T tokens by truncating (keeps the leading hash-id blocks, so sharing is preserved)",
+        "--max-input", type=input_cap, default=None, metavar="T",
+        help="cap prompts at T tokens by truncating (keeps the leading hash-id blocks, so sharing is preserved); "
+        "0, the default, is no cap: prompt lengths follow the trace scaled by block-tokens/512",
     )  # fmt: skip
     p.add_argument("--max-output", type=_positive, default=None, metavar="T", help="cap max_tokens at T")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, metavar="MS", help="TTFT objective (default 2000)")
@@ -238,6 +239,11 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def input_cap(text: str) -> int | None:
+    """``--max-input``: a cap in tokens, or None (no cap) for 0."""
+    return _non_negative_int(text) or None
 
 
 def _non_negative_int(text: str) -> int:

@@ -134,3 +134,12 @@ def test_a_load_given_twice_runs_twice_and_keeps_both_runs(tmp_path):
     assert code == 0
     runs = sorted(p.name for p in (tmp_path / "out").glob("*.json"))
     assert runs == ["fake-x1-seed4.json", "fake-x1-seed5.json"]
+
+
+@pytest.mark.parametrize("cap, lengths", [("0", [34, 32, 9]), ("20", [20, 20, 9])])
+def test_max_input_0_sends_the_traces_lengths_scaled_and_a_cap_truncates(tmp_path, cap, lengths):
+    code = bench(tmp_path, FakeServer({}, default=Script()), "--block-tokens", "16", "--max-input", cap)
+    assert code == 0
+    run = json.loads((tmp_path / "out" / "fake-x1.json").read_text())
+    assert [r["input_tokens"] for r in run["requests"]] == lengths  # 1100, 1024, 300 x 16 / 512, rounded
+    assert run["settings"]["max_input"] == (None if cap == "0" else 20)
