@@ -1,7 +1,7 @@
 """What `bench/replay.py --find-capacity` writes: each configuration's effective
 request capacity (the highest offered load at which the target share of requests
-meets both SLOs) and peak goodput, their ratios to llama.cpp and to kvserve
-without prefix cache, every probe, and the prompt-size bands of each
+meets both SLOs) and peak goodput, their ratios to llama.cpp, to kvserve
+without prefix cache and to the earlier checkout (kvserve-baseline), every probe, and the prompt-size bands of each
 configuration's peak-goodput and capacity probes. Formatting only; the searches are
 ``kvserve.replay.capacity``'s and the plot ``kvserve.replay.plots``'."""
 
@@ -11,7 +11,7 @@ from kvserve.replay.capacity import Capacity
 from kvserve.replay.metrics import SLO
 from kvserve.replay.report import BANDS_LEGEND, capacity_bands, capacity_verdict, probes_table
 
-BASELINES = ("llama.cpp", "kvserve-nocache")
+BASELINES = ("llama.cpp", "kvserve-nocache", "kvserve-baseline")
 
 
 def capacity_cell(capacity: Capacity) -> str:

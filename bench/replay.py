@@ -24,6 +24,16 @@ seed+i in every configuration) and writes bench/results/capacity.md (or
 each run it sends the prefixes the window shares with requests 0..I-1, the cache a
 server holds after serving the trace up to I (the first requests of a trace meet a
 cold cache).
+
+--baseline PATH adds kvserve-baseline: the kvserve checkout at PATH (a `git
+worktree` of an earlier main, say) measured by its own bench/replay.py on its
+kvserve-default configuration with the same window, loads or search and SLOs
+(bench/baseline.py), its files in --out/kvserve-baseline, reported beside the
+others:
+
+    git worktree add ../kvserve-before <commit>
+    .venv/bin/python bench/replay.py --find-capacity --baseline ../kvserve-before \
+        --configs kvserve-baseline kvserve-default
 """
 
 import argparse
@@ -48,6 +58,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import baseline  # noqa: E402
 from bench.capacity import document as capacity_document  # noqa: E402
 from kvserve.cli.bench import input_cap, load_vocab  # noqa: E402
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
@@ -99,7 +110,8 @@ def policy_exists(spec: str) -> bool:
     return True
 
 
-def configs(worker_threads: int | None) -> list[Config]:
+def configs(worker_threads: int | None, baseline_path: Path | None = None) -> list[Config]:
+    """Every configuration, in the reports' order; kvserve-baseline only with a checkout to run."""
     threads = {"OMP_NUM_THREADS": str(worker_threads)} if worker_threads else {}
     policy = "cache_aware" if policy_exists("cache_aware") else "least_loaded"
     note = "" if policy == "cache_aware" else "no cache_aware policy in this checkout: ran least_loaded"
@@ -111,6 +123,11 @@ def configs(worker_threads: int | None) -> list[Config]:
         Config("kvserve-nocache", "kvserve 1 prefill + 1 decode, no store, prefix cache off", "kvserve",
                dict(prefill=1, decode=1, store=False), {"KVSERVE_ENABLE_PREFIX_CACHE": "0", **threads}),
     ]  # fmt: skip
+    if baseline_path is not None:
+        commit = baseline.revision(baseline_path)
+        out.insert(1, Config(baseline.NAME, "an earlier checkout's kvserve-default, by its own bench/replay.py",
+                             "baseline", note=f"{baseline_path}{f' at {commit}' if commit else ''}, run by its own "
+                             "bench/replay.py --configs kvserve-default"))  # fmt: skip
     # `kvserve up --prefill 0`: LocalCluster adds +local_prefill to the default policy
     out.append(
         Config("kvserve-colocated", "kvserve up --prefill 0: one decode worker on every core, prefilling its own "
@@ -251,10 +268,20 @@ def comparison(results: dict[str, list[Summary]], target: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def chosen(all_configs: list[Config], names: list[str] | None) -> list[Config]:
+    """The configurations named, in the order given; all of them without names."""
+    if names is None:
+        return all_configs
+    by_name = {c.name: c for c in all_configs}
+    return [by_name[name] for name in names if name in by_name]
+
+
 def report_only(out: Path, slo: SLO) -> int:
-    """The reports of the runs already in ``out`` (one JSON file per run), in configuration order."""
+    """The reports of the runs already in ``out`` (one JSON file per run, the
+    baseline's in its subfolder), in configuration order."""
     order = [c.name for c in configs(None)]
-    runs = [Run.load(path) for path in sorted(out.glob("*-x*.json"))]
+    order.insert(1, baseline.NAME)  # where --baseline puts it
+    runs = [Run.load(path) for path in sorted(out.glob("*-x*.json"))] + baseline.load_runs(out / baseline.NAME)
     runs.sort(key=lambda r: (order.index(r.label) if r.label in order else len(order), -r.time_scale))
     results = [(run, summarize(run, slo, int(run.settings.get("block_tokens", 16)))) for run in runs]
     write_outputs(results, out, title="Trace replay: kvserve against llama.cpp")
@@ -337,7 +364,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-spread", dest="spread", action="store_false",
                     help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
-    ap.add_argument("--configs", nargs="+", default=None, help="names to run (default all)")
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="names to run, in this order (default all: kvserve-default, kvserve-baseline with --baseline, "
+                    "kvserve-disagg, kvserve-nocache, kvserve-colocated, llama.cpp)")
+    ap.add_argument("--baseline", type=Path, default=None, metavar="PATH",
+                    help="add kvserve-baseline: the kvserve checkout at PATH measured by its own bench/replay.py "
+                    "(PYTHONPATH=PATH, this interpreter) on its kvserve-default configuration with the same window, "
+                    "loads or search and SLOs, into --out/kvserve-baseline")
     ap.add_argument("--dtype", default="bfloat16",
                     help="kvserve's dtype (default bfloat16, the faster here: 'auto' times a matmul at start-up "
                     "and can pick float32 on a busy machine)")
@@ -376,6 +409,8 @@ def main() -> int:
                             max_scale=args.max_scale)  # fmt: skip
         except ValueError as e:
             ap.error(str(e))
+    if error := baseline.usage_error(args):
+        ap.error(error)
     if args.report_only:
         return report_only(args.out, SLO(args.slo_ttft_ms, args.slo_tbt_ms))
 
@@ -401,12 +436,20 @@ def main() -> int:
     print(f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")
     all_results, by_config, notes, cpu_notes = [], {}, {}, []
     capacities: dict[str, Capacity] = {}
-    for config in configs(args.worker_threads):
-        if args.configs and config.name not in args.configs:
-            continue
+    for config in chosen(configs(args.worker_threads, args.baseline), args.configs):
         notes[config.name] = config.note
         if config.note.endswith("not run"):
             print(f"{config.name}: {config.note}")
+            continue
+        if config.kind == "baseline":
+            results, found, note = baseline.measure(args, requests, settings)
+            notes[config.name] += note
+            if found is not None:
+                capacities[config.name] = found
+            all_results += results
+            by_config[config.name] = [s for _, s in results]
+            cpu_notes.append(f"- {config.name}: not measured (its own bench/replay.py ran it)")
+            print(runs_table(by_config[config.name]))
             continue
         server = kvserve(config, args.out / f"{config.name}.log", args.dtype) if config.kind == "kvserve" else (
             llama_server(args.out / f"{config.name}.log"))  # fmt: skip
