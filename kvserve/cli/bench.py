@@ -26,7 +26,7 @@ earlier ones, as a token-id prompt to /v1/completions (streamed, greedy,
 ignore_eos, max_tokens = its output length). Equal hash ids become equal blocks
 of --block-tokens token ids, so the trace's prefix sharing is reproduced
 exactly; the input length is scaled by block-tokens/512, and the last partial
-block is the request's own.
+block is the request's own. --max-input caps prompts (0, the default: no cap).
 
 Per request it measures, from the client: TTFT, every inter-token latency, TPOT,
 end-to-end latency, cached tokens (usage.prompt_tokens_details.cached_tokens),
@@ -34,6 +34,11 @@ and whether it was rejected (HTTP 429, not an error) or failed. It reports
 p50/p90/p99, SLO attainment (good requests / requests sent) and goodput (good
 requests / second), with vLLM's `bench serve --goodput` definitions: a request
 is good when it completed with TTFT <= --slo-ttft-ms and TPOT <= --slo-tbt-ms.
+Each run also gives the attainment among admitted requests (good / requests not
+refused) and the refusals made while idle: 429s that arrived while no other
+request of the run was waiting for its first token. A table by prompt size splits
+each run by prompt length as sent (<128, 128-511, 512-1023, >=1024 tokens): sent,
+completed, refused (and while idle), errors, good, both attainments, TTFT p50/p99.
 
 Several --time-scale values make a load sweep: one run each, in order, with
 prompts seeded seed, seed+1, ... so no run hits the previous run's cache.
@@ -48,7 +53,8 @@ halves the time scale while probes pass (doubling it while they fail, up to
 space, --max-probes runs in all, probe i with prompt seed seed+i. It reports the capacity (the offered
 rate of the heaviest passing probe), the bracket's width in req/s, the peak
 goodput, attainment and goodput per probe, or "no capacity" when no load tried
-reached the target. --out gets a JSON file per probe, capacity.md and
+reached the target, then the prompt-size bands of the peak-goodput and capacity
+probes. --out gets a JSON file per probe, capacity.md and
 capacity.png (attainment and goodput against offered load).
 
 A window from the start of a trace meets a cold cache; --start I --warm-history
