@@ -42,15 +42,10 @@ import datetime
 import os
 import platform
 import shlex
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,10 +55,12 @@ sys.path.insert(0, str(ROOT))
 
 from bench import baseline  # noqa: E402
 from bench.capacity import document as capacity_document  # noqa: E402
+from bench.cpu_use import cpu_line, cpu_seconds, machine_busy_seconds, start_profiles, top_frames  # noqa: E402
+from bench.llama_server import LLAMA_ARGS, llama_server  # noqa: E402
 from kvserve.cli.bench import input_cap, load_vocab  # noqa: E402
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
 from libs.common.errors import KVServeError  # noqa: E402
-from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path  # noqa: E402
+from libs.common.model.default_model import DEFAULT_MODEL_ID  # noqa: E402
 from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
@@ -82,10 +79,6 @@ from kvserve.replay.sweep import (  # noqa: E402
 )
 from kvserve.replay.trace import load_trace  # noqa: E402
 
-LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
-# bench/llama_cpp.sh builds without the AMX path on AMX CPUs (it crashes there), so llama-server
-# runs with its repacked weights everywhere.
-LLAMA_ARGS = ["-np", "4", "-kvu", "-t", "2", "--cache-reuse", "256", "--no-webui"]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
 
@@ -151,98 +144,6 @@ def kvserve(config: Config, log_path: Path, dtype: str) -> Iterator[tuple[str, d
             yield cluster.gateway_url, cluster.pids
         finally:
             cluster.stop()
-
-
-@contextlib.contextmanager
-def llama_server(log_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
-    if not LLAMA_SERVER.exists():
-        raise SystemExit(f"{LLAMA_SERVER} is missing: run `make bench` (or bench/llama_cpp.sh) first")
-    port = _free_port()
-    cmd = [str(LLAMA_SERVER), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port), *LLAMA_ARGS]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url + "/health", proc, timeout=120)
-            yield url, {"llama-server": proc.pid}
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited with code {proc.returncode}; see its log")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)  # polling with a deadline
-    raise SystemExit(f"llama-server was not healthy within {timeout:g}s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- profiling ------------------------------------------------------------------------
-def start_profiles(pids: dict[str, int], seconds: int, out: Path, prefix: str) -> list[subprocess.Popen]:
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    procs = []
-    for instance, pid in pids.items():
-        path = out / f"profile-{prefix}-{instance}.txt"
-        cmd = [py_spy, "record", "-p", str(pid), "-d", str(seconds), "-r", "20", "-f", "raw", "-o", str(path)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    return procs
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far (all its threads)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy (not idle or waiting on I/O), all cores."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_line(name: str, before: dict[str, float], after: dict[str, float], wall: float) -> str:
-    """Where the CPU went during a configuration's sweep: its processes, and everyone else."""
-    used = {k: after[k] - before.get(k, 0.0) for k in after if k != "machine"}
-    ours = sum(used.values())
-    machine = after["machine"] - before["machine"]
-    parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(used.items(), key=lambda kv: -kv[1]))
-    return (f"- {name}: {wall:.0f} s wall, machine busy {machine:.0f} CPU-s of {wall * os.cpu_count():.0f}; "
-            f"this configuration {ours:.0f} ({parts}); everything else {machine - ours:.0f}")  # fmt: skip
-
-
-def top_frames(path: Path, n: int = 12) -> list[tuple[str, float]]:
-    """Self time by function from a py-spy raw (collapsed) profile: (frame, share of samples)."""
-    self_time: Counter[str] = Counter()
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        leaf = stack.split(";")[-1]
-        self_time[leaf] += int(count)
-        total += int(count)
-    return [(frame, c / total) for frame, c in self_time.most_common(n)] if total else []
 
 
 # --- the comparison -------------------------------------------------------------------
