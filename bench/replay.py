@@ -347,36 +347,33 @@ def main() -> int:
             notes[config.name] += note
             if found is not None:
                 capacities[config.name] = found
-            all_results += results
-            by_config[config.name] = [s for _, s in results]
             cpu_notes.append(f"- {config.name}: not measured (its own bench/replay.py ran it)")
-            print(runs_table(by_config[config.name]))
-            continue
-        server = kvserve(config, args.out / f"{config.name}.log", args.dtype) if config.kind == "kvserve" else (
-            llama_server(args.out / f"{config.name}.log"))  # fmt: skip
-        with server as (url, pids):
-            endpoint = Endpoint(url, DEFAULT_MODEL_ID, None, timeout_s=args.request_timeout)
-            warm_up(endpoint, requests, settings)
-            cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
-            wall_start = time.monotonic()
-            profilers = []
-            if args.profile_seconds and config.kind == "kvserve":
-                profilers = start_profiles(pids, args.profile_seconds, args.out, config.name)
-            if args.find_capacity:
-                measure = capacity_measure(endpoint, requests, settings, label=config.name, out_dir=args.out,
-                                           trace_name=str(args.trace))  # fmt: skip
-                capacities[config.name] = find_capacity(
-                    measure, start_scale=args.start_scale, max_probes=args.max_probes,
-                    target=args.target_attainment, max_scale=args.max_scale, label=config.name,
-                )  # fmt: skip
-                results = [(None, p.summary) for p in capacities[config.name].probes]
-            else:
-                results = run_sweep(endpoint, requests, settings, label=config.name, out_dir=args.out,
-                                    trace_name=str(args.trace))  # fmt: skip
-            for p in profilers:
-                p.wait()
-            cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
-            cpu_notes.append(cpu_line(config.name, cpu_before, cpu_after, time.monotonic() - wall_start))
+        else:
+            server = kvserve(config, args.out / f"{config.name}.log", args.dtype) if config.kind == "kvserve" else (
+                llama_server(args.out / f"{config.name}.log"))  # fmt: skip
+            with server as (url, pids):
+                endpoint = Endpoint(url, DEFAULT_MODEL_ID, None, timeout_s=args.request_timeout)
+                warm_up(endpoint, requests, settings)
+                cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
+                wall_start = time.monotonic()
+                profilers = []
+                if args.profile_seconds and config.kind == "kvserve":
+                    profilers = start_profiles(pids, args.profile_seconds, args.out, config.name)
+                if args.find_capacity:
+                    measure = capacity_measure(endpoint, requests, settings, label=config.name, out_dir=args.out,
+                                               trace_name=str(args.trace))  # fmt: skip
+                    capacities[config.name] = find_capacity(
+                        measure, start_scale=args.start_scale, max_probes=args.max_probes,
+                        target=args.target_attainment, max_scale=args.max_scale, label=config.name,
+                    )  # fmt: skip
+                    results = [(None, p.summary) for p in capacities[config.name].probes]
+                else:
+                    results = run_sweep(endpoint, requests, settings, label=config.name, out_dir=args.out,
+                                        trace_name=str(args.trace))  # fmt: skip
+                for p in profilers:
+                    p.wait()
+                cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
+                cpu_notes.append(cpu_line(config.name, cpu_before, cpu_after, time.monotonic() - wall_start))
         all_results += results
         by_config[config.name] = [s for _, s in results]
         print(runs_table(by_config[config.name]))
