@@ -1,16 +1,17 @@
 """What `bench/replay.py --find-capacity` writes: each configuration's effective
 request capacity (the highest offered load at which the target share of requests
-meets both SLOs) and peak goodput, their ratios to llama.cpp and to kvserve
-without prefix cache, and every probe. Formatting only; the searches are
+meets both SLOs) and peak goodput, their ratios to llama.cpp, to kvserve
+without prefix cache and to the earlier checkout (kvserve-baseline), every probe, and the prompt-size bands of each
+configuration's peak-goodput and capacity probes. Formatting only; the searches are
 ``kvserve.replay.capacity``'s and the plot ``kvserve.replay.plots``'."""
 
 from collections.abc import Mapping, Sequence
 
 from kvserve.replay.capacity import Capacity
 from kvserve.replay.metrics import SLO
-from kvserve.replay.report import capacity_verdict, probes_table
+from kvserve.replay.report import BANDS_LEGEND, capacity_bands, capacity_verdict, probes_table
 
-BASELINES = ("llama.cpp", "kvserve-nocache")
+BASELINES = ("llama.cpp", "kvserve-nocache", "kvserve-baseline")
 
 
 def capacity_cell(capacity: Capacity) -> str:
@@ -72,9 +73,12 @@ def document(
         "The bracket width is how far above the capacity the next load tried failed. Where a configuration "
         "has no capacity the ratios compare peak goodput.\n",
         comparison_table(results),
+        BANDS_LEGEND,
         f"Attainment and goodput against offered load, a line per configuration: `{plot_name}`.\n",
         *(f"- {note}" for note in notes),
     ]
     for name, capacity in results.items():
         parts.append(f"\n## {name}\n\n{capacity_verdict(capacity)}.\n\n{probes_table(capacity)}")
+        if bands := capacity_bands(capacity):
+            parts.append(f"By prompt size, at peak goodput and at capacity:\n\n{bands}")
     return "\n".join(parts)

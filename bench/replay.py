@@ -24,6 +24,16 @@ seed+i in every configuration) and writes bench/results/capacity.md (or
 each run it sends the prefixes the window shares with requests 0..I-1, the cache a
 server holds after serving the trace up to I (the first requests of a trace meet a
 cold cache).
+
+--baseline PATH adds kvserve-baseline: the kvserve checkout at PATH (a `git
+worktree` of an earlier main, say) measured by its own bench/replay.py on its
+kvserve-default configuration with the same window, loads or search and SLOs
+(bench/baseline.py), its files in --out/kvserve-baseline, reported beside the
+others:
+
+    git worktree add ../kvserve-before <commit>
+    .venv/bin/python bench/replay.py --find-capacity --baseline ../kvserve-before \
+        --configs kvserve-baseline kvserve-default
 """
 
 import argparse
@@ -32,15 +42,10 @@ import datetime
 import os
 import platform
 import shlex
-import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,11 +53,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import baseline  # noqa: E402
 from bench.capacity import document as capacity_document  # noqa: E402
-from kvserve.cli.bench import load_vocab  # noqa: E402
+from bench.cpu_use import cpu_line, cpu_seconds, machine_busy_seconds, start_profiles, top_frames  # noqa: E402
+from bench.llama_server import LLAMA_ARGS, llama_server  # noqa: E402
+from kvserve.cli.bench import input_cap, load_vocab  # noqa: E402
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
 from libs.common.errors import KVServeError  # noqa: E402
-from libs.common.model.default_model import DEFAULT_MODEL_ID, default_gguf_path  # noqa: E402
+from libs.common.model.default_model import DEFAULT_MODEL_ID  # noqa: E402
 from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
@@ -61,7 +69,7 @@ from kvserve.replay.metrics import SLO, Summary, goodput_at_attainment, summariz
 from kvserve.replay.prompts import PromptSynthesizer  # noqa: E402
 from kvserve.replay.records import Run  # noqa: E402
 from kvserve.replay.plots import capacity_curves  # noqa: E402
-from kvserve.replay.report import capacity_verdict, probes_table, runs_table  # noqa: E402
+from kvserve.replay.report import bands_table, capacity_verdict, probes_table, run_name, runs_table  # noqa: E402
 from kvserve.replay.sweep import (  # noqa: E402
     SweepSettings,
     capacity_measure,
@@ -71,10 +79,6 @@ from kvserve.replay.sweep import (  # noqa: E402
 )
 from kvserve.replay.trace import load_trace  # noqa: E402
 
-LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
-# bench/llama_cpp.sh builds without the AMX path on AMX CPUs (it crashes there), so llama-server
-# runs with its repacked weights everywhere.
-LLAMA_ARGS = ["-np", "4", "-kvu", "-t", "2", "--cache-reuse", "256", "--no-webui"]
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
 
@@ -99,7 +103,8 @@ def policy_exists(spec: str) -> bool:
     return True
 
 
-def configs(worker_threads: int | None) -> list[Config]:
+def configs(worker_threads: int | None, baseline_path: Path | None = None) -> list[Config]:
+    """Every configuration, in the reports' order; kvserve-baseline only with a checkout to run."""
     threads = {"OMP_NUM_THREADS": str(worker_threads)} if worker_threads else {}
     policy = "cache_aware" if policy_exists("cache_aware") else "least_loaded"
     note = "" if policy == "cache_aware" else "no cache_aware policy in this checkout: ran least_loaded"
@@ -111,6 +116,11 @@ def configs(worker_threads: int | None) -> list[Config]:
         Config("kvserve-nocache", "kvserve 1 prefill + 1 decode, no store, prefix cache off", "kvserve",
                dict(prefill=1, decode=1, store=False), {"KVSERVE_ENABLE_PREFIX_CACHE": "0", **threads}),
     ]  # fmt: skip
+    if baseline_path is not None:
+        commit = baseline.revision(baseline_path)
+        out.insert(1, Config(baseline.NAME, "an earlier checkout's kvserve-default, by its own bench/replay.py",
+                             "baseline", note=f"{baseline_path}{f' at {commit}' if commit else ''}, run by its own "
+                             "bench/replay.py --configs kvserve-default"))  # fmt: skip
     # `kvserve up --prefill 0`: LocalCluster adds +local_prefill to the default policy
     out.append(
         Config("kvserve-colocated", "kvserve up --prefill 0: one decode worker on every core, prefilling its own "
@@ -136,98 +146,6 @@ def kvserve(config: Config, log_path: Path, dtype: str) -> Iterator[tuple[str, d
             cluster.stop()
 
 
-@contextlib.contextmanager
-def llama_server(log_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
-    if not LLAMA_SERVER.exists():
-        raise SystemExit(f"{LLAMA_SERVER} is missing: run `make bench` (or bench/llama_cpp.sh) first")
-    port = _free_port()
-    cmd = [str(LLAMA_SERVER), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port), *LLAMA_ARGS]
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(url + "/health", proc, timeout=120)
-            yield url, {"llama-server": proc.pid}
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"llama-server exited with code {proc.returncode}; see its log")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.25)  # polling with a deadline
-    raise SystemExit(f"llama-server was not healthy within {timeout:g}s")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-# --- profiling ------------------------------------------------------------------------
-def start_profiles(pids: dict[str, int], seconds: int, out: Path, prefix: str) -> list[subprocess.Popen]:
-    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    procs = []
-    for instance, pid in pids.items():
-        path = out / f"profile-{prefix}-{instance}.txt"
-        cmd = [py_spy, "record", "-p", str(pid), "-d", str(seconds), "-r", "20", "-f", "raw", "-o", str(path)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    return procs
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time a process has used so far (all its threads)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def machine_busy_seconds() -> float:
-    """CPU seconds the whole machine has spent busy (not idle or waiting on I/O), all cores."""
-    ticks = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def cpu_line(name: str, before: dict[str, float], after: dict[str, float], wall: float) -> str:
-    """Where the CPU went during a configuration's sweep: its processes, and everyone else."""
-    used = {k: after[k] - before.get(k, 0.0) for k in after if k != "machine"}
-    ours = sum(used.values())
-    machine = after["machine"] - before["machine"]
-    parts = ", ".join(f"{k} {v:.0f}" for k, v in sorted(used.items(), key=lambda kv: -kv[1]))
-    return (f"- {name}: {wall:.0f} s wall, machine busy {machine:.0f} CPU-s of {wall * os.cpu_count():.0f}; "
-            f"this configuration {ours:.0f} ({parts}); everything else {machine - ours:.0f}")  # fmt: skip
-
-
-def top_frames(path: Path, n: int = 12) -> list[tuple[str, float]]:
-    """Self time by function from a py-spy raw (collapsed) profile: (frame, share of samples)."""
-    self_time: Counter[str] = Counter()
-    total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        if not stack:
-            continue
-        leaf = stack.split(";")[-1]
-        self_time[leaf] += int(count)
-        total += int(count)
-    return [(frame, c / total) for frame, c in self_time.most_common(n)] if total else []
-
-
 # --- the comparison -------------------------------------------------------------------
 def warm_up(endpoint: Endpoint, requests, settings: SweepSettings) -> None:
     synth = PromptSynthesizer(settings.vocab, settings.block_tokens, 10_000, settings.max_input, settings.max_output)
@@ -251,17 +169,28 @@ def comparison(results: dict[str, list[Summary]], target: float) -> str:
     return "\n".join(lines) + "\n"
 
 
+def chosen(all_configs: list[Config], names: list[str] | None) -> list[Config]:
+    """The configurations named, in the order given; all of them without names."""
+    if names is None:
+        return all_configs
+    by_name = {c.name: c for c in all_configs}
+    return [by_name[name] for name in names if name in by_name]
+
+
 def report_only(out: Path, slo: SLO) -> int:
-    """The reports of the runs already in ``out`` (one JSON file per run), in configuration order."""
+    """The reports of the runs already in ``out`` (one JSON file per run, the
+    baseline's in its subfolder), in configuration order."""
     order = [c.name for c in configs(None)]
-    runs = [Run.load(path) for path in sorted(out.glob("*-x*.json"))]
+    order.insert(1, baseline.NAME)  # where --baseline puts it
+    runs = [Run.load(path) for path in sorted(out.glob("*-x*.json"))] + baseline.load_runs(out / baseline.NAME)
     runs.sort(key=lambda r: (order.index(r.label) if r.label in order else len(order), -r.time_scale))
     results = [(run, summarize(run, slo, int(run.settings.get("block_tokens", 16)))) for run in runs]
     write_outputs(results, out, title="Trace replay: kvserve against llama.cpp")
     by_config: dict[str, list[Summary]] = {}
     for _, summary in results:
         by_config.setdefault(summary.label, []).append(summary)
-    text = [comparison(by_config, 0.9), runs_table([s for _, s in results])]
+    summaries = [s for _, s in results]
+    text = [comparison(by_config, 0.9), runs_table(summaries), bands_table([(run_name(s), s) for s in summaries])]
     (out / "comparison-report.md").write_text("\n".join(text))
     print("\n".join(text))
     return 0
@@ -275,7 +204,7 @@ def write_capacity(args, capacities, settings, started, requests, notes, cpu_not
     window = (
         f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load average at start "
         f"{os.getloadavg()[0]:.2f}. Trace `{args.trace.name}` requests {first}-{last}, "
-        f"{settings.block_tokens}-token blocks, inputs at most {settings.max_input} tokens, at most "
+        f"{settings.block_tokens}-token blocks, {input_note(settings.max_input)}, at most "
         f"{settings.max_output} output tokens{', bucketed arrivals spread' if settings.spread else ''}; "
         f"kvserve in {args.dtype}.{warmed_note(settings, requests)}"
     )
@@ -290,6 +219,10 @@ def write_capacity(args, capacities, settings, started, requests, notes, cpu_not
     print(text)
     print(f"wrote {report}, {plot} and one JSON file per probe in {args.out}")
     return 0
+
+
+def input_note(max_input: int | None) -> str:
+    return "inputs uncapped (the trace's lengths scaled)" if max_input is None else f"inputs at most {max_input} tokens"
 
 
 def warmed_note(settings: SweepSettings, requests) -> str:
@@ -313,8 +246,7 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the servers as Ctrl-C does
 
 
-def main() -> int:
-    signal.signal(signal.SIGTERM, _interrupt)
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     ap.add_argument("--start", type=int, default=0, help="first trace request (default 0)")
@@ -324,14 +256,22 @@ def main() -> int:
                     "(`kvserve bench --warm-history`): the cache a server holds after serving the trace up to there")
     ap.add_argument("--time-scales", type=float, nargs="+", default=[8.0, 4.0, 2.0])
     ap.add_argument("--block-tokens", type=int, default=16)
-    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--max-input", type=input_cap, default=1024, metavar="T",
+                    help="cap prompts at T tokens by truncating (default 1024); 0 is no cap: prompt lengths follow "
+                    "the trace scaled by block-tokens/512")
     ap.add_argument("--max-output", type=int, default=16)
     ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     ap.add_argument("--slo-tbt-ms", type=float, default=150.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-spread", dest="spread", action="store_false",
                     help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
-    ap.add_argument("--configs", nargs="+", default=None, help="names to run (default all)")
+    ap.add_argument("--configs", nargs="+", default=None,
+                    help="names to run, in this order (default all: kvserve-default, kvserve-baseline with --baseline, "
+                    "kvserve-disagg, kvserve-nocache, kvserve-colocated, llama.cpp)")
+    ap.add_argument("--baseline", type=Path, default=None, metavar="PATH",
+                    help="add kvserve-baseline: the kvserve checkout at PATH measured by its own bench/replay.py "
+                    "(PYTHONPATH=PATH, this interpreter) on its kvserve-default configuration with the same window, "
+                    "loads or search and SLOs, into --out/kvserve-baseline")
     ap.add_argument("--dtype", default="bfloat16",
                     help="kvserve's dtype (default bfloat16, the faster here: 'auto' times a matmul at start-up "
                     "and can pick float32 on a busy machine)")
@@ -355,6 +295,12 @@ def main() -> int:
                     "(default bench/results/capacity.md)")
     ap.add_argument("--out", type=Path, default=None,
                     help="runs, logs and reports (default bench/out/replay, with --find-capacity bench/out/capacity)")
+    return ap
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)
+    ap = parser()
     args = ap.parse_args()
     if args.out is None:
         args.out = ROOT / "bench" / "out" / ("capacity" if args.find_capacity else "replay")
@@ -364,6 +310,8 @@ def main() -> int:
                             max_scale=args.max_scale)  # fmt: skip
         except ValueError as e:
             ap.error(str(e))
+    if error := baseline.usage_error(args):
+        ap.error(error)
     if args.report_only:
         return report_only(args.out, SLO(args.slo_ttft_ms, args.slo_tbt_ms))
 
@@ -389,38 +337,43 @@ def main() -> int:
     print(f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")
     all_results, by_config, notes, cpu_notes = [], {}, {}, []
     capacities: dict[str, Capacity] = {}
-    for config in configs(args.worker_threads):
-        if args.configs and config.name not in args.configs:
-            continue
+    for config in chosen(configs(args.worker_threads, args.baseline), args.configs):
         notes[config.name] = config.note
         if config.note.endswith("not run"):
             print(f"{config.name}: {config.note}")
             continue
-        server = kvserve(config, args.out / f"{config.name}.log", args.dtype) if config.kind == "kvserve" else (
-            llama_server(args.out / f"{config.name}.log"))  # fmt: skip
-        with server as (url, pids):
-            endpoint = Endpoint(url, DEFAULT_MODEL_ID, None, timeout_s=args.request_timeout)
-            warm_up(endpoint, requests, settings)
-            cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
-            wall_start = time.monotonic()
-            profilers = []
-            if args.profile_seconds and config.kind == "kvserve":
-                profilers = start_profiles(pids, args.profile_seconds, args.out, config.name)
-            if args.find_capacity:
-                measure = capacity_measure(endpoint, requests, settings, label=config.name, out_dir=args.out,
-                                           trace_name=str(args.trace))  # fmt: skip
-                capacities[config.name] = find_capacity(
-                    measure, start_scale=args.start_scale, max_probes=args.max_probes,
-                    target=args.target_attainment, max_scale=args.max_scale, label=config.name,
-                )  # fmt: skip
-                results = [(None, p.summary) for p in capacities[config.name].probes]
-            else:
-                results = run_sweep(endpoint, requests, settings, label=config.name, out_dir=args.out,
-                                    trace_name=str(args.trace))  # fmt: skip
-            for p in profilers:
-                p.wait()
-            cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
-            cpu_notes.append(cpu_line(config.name, cpu_before, cpu_after, time.monotonic() - wall_start))
+        if config.kind == "baseline":
+            results, found, note = baseline.measure(args, requests, settings)
+            notes[config.name] += note
+            if found is not None:
+                capacities[config.name] = found
+            cpu_notes.append(f"- {config.name}: not measured (its own bench/replay.py ran it)")
+        else:
+            server = kvserve(config, args.out / f"{config.name}.log", args.dtype) if config.kind == "kvserve" else (
+                llama_server(args.out / f"{config.name}.log"))  # fmt: skip
+            with server as (url, pids):
+                endpoint = Endpoint(url, DEFAULT_MODEL_ID, None, timeout_s=args.request_timeout)
+                warm_up(endpoint, requests, settings)
+                cpu_before = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
+                wall_start = time.monotonic()
+                profilers = []
+                if args.profile_seconds and config.kind == "kvserve":
+                    profilers = start_profiles(pids, args.profile_seconds, args.out, config.name)
+                if args.find_capacity:
+                    measure = capacity_measure(endpoint, requests, settings, label=config.name, out_dir=args.out,
+                                               trace_name=str(args.trace))  # fmt: skip
+                    capacities[config.name] = find_capacity(
+                        measure, start_scale=args.start_scale, max_probes=args.max_probes,
+                        target=args.target_attainment, max_scale=args.max_scale, label=config.name,
+                    )  # fmt: skip
+                    results = [(None, p.summary) for p in capacities[config.name].probes]
+                else:
+                    results = run_sweep(endpoint, requests, settings, label=config.name, out_dir=args.out,
+                                        trace_name=str(args.trace))  # fmt: skip
+                for p in profilers:
+                    p.wait()
+                cpu_after = {k: cpu_seconds(pid) for k, pid in pids.items()} | {"machine": machine_busy_seconds()}
+                cpu_notes.append(cpu_line(config.name, cpu_before, cpu_after, time.monotonic() - wall_start))
         all_results += results
         by_config[config.name] = [s for _, s in results]
         print(runs_table(by_config[config.name]))
@@ -434,6 +387,7 @@ def main() -> int:
         f"`{' '.join(sys.argv)}` — load average at start {os.getloadavg()[0]:.2f}\n",
         comparison(by_config, 0.9),
         runs_table([s for _, s in all_results]),
+        bands_table([(run_name(s), s) for _, s in all_results]),
         *(f"- {name}: {note}" for name, note in notes.items() if note),
         "\nCPU seconds during each sweep (from /proc; the pids LocalCluster or llama-server report):\n",
         *cpu_notes,

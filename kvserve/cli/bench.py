@@ -26,7 +26,7 @@ earlier ones, as a token-id prompt to /v1/completions (streamed, greedy,
 ignore_eos, max_tokens = its output length). Equal hash ids become equal blocks
 of --block-tokens token ids, so the trace's prefix sharing is reproduced
 exactly; the input length is scaled by block-tokens/512, and the last partial
-block is the request's own.
+block is the request's own. --max-input caps prompts (0, the default: no cap).
 
 Per request it measures, from the client: TTFT, every inter-token latency, TPOT,
 end-to-end latency, cached tokens (usage.prompt_tokens_details.cached_tokens),
@@ -34,6 +34,11 @@ and whether it was rejected (HTTP 429, not an error) or failed. It reports
 p50/p90/p99, SLO attainment (good requests / requests sent) and goodput (good
 requests / second), with vLLM's `bench serve --goodput` definitions: a request
 is good when it completed with TTFT <= --slo-ttft-ms and TPOT <= --slo-tbt-ms.
+Each run also gives the attainment among admitted requests (good / requests not
+refused) and the refusals made while idle: 429s that arrived while no other
+request of the run was waiting for its first token. A table by prompt size splits
+each run by prompt length as sent (<128, 128-511, 512-1023, >=1024 tokens): sent,
+completed, refused (and while idle), errors, good, both attainments, TTFT p50/p99.
 
 Several --time-scale values make a load sweep: one run each, in order, with
 prompts seeded seed, seed+1, ... so no run hits the previous run's cache.
@@ -48,7 +53,8 @@ halves the time scale while probes pass (doubling it while they fail, up to
 space, --max-probes runs in all, probe i with prompt seed seed+i. It reports the capacity (the offered
 rate of the heaviest passing probe), the bracket's width in req/s, the peak
 goodput, attainment and goodput per probe, or "no capacity" when no load tried
-reached the target. --out gets a JSON file per probe, capacity.md and
+reached the target, then the prompt-size bands of the peak-goodput and capacity
+probes. --out gets a JSON file per probe, capacity.md and
 capacity.png (attainment and goodput against offered load).
 
 A window from the start of a trace meets a cold cache; --start I --warm-history
@@ -125,8 +131,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "trace up to there instead of a cold one",
     )  # fmt: skip
     p.add_argument(
-        "--max-input", type=_positive, default=None, metavar="T",
-        help="cap prompts at T tokens by truncating (keeps the leading hash-id blocks, so sharing is preserved)",
+        "--max-input", type=input_cap, default=None, metavar="T",
+        help="cap prompts at T tokens by truncating (keeps the leading hash-id blocks, so sharing is preserved); "
+        "0, the default, is no cap: prompt lengths follow the trace scaled by block-tokens/512",
     )  # fmt: skip
     p.add_argument("--max-output", type=_positive, default=None, metavar="T", help="cap max_tokens at T")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, metavar="MS", help="TTFT objective (default 2000)")
@@ -146,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.replay.client import Endpoint
     from kvserve.replay.history import load_history
     from kvserve.replay.metrics import SLO
-    from kvserve.replay.report import runs_table
+    from kvserve.replay.report import bands_table, run_name, runs_table
     from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs
     from kvserve.replay.trace import load_trace
 
@@ -185,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     )
     written = write_outputs(results, out, title=f"kvserve bench: {label}")
     print(runs_table([summary for _, summary in results]))
+    print(bands_table([(run_name(summary), summary) for _, summary in results]))
     print("wrote " + ", ".join(str(p) for p in written) + f" and one JSON file per run in {out}")
     return 0 if all(s.completed for _, s in results) else 1
 
@@ -198,7 +206,7 @@ def find_capacity(
     label: str,
 ) -> int:
     from kvserve.replay import capacity
-    from kvserve.replay.report import capacity_verdict, probes_table
+    from kvserve.replay.report import capacity_bands, capacity_verdict, probes_table
     from kvserve.replay.sweep import capacity_measure, write_capacity_outputs
 
     measure = capacity_measure(
@@ -215,6 +223,7 @@ def find_capacity(
     written = write_capacity_outputs(result, settings.slo, out, title=f"kvserve bench --find-capacity: {label}")
     print(probes_table(result))
     print(capacity_verdict(result))
+    print(capacity_bands(result))
     print("wrote " + ", ".join(str(p) for p in written) + f" and one JSON file per probe in {out}")
     return 0 if any(p.summary and p.summary.completed for p in result.probes) else 1
 
@@ -236,6 +245,11 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def input_cap(text: str) -> int | None:
+    """``--max-input``: a cap in tokens, or None (no cap) for 0."""
+    return _non_negative_int(text) or None
 
 
 def _non_negative_int(text: str) -> int:

@@ -134,6 +134,7 @@ async def send(session: aiohttp.ClientSession, endpoint: Endpoint, item: Planned
         async with session.post(endpoint.completions_url, json=body) as response:
             record.http_status = response.status
             if response.status != 200:
+                record.ended_s = time.perf_counter() - t0  # a refusal counts from its status line, not its body
                 record.error = f"HTTP {response.status}: {_error_message(await response.read())}"
                 if response.status == 429:
                     record.status = "rejected"
@@ -145,6 +146,9 @@ async def send(session: aiohttp.ClientSession, endpoint: Endpoint, item: Planned
         record.error = str(e)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         record.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    finally:
+        if record.ended_s is None:
+            record.ended_s = time.perf_counter() - t0
 
 
 async def _read_stream(response: aiohttp.ClientResponse, record: RequestRecord, start: float) -> None:

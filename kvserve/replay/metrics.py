@@ -15,6 +15,13 @@ definitions.
 - Goodput at a target attainment, over a load sweep: the highest goodput among
   the runs whose attainment reaches the target (DistServe's definition, on the
   loads swept).
+- Attainment among admitted: good requests over those not refused (sent - 429s):
+  how the requests a server took on fared, apart from how many it turned away.
+- A refusal was made *while idle* when, at the moment its 429 arrived, no other
+  request of the run was waiting for its first token (sent, and neither its first
+  token nor its end had arrived). The client being the only load, a server with
+  one prefill worker then had nothing queued for it.
+- Prompt-size bands split all of these by the prompt length as sent (``BANDS``).
 """
 
 from collections.abc import Iterable, Sequence
@@ -25,6 +32,19 @@ import numpy as np
 from kvserve.replay.records import RequestRecord, Run
 
 PERCENTILES = (50, 90, 99)
+
+# (name, smallest prompt length, first length past the band) in prompt tokens as sent
+BANDS: tuple[tuple[str, int, int | None], ...] = (
+    ("<128", 0, 128),
+    ("128-511", 128, 512),
+    ("512-1023", 512, 1024),
+    (">=1024", 1024, None),
+)
+
+
+def band_of(input_tokens: int) -> str:
+    """The name of the prompt-size band a prompt of ``input_tokens`` tokens falls in."""
+    return next(name for name, low, high in BANDS if input_tokens >= low and (high is None or input_tokens < high))
 
 
 @dataclass(frozen=True)
@@ -63,6 +83,22 @@ class Distribution:
 
 
 @dataclass(frozen=True)
+class BandSummary:
+    """One prompt-size band of a run. Ratios are None when their denominator is 0."""
+
+    band: str
+    requests: int
+    completed: int
+    rejected: int
+    errors: int
+    good: int
+    slo_attainment: float | None  # good / requests
+    admitted_attainment: float | None  # good / (requests - rejected)
+    rejected_while_idle: int | None  # None when the records lack the times it needs (older files)
+    ttft: Distribution  # of completed requests
+
+
+@dataclass(frozen=True)
 class Summary:
     label: str
     time_scale: float
@@ -85,6 +121,9 @@ class Summary:
     itl: Distribution
     e2e: Distribution
     slo: SLO
+    admitted_attainment: float | None = None  # good / (requests - rejected); None when every request was refused
+    rejected_while_idle: int | None = None  # None when the records lack the times it needs (older files)
+    bands: tuple[BandSummary, ...] = ()  # one per BANDS entry, in its order
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -95,6 +134,8 @@ def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
     records = run.records
     done = [r for r in records if r.status == "ok"]
     good = sum(1 for r in records if slo.is_good(r))
+    rejected = sum(1 for r in records if r.status == "rejected")
+    idle = rejected_while_idle(records)
     duration = run.duration_s
     per_block = block_tokens or int(run.settings.get("block_tokens", 0))
     return Summary(
@@ -104,7 +145,7 @@ def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
         duration_s=duration,
         requests=len(records),
         completed=len(done),
-        rejected=sum(1 for r in records if r.status == "rejected"),
+        rejected=rejected,
         errors=sum(1 for r in records if r.status == "error"),
         good=good,
         slo_attainment=good / len(records) if records else 0.0,
@@ -119,7 +160,53 @@ def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
         itl=Distribution.of(gap for r in done for gap in r.itl_s),
         e2e=Distribution.of(r.e2e_s for r in done if r.e2e_s is not None),
         slo=slo,
+        admitted_attainment=_ratio(good, len(records) - rejected),
+        rejected_while_idle=None if idle is None else len(idle),
+        bands=tuple(_band(name, records, slo, idle) for name, _, _ in BANDS),
     )
+
+
+def rejected_while_idle(records: Sequence[RequestRecord]) -> list[RequestRecord] | None:
+    """The refusals that arrived while no other request of ``records`` was waiting for
+    its first token; None when a record lacks the end time this needs (older files).
+    A request waits from its send until its first token or its end, whichever is first."""
+    refused = [r for r in records if r.status == "rejected"]
+    if not refused:
+        return []
+    waits = []
+    for r in records:
+        end = r.end_at_s
+        if end is None:
+            return None
+        first = r.first_token_at_s
+        waits.append((r, r.start_s, end if first is None else min(first, end)))
+    return [
+        refusal for refusal in refused
+        if not any(other is not refusal and sent <= refusal.end_at_s < until for other, sent, until in waits)
+    ]  # fmt: skip
+
+
+def _band(name: str, records: Sequence[RequestRecord], slo: SLO, idle: list[RequestRecord] | None) -> BandSummary:
+    members = [r for r in records if band_of(r.input_tokens) == name]
+    good = sum(1 for r in members if slo.is_good(r))
+    rejected = sum(1 for r in members if r.status == "rejected")
+    done = [r for r in members if r.status == "ok"]
+    return BandSummary(
+        band=name,
+        requests=len(members),
+        completed=len(done),
+        rejected=rejected,
+        errors=sum(1 for r in members if r.status == "error"),
+        good=good,
+        slo_attainment=_ratio(good, len(members)),
+        admitted_attainment=_ratio(good, len(members) - rejected),
+        rejected_while_idle=None if idle is None else sum(1 for r in idle if band_of(r.input_tokens) == name),
+        ttft=Distribution.of(r.ttft_s for r in done if r.ttft_s is not None),
+    )
+
+
+def _ratio(part: int, whole: int) -> float | None:
+    return part / whole if whole else None
 
 
 def goodput_at_attainment(summaries: Sequence[Summary], target: float = 0.9) -> Summary | None:

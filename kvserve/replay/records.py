@@ -11,9 +11,11 @@ Status = Literal["ok", "rejected", "error"]
 
 @dataclass
 class RequestRecord:
-    """Client-side measurements of one request; times in seconds. ``start_s`` is
-    when it was sent, counted from the start of the run; ``ttft_s`` and ``e2e_s``
-    from ``start_s``. ``itl_s`` holds every gap between two chunks that carried text."""
+    """Client-side measurements of one request; times in seconds. ``start_s`` and
+    ``ended_s`` are when it was sent and when its answer ended, counted from the
+    start of the run; ``ttft_s`` and ``e2e_s`` from ``start_s``. ``itl_s`` holds
+    every gap between two chunks that carried text. Files written before
+    ``ended_s`` existed load with it None."""
 
     index: int  # the trace request's index
     scheduled_s: float  # when the trace (times the time scale) says it arrives
@@ -31,6 +33,19 @@ class RequestRecord:
     prompt_tokens: int | None = None  # usage.prompt_tokens as the server counted them
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     retry_after_s: float | None = None  # a 429's Retry-After
+    ended_s: float | None = None  # a 429's arrival, the stream's end or the failure, from the start of the run
+
+    @property
+    def first_token_at_s(self) -> float | None:
+        """When the first token arrived, from the start of the run; None without one."""
+        return None if self.ttft_s is None else self.start_s + self.ttft_s
+
+    @property
+    def end_at_s(self) -> float | None:
+        """``ended_s``, or for a completed request of an older file its send plus e2e."""
+        if self.ended_s is not None:
+            return self.ended_s
+        return None if self.e2e_s is None else self.start_s + self.e2e_s
 
     @property
     def tpot_s(self) -> float | None:

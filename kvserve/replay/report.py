@@ -1,5 +1,6 @@
-"""Markdown for replay results: one table row per run, one block per run with
-its latency percentiles. Formatting only; the numbers come from ``metrics``."""
+"""Markdown for replay results: one table row per run, its prompt-size bands, one
+block per run with its latency percentiles. Formatting only; the numbers come
+from ``metrics``."""
 
 from collections.abc import Sequence
 
@@ -11,21 +12,62 @@ def _num(value: float | None, digits: int = 0) -> str:
     return "–" if value is None else f"{value:,.{digits}f}"
 
 
+def _share(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1%}"
+
+
+def _count(value: int | None) -> str:
+    return "–" if value is None else str(value)
+
+
 def runs_table(summaries: Sequence[Summary]) -> str:
-    """One row per run: load, outcome counts, attainment, goodput and the headline latencies."""
+    """One row per run: load, outcome counts, attainment, goodput and the headline latencies.
+    "429 while idle": refusals made while no other request awaited its first token;
+    "admitted in SLO": good requests over those not refused."""
     head = (
-        "| run | time scale | offered req/s | sent | ok | 429 | errors | SLO attained | goodput req/s "
-        "| throughput req/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms | cached / cacheable tokens |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|\n"
+        "| run | time scale | offered req/s | sent | ok | 429 | 429 while idle | errors | SLO attained "
+        "| admitted in SLO | goodput req/s | throughput req/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms "
+        "| cached / cacheable tokens |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|\n"
     )
     rows = []
     for s in summaries:
         rows.append(
             f"| {s.label} | {s.time_scale:g} | {_num(s.offered_rps, 2)} | {s.requests} | {s.completed} "
-            f"| {s.rejected} | {s.errors} | {s.slo_attainment:.1%} | {s.goodput_rps:.3f} | {s.throughput_rps:.3f} "
+            f"| {s.rejected} | {_count(s.rejected_while_idle)} | {s.errors} | {s.slo_attainment:.1%} "
+            f"| {_share(s.admitted_attainment)} | {s.goodput_rps:.3f} | {s.throughput_rps:.3f} "
             f"| {_triple(s.ttft)} | {_triple(s.tpot)} | {s.cached_tokens:,} / {s.cacheable_tokens:,} |"
         )
     return head + "\n".join(rows) + "\n"
+
+
+BANDS_LEGEND = (
+    "\"admitted in SLO\": good requests over those not refused (HTTP 429); \"429 while idle\": refusals that "
+    "arrived while no other request of the run awaited its first token.\n"
+)
+
+
+def bands_table(runs: Sequence[tuple[str, Summary]]) -> str:
+    """One row per prompt-size band of each (name, run): outcomes, attainment of all
+    and of admitted requests, TTFT of completed ones. A run summarized before bands
+    existed has none."""
+    lines = [
+        "| run | prompt tokens | sent | ok | 429 | 429 while idle | errors | good | SLO attained "
+        "| admitted in SLO | TTFT p50 / p99 ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for name, s in runs:
+        for b in s.bands:
+            lines.append(
+                f"| {name} | {b.band} | {b.requests} | {b.completed} | {b.rejected} | {_count(b.rejected_while_idle)} "
+                f"| {b.errors} | {b.good} | {_share(b.slo_attainment)} | {_share(b.admitted_attainment)} "
+                f"| {_num(b.ttft.p50)} / {_num(b.ttft.p99)} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def run_name(summary: Summary) -> str:
+    return f"{summary.label} ×{summary.time_scale:g}"
 
 
 def _triple(d: Distribution) -> str:
@@ -48,6 +90,7 @@ def markdown(summaries: Sequence[Summary], title: str = "Trace replay", target: 
     parts = [
         f"# {title}\n",
         f"SLOs: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms (vLLM's `--goodput` definitions).\n",
+        BANDS_LEGEND,
         runs_table(summaries),
     ]
     best = goodput_at_attainment(summaries, target)
@@ -56,6 +99,7 @@ def markdown(summaries: Sequence[Summary], title: str = "Trace replay", target: 
             f"Goodput at {target:.0%} SLO attainment: "
             + (f"**{best.goodput_rps:.3f} req/s** (time scale {best.time_scale:g}).\n" if best else "no run reached it.\n")
         )
+    parts.append("## By prompt size\n\n" + bands_table([(run_name(s), s) for s in summaries]))
     for s in summaries:
         parts.append(f"## {s.label} at time scale {s.time_scale:g}\n\n{latency_table(s)}")
     return "\n".join(parts)
@@ -113,4 +157,22 @@ def capacity_markdown(capacity: Capacity, slo: SLO, title: str = "Capacity searc
     summaries = [p.summary for p in capacity.probes if p.summary is not None]
     if summaries:
         parts.append(runs_table(summaries))
+    if bands := capacity_bands(capacity):
+        parts.append("## By prompt size\n\n" + bands)
     return "\n".join(parts)
+
+
+def capacity_bands(capacity: Capacity) -> str:
+    """The prompt-size bands of the peak-goodput probe and of the capacity probe (one
+    set of rows when they are the same probe); "" when neither has a summary."""
+    picked = {"peak goodput": capacity.peak_goodput, "capacity": capacity.best}
+    rows: list[tuple[str, Summary]] = []
+    for role, probe in picked.items():
+        if probe is None or probe.summary is None:
+            continue
+        name = f"{role} (×{probe.time_scale:.4g}, {probe.offered_rps:.3f} req/s)"
+        if rows and rows[-1][1] is probe.summary:
+            rows[-1] = (f"peak goodput = {name}", probe.summary)
+        else:
+            rows.append((name, probe.summary))
+    return bands_table(rows) if rows else ""

@@ -4,7 +4,8 @@ side has no capacity)."""
 
 from bench.capacity import comparison_table, document
 from kvserve.replay.capacity import Capacity, Probe
-from kvserve.replay.metrics import SLO
+from kvserve.replay.metrics import SLO, summarize
+from kvserve.replay.records import RequestRecord, Run
 
 
 def searched(label: str, *points: tuple[float, float]) -> Capacity:
@@ -43,3 +44,18 @@ def test_the_document_names_the_command_the_plot_and_each_configuration():
     assert "Command: `python bench/replay.py --find-capacity`" in text and "`capacity.png`" in text
     assert "## llama.cpp\n\nno capacity: no load tried reached 90% SLO attainment" in text
     assert "TTFT <= 2000 ms and TPOT <= 150 ms" in text
+
+
+def test_the_document_gives_each_configuration_the_bands_of_its_peak_and_capacity_probes():
+    records = [RequestRecord(0, 0.0, 600, 2, status="ok", ttft_s=0.1, e2e_s=0.15, output_tokens=2, ended_s=0.15),
+               RequestRecord(1, 1.0, 600, 2, status="rejected", start_s=1.0, ended_s=1.1)]  # fmt: skip
+    summary = summarize(Run("kvserve-default", "http://x", 1.0, 2.0, records), SLO(2000, 150))
+    probe = Probe(1.0, 1.0, 0.5, 0.5, summary)
+    text = document({"kvserve-default": Capacity("kvserve-default", 0.5, (probe,))}, SLO(2000, 150), heading="H",
+                    command="c", window="W", plot_name="capacity.png")  # fmt: skip
+    assert "\"429 while idle\": refusals that arrived while no other request of the run awaited its first token" in text
+    assert (
+        "By prompt size, at peak goodput and at capacity:\n\n| run | prompt tokens |" in text
+        and "| peak goodput = capacity (×1, 1.000 req/s) | 512-1023 | 2 | 1 | 1 | 1 | 0 | 1 | 50.0% | 100.0% "
+        "| 100 / 100 |" in text
+    )

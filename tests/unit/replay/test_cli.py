@@ -65,6 +65,10 @@ def test_bench_sweep_writes_every_request_a_summary_and_plots(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "| fake | 1 |" in summary and "| fake | 0.5 |" in summary
     assert "Goodput at 90% SLO attainment" in summary
+    # every prompt is under 128 tokens: that band holds the run, the others are empty
+    assert "| fake ×1 | <128 | 3 | 3 | 0 | 0 | 0 | 3 | 100.0% | 100.0% |" in summary
+    assert "| fake ×0.5 | >=1024 | 0 | 0 | 0 | 0 | 0 | 0 | – | – | – / – |" in summary
+    assert run["summary"]["rejected_while_idle"] == 0 and run["summary"]["bands"][0]["requests"] == 3
 
 
 def test_find_capacity_probes_heavier_loads_with_fresh_seeds_and_writes_its_report(tmp_path):
@@ -83,6 +87,7 @@ def test_find_capacity_probes_heavier_loads_with_fresh_seeds_and_writes_its_repo
     report = (out / "capacity.md").read_text()
     assert "**capacity at least 10.000 req/s: every load tried reached 90% SLO attainment" in report
     assert "| 0 | 2 | 5.000 | 100.0% |" in report and "| 1 | 1 | 10.000 | 100.0% |" in report
+    assert "| peak goodput = capacity (×1, 10.000 req/s) | <128 | 3 | 3 | 0 | 0 | 0 | 3 | 100.0% | 100.0% |" in report
 
 
 def test_find_capacity_refuses_a_window_whose_requests_arrive_at_once(tmp_path, capsys):
@@ -129,3 +134,12 @@ def test_a_load_given_twice_runs_twice_and_keeps_both_runs(tmp_path):
     assert code == 0
     runs = sorted(p.name for p in (tmp_path / "out").glob("*.json"))
     assert runs == ["fake-x1-seed4.json", "fake-x1-seed5.json"]
+
+
+@pytest.mark.parametrize("cap, lengths", [("0", [34, 32, 9]), ("20", [20, 20, 9])])
+def test_max_input_0_sends_the_traces_lengths_scaled_and_a_cap_truncates(tmp_path, cap, lengths):
+    code = bench(tmp_path, FakeServer({}, default=Script()), "--block-tokens", "16", "--max-input", cap)
+    assert code == 0
+    run = json.loads((tmp_path / "out" / "fake-x1.json").read_text())
+    assert [r["input_tokens"] for r in run["requests"]] == lengths  # 1100, 1024, 300 x 16 / 512, rounded
+    assert run["settings"]["max_input"] == (None if cap == "0" else 20)

@@ -71,6 +71,9 @@ async def test_429_is_a_rejection_not_an_error():
     assert rejected.error == "HTTP 429: scripted 429"
     assert (failed.status, failed.http_status, failed.error) == ("error", 500, "HTTP 500: scripted 500")
     assert ok.status == "ok"
+    # each answer's end is recorded, on the run's clock, after its send (and a stream's after its first token)
+    assert rejected.start_s <= rejected.ended_s and failed.start_s <= failed.ended_s
+    assert ok.first_token_at_s <= ok.ended_s
     summary = summarize(run, SLO(ttft_ms=60_000, tpot_ms=60_000))
     assert (summary.requests, summary.completed, summary.rejected, summary.errors, summary.good) == (3, 1, 1, 1, 1)
     assert summary.slo_attainment == pytest.approx(1 / 3)

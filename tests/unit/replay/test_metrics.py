@@ -1,8 +1,10 @@
 """Goodput, SLO attainment and percentiles on hand-built records: exact values."""
 
+import json
+
 import pytest
 
-from kvserve.replay.metrics import SLO, goodput_at_attainment, summarize
+from kvserve.replay.metrics import SLO, band_of, goodput_at_attainment, rejected_while_idle, summarize
 from kvserve.replay.records import RequestRecord, Run
 
 
@@ -73,3 +75,96 @@ def test_goodput_at_attainment_picks_the_best_passing_load():
     light, medium, heavy = summary(1.0, 10, duration=20.0), summary(0.5, 9), summary(0.25, 8, duration=5.0)
     assert goodput_at_attainment([light, medium, heavy], 0.9) is medium  # 0.9 req/s beats 0.5; heavy fails 90%
     assert goodput_at_attainment([heavy], 0.9) is None
+
+
+@pytest.mark.parametrize(
+    "tokens, band",
+    [(1, "<128"), (127, "<128"), (128, "128-511"), (511, "128-511"), (512, "512-1023"), (1023, "512-1023"),
+     (1024, ">=1024"), (1972, ">=1024")],
+)  # fmt: skip
+def test_a_prompt_falls_in_the_band_of_its_length_as_sent(tokens, band):
+    assert band_of(tokens) == band
+
+
+def sized(record: RequestRecord, input_tokens: int) -> RequestRecord:
+    record.input_tokens = input_tokens
+    return record
+
+
+def refused(index, input_tokens, start, at) -> RequestRecord:
+    return RequestRecord(index, float(index), input_tokens, 8, status="rejected", http_status=429, start_s=start,
+                         ended_s=at)  # fmt: skip
+
+
+def test_bands_count_outcomes_and_attainment_among_all_and_among_admitted():
+    records = [
+        sized(ok(0, ttft=0.1, e2e=0.15, output_tokens=2), 100),  # good
+        sized(ok(1, ttft=0.3, e2e=0.35, output_tokens=2), 127),  # good
+        refused(2, 50, start=2.0, at=2.1),
+        sized(ok(3, ttft=1.5, e2e=1.55, output_tokens=2), 128),  # ttft over
+        sized(ok(4, ttft=0.2, e2e=0.25, output_tokens=2), 600),  # good
+        refused(5, 1023, start=5.0, at=5.1),
+        refused(6, 1500, start=6.0, at=6.1),
+        RequestRecord(7, 7.0, 2000, 8, status="error", http_status=500, start_s=7.0, ended_s=7.1),
+    ]
+    s = summarize(run_of(records), SLO_1S_100MS)
+    assert (s.good, s.rejected, s.slo_attainment, s.admitted_attainment) == (3, 3, 3 / 8, 3 / 5)
+    small, medium, large, huge = s.bands
+    assert [b.band for b in s.bands] == ["<128", "128-511", "512-1023", ">=1024"]
+    assert (small.requests, small.completed, small.rejected, small.errors, small.good) == (3, 2, 1, 0, 2)
+    assert (small.slo_attainment, small.admitted_attainment) == (2 / 3, 1.0)
+    assert (small.ttft.count, small.ttft.p50, small.ttft.p99) == (2, pytest.approx(200.0), pytest.approx(298.0))
+    assert (medium.requests, medium.good, medium.slo_attainment, medium.admitted_attainment) == (1, 0, 0.0, 0.0)
+    assert (large.requests, large.rejected, large.good, large.slo_attainment, large.admitted_attainment) == (
+        2, 1, 1, 0.5, 1.0)  # fmt: skip
+    assert (huge.requests, huge.rejected, huge.errors, huge.good) == (2, 1, 1, 0)
+    assert (huge.slo_attainment, huge.admitted_attainment, huge.ttft.count, huge.ttft.p50) == (0.0, 0.0, 0, None)
+    json.dumps(s.to_json())  # the run file keeps it
+
+
+def test_an_empty_band_has_no_ratios():
+    s = summarize(run_of([sized(ok(0, ttft=0.1, e2e=0.2, output_tokens=2), 10)]), SLO_1S_100MS)
+    assert [(b.requests, b.slo_attainment, b.admitted_attainment) for b in s.bands[1:]] == [(0, None, None)] * 3
+
+
+def test_a_refusal_is_idle_only_when_no_other_request_awaits_its_first_token():
+    records = [
+        # request 0 is sent at 1.0 and has its first token at 1.5: it waits over [1.0, 1.5)
+        RequestRecord(0, 0.0, 64, 4, status="ok", start_s=1.0, ttft_s=0.5, e2e_s=3.0, output_tokens=4, ended_s=4.0),
+        refused(1, 64, start=1.1, at=1.2),  # request 0 awaits its first token: not idle
+        refused(2, 200, start=1.5, at=1.6),  # request 0 is decoding, nothing else waits: idle
+        RequestRecord(3, 0.0, 64, 4, status="error", start_s=2.0, ended_s=2.5),  # waits [2.0, 2.5), then fails
+        refused(4, 1100, start=2.2, at=2.3),  # request 3 waits: not idle
+        refused(5, 64, start=2.5, at=2.6),  # request 3 ended at 2.5: idle
+        refused(6, 64, start=0.0, at=0.5),  # request 0 not sent yet: idle
+    ]
+    s = summarize(run_of(records), SLO_1S_100MS)
+    assert rejected_while_idle(records) == [records[2], records[5], records[6]]
+    assert s.rejected_while_idle == 3
+    assert [(b.rejected, b.rejected_while_idle) for b in s.bands] == [(3, 2), (1, 1), (0, 0), (1, 0)]
+
+
+def test_two_refusals_at_once_do_not_make_each_other_busy():
+    records = [refused(0, 64, start=1.0, at=1.2), refused(1, 64, start=1.0, at=1.2)]
+    assert summarize(run_of(records), SLO_1S_100MS).rejected_while_idle == 2
+
+
+def test_an_old_run_file_without_end_times_loads_and_leaves_idle_refusals_unknown(tmp_path):
+    old = {
+        "label": "old", "base_url": "http://x", "time_scale": 1.0, "duration_s": 2.0, "settings": {"block_tokens": 16},
+        "summary": {"requests": 2},  # an older Summary's fields: ignored on load
+        "requests": [
+            {"index": 0, "scheduled_s": 0.0, "input_tokens": 600, "max_tokens": 2, "status": "ok", "http_status": 200,
+             "start_s": 0.0, "ttft_s": 0.1, "itl_s": [0.1], "e2e_s": 0.2, "output_tokens": 2},
+            {"index": 1, "scheduled_s": 0.5, "input_tokens": 64, "max_tokens": 2, "status": "rejected",
+             "http_status": 429, "start_s": 0.5},
+        ],
+    }  # fmt: skip
+    path = tmp_path / "old-x1.json"
+    path.write_text(json.dumps(old))
+    run = Run.load(path)
+    assert run.records[1].ended_s is None and run.records[0].end_at_s == pytest.approx(0.2)
+    s = summarize(run, SLO_1S_100MS)
+    assert (s.requests, s.rejected, s.good, s.admitted_attainment, s.rejected_while_idle) == (2, 1, 1, 1.0, None)
+    assert [b.rejected_while_idle for b in s.bands] == [None] * 4
+    assert [b.requests for b in s.bands] == [1, 0, 1, 0]
