@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvserve.cli.supervisor import remove_segments_of
@@ -82,7 +83,7 @@ class Reaper:
                 pass  # the watchdog is gone (killed on its own): nothing to tell
 
 
-def reap(lines, runtime_dir: Path) -> None:
+def reap(lines: Iterable[bytes], runtime_dir: Path) -> None:
     """Follow the launcher's ``lines`` until they end, then clean up after every process
     still named once it has exited, and remove ``runtime_dir``."""
     named: dict[int, int | None] = {}  # pid -> its pidfd; None: it had exited before it was named
