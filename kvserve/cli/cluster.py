@@ -4,7 +4,10 @@ LocalCluster owns processes — it starts them, prefixes and keeps their logs,
 watches heartbeats to tell when the cluster is ready, and stops them — and
 knows nothing about what the services do. `kvserve up` and the integration
 tests both run on it. Every child dies with the process that started it; with
-``supervise=True`` one that exits is started again (kvserve/cli/supervisor.py).
+``supervise=True`` one that exits is started again (kvserve/cli/supervisor.py). What
+they leave on the machine (shared memory, the runtime directory with the NATS
+credentials) is removed at a stop, and by a watchdog when the launcher is killed
+(kvserve/cli/reaper.py).
 """
 
 import os
@@ -23,6 +26,7 @@ from urllib.parse import urlsplit
 from kvserve.cli.console import Console
 from kvserve.cli.cpus import CpuShare, plan_cpus
 from kvserve.cli.heartbeats import HeartbeatWatcher
+from kvserve.cli.reaper import Reaper
 from kvserve.cli.service_process import ServiceProcess, describe_exit
 from kvserve.cli.supervisor import (
     HEALTHY_AFTER_SECONDS,
@@ -146,7 +150,9 @@ class LocalCluster:
         self._nats: NatsServer | None = None
         self._watcher: HeartbeatWatcher | None = None
         self._supervisor: Supervisor | None = None  # forks every child; restarts them when supervising
-        self._runtime: tempfile.TemporaryDirectory | None = None  # what the services leave for their restarts
+        # 0700: the NATS credentials and nats-server's files, and what the services leave for their restarts
+        self._runtime: tempfile.TemporaryDirectory | None = None
+        self._reaper: Reaper | None = None  # removes what the cluster leaves if this process is killed
         self._nats_started_at = 0.0  # time.monotonic()
         ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
         self._console = Console(sys.stdout if log is _STDOUT else log, ids + ["kvserve", "nats-server"])
@@ -184,6 +190,16 @@ class LocalCluster:
         return None if self._nats is None else self._nats.pid
 
     @property
+    def runtime_dir(self) -> Path | None:
+        """The cluster's 0700 directory (NATS credentials included), while started."""
+        return None if self._runtime is None else Path(self._runtime.name)
+
+    @property
+    def reaper_pid(self) -> int | None:
+        """The watchdog's process id, while started (kvserve/cli/reaper.py)."""
+        return None if self._reaper is None else self._reaper.pid
+
+    @property
     def running(self) -> bool:
         """Started and not yet stopped."""
         return self._nats is not None
@@ -201,9 +217,12 @@ class LocalCluster:
         try:
             self._resolve_model()
             self._runtime = tempfile.TemporaryDirectory(prefix="kvserve-cluster-")  # mode 0700
-            self._nats = NatsServer(host=self.nats_host)
+            if sys.platform.startswith("linux"):  # pidfds; elsewhere nothing kills the children either
+                self._reaper = Reaper(self.runtime_dir)
+            self._nats = NatsServer(host=self.nats_host, directory=self.runtime_dir)
             self._nats.preexec_fn = die_with_launcher()
             self._supervisor.call(self._nats.start)
+            self._tell_reaper(watch=self._nats.pid)
             self._nats_started_at = time.monotonic()
             self.nats_url = self._nats.url
             self.echo(f"nats-server listening on {self._nats.public_url}", label="kvserve")
@@ -258,6 +277,9 @@ class LocalCluster:
         if self._runtime is not None:
             self._runtime.cleanup()
             self._runtime = None
+        if self._reaper is not None:
+            self._reaper.close()  # last: it has nothing left to do
+            self._reaper = None
 
     def join(self) -> None:
         """Block until the cluster is stopped (by ``stop()`` in another thread). Raises
@@ -401,14 +423,28 @@ class LocalCluster:
         """Start ``inst``; on the supervisor's thread only (see die_with_launcher)."""
         prefix = self._console.prefix(inst.instance_id, inst.role)
         inst.spawn(write=lambda line: self._console.echo(prefix + line), on_exit=self._on_process_exit)
+        self._tell_reaper(watch=inst.pid)  # before it can have created a segment
         with self._cond:
             self._procs[inst.instance_id] = inst
 
-    def _on_process_exit(self) -> None:
+    def _on_process_exit(self, pid: int) -> None:
+        """A service process has exited and its segments are removed."""
+        self._tell_reaper(forget=pid)
         with self._cond:
             self._cond.notify_all()
         if self._supervisor is not None:
             self._supervisor.wake()
+
+    def _tell_reaper(self, watch: int | None = None, forget: int | None = None) -> None:
+        """Name to the watchdog a process just started (``watch``), or one that has exited
+        and whose segments are removed (``forget``)."""
+        reaper = self._reaper
+        if reaper is None:
+            return
+        if forget is not None:
+            reaper.forget(forget)
+        if watch is not None:
+            reaper.watch(watch)
 
     # --- supervision (on the supervisor's thread) ----------------------------
     def _watch_all(self) -> None:
@@ -466,7 +502,9 @@ class LocalCluster:
             self.echo(f"{inst.instance_id} started again (pid {inst.pid})", label="kvserve")
 
     def _restart_nats(self) -> None:
+        self._tell_reaper(forget=self._nats.pid)  # it has exited; it creates no segment
         self._nats.restart()
+        self._tell_reaper(watch=self._nats.pid)
         self.echo(f"nats-server started again on {self._nats.public_url} (pid {self._nats.pid})", label="kvserve")
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:

@@ -35,9 +35,10 @@ class ServiceProcess:
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
-    def spawn(self, write: Callable[[str], None], on_exit: Callable[[], None]) -> None:
+    def spawn(self, write: Callable[[str], None], on_exit: Callable[[int], None]) -> None:
         """Start it, on the thread that forks every child (see die_with_launcher); each
-        line it writes goes to ``write``; ``on_exit()`` once it has exited and its output ended."""
+        line it writes goes to ``write``; ``on_exit(pid)`` once it has exited, its output
+        ended and its segments are removed."""
         self.spawned_at = time.monotonic()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module],
@@ -55,7 +56,7 @@ class ServiceProcess:
         )
         self.reader.start()
 
-    def _pump(self, proc: subprocess.Popen, write: Callable[[str], None], on_exit: Callable[[], None]) -> None:
+    def _pump(self, proc: subprocess.Popen, write: Callable[[str], None], on_exit: Callable[[int], None]) -> None:
         for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip("\r\n")
             self.tail.append(line)
@@ -63,7 +64,7 @@ class ServiceProcess:
         proc.stdout.close()
         proc.wait()
         remove_segments_of(proc.pid)  # what SIGKILL left it no chance to remove
-        on_exit()
+        on_exit(proc.pid)
 
     def send(self, sig: int) -> None:
         """Send ``sig`` if it is running."""

@@ -40,8 +40,8 @@ def die_with_launcher() -> Callable[[], None] | None:
     gone before that was set. None off Linux, where there is no such signal.
 
     SIGKILL rather than SIGTERM: with the launcher gone, nothing would kill a service
-    stuck in its drain. The shared memory a killed service leaves is removed by the next
-    service's start-up sweep (remove_stale_segments)."""
+    stuck in its drain. The shared memory a killed service leaves is removed by the
+    cluster's watchdog (kvserve/cli/reaper.py)."""
     prctl = _prctl()
     if prctl is None:
         return None

@@ -29,7 +29,8 @@ A process that dies once the cluster is up (a service instance or nats-server) i
 started again, with the same id, port and settings, {RESTART_DELAY_FIRST:g} s later; the delay
 doubles, up to {RESTART_DELAY_MAX:g} s, while it keeps dying within {HEALTHY_AFTER_SECONDS:g} s of starting. The rest
 of the cluster keeps serving meanwhile. Every process it started dies with kvserve
-up, however kvserve up ends (kill -9 included).
+up, however kvserve up ends (kill -9 included), and a watchdog then removes their shared
+memory and the cluster's runtime directory (its NATS credentials included).
 
 Each prefill and decode worker runs on its own share of this machine's cores (pinned,
 with one torch thread per core, threads sleeping when idle), so workers do not fight

@@ -38,9 +38,10 @@ class NatsServer:
     # Run in the child before exec (LocalCluster: make nats-server die with its launcher).
     preexec_fn: Callable[[], None] | None = None
 
-    def __init__(self, host: str = "127.0.0.1", log_file: Path | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", log_file: Path | None = None, directory: Path | None = None) -> None:
         self.host = host
         self.log_file = log_file
+        self.directory = directory  # where its directories go (default: the system's temporary directory)
         self.port: int | None = None
         self._passwords = random_passwords()  # the same across restarts
         self._proc: subprocess.Popen | None = None
@@ -77,9 +78,9 @@ class NatsServer:
 
     def start(self, timeout: float = 15.0) -> "NatsServer":
         if self._auth is None:
-            self._auth_dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-auth-")  # 0700
+            self._auth_dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-auth-", dir=self.directory)  # 0700
             self._auth = write_auth_files(self._auth_dir.name, self._passwords)
-        self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-")
+        self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-", dir=self.directory)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(self._auth.server_config), "-a", self.host, "-p", str(self.port or -1),

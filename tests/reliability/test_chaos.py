@@ -182,12 +182,22 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_kill_9_of_kvserve_up_leaves_no_service_running():
-    env = {**os.environ, **CLUSTER_ENV, "PYTHONUNBUFFERED": "1"}
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(entry.split("=", 1) for entry in raw.decode(errors="replace").split("\0") if "=" in entry)
+
+
+def test_kill_9_of_kvserve_up_leaves_no_process_segment_or_credential(tmp_path):
+    # Its temporary directories go to tmp_path, so that whatever it left there is seen.
+    env = {**os.environ, **CLUSTER_ENV, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp_path)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli.main", "up", "--port", "0", "--dtype", "auto"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )  # fmt: skip
+    children: set[int] = set()
     try:
         for line in proc.stdout:
             if re.search(r"kvserve is up: http://127\.0\.0\.1:\d+/v1", line):
@@ -195,11 +205,29 @@ def test_kill_9_of_kvserve_up_leaves_no_service_running():
         else:
             pytest.fail("kvserve up exited before printing its URL")
         children = _descendants(proc.pid)
-        assert len(children) >= 6, f"expected nats-server and five services, found {len(children)} processes"
+        assert len(children) >= 7, f"expected nats-server, five services and the watchdog, found {len(children)}"
+        environs = [_environ(pid) for pid in children]
+        credentials = {Path(e["KVSERVE_NATS_CREDENTIALS"]) for e in environs if "KVSERVE_NATS_CREDENTIALS" in e}
+        runtime = {Path(e["KVSERVE_CALIBRATION_FILE"]).parent for e in environs if "KVSERVE_CALIBRATION_FILE" in e}
+        assert len(credentials) == 5 and all(path.exists() for path in credentials)  # one per role
+        assert len(runtime) == 1
+        (runtime_dir,) = runtime
+        assert runtime_dir.parent == tmp_path and runtime_dir.exists()
+        segments = _segments_of(children)
+        assert len(segments) >= 3, f"expected the workers' KV pools and the store's DRAM, found {segments}"
         proc.kill()
         proc.wait()
-        wait_until(lambda: not any(_alive(pid) for pid in children), timeout=5)
+        # The watchdog exits last, once it has cleaned up.
+        wait_until(lambda: not any(_alive(pid) for pid in children), timeout=30)
+        assert _segments_of(children) == []
+        assert [path for path in credentials if path.exists()] == []
+        assert not runtime_dir.exists() and sorted(path.name for path in tmp_path.glob("kvserve-*")) == []
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.stdout.close()
+        for pid in children:  # only when the test fails: leave nothing behind
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for name in _segments_of(children):
+            (Path("/dev/shm") / name).unlink(missing_ok=True)

@@ -129,7 +129,7 @@ def test_stop_kills_what_does_not_stop_and_leaves_nothing_behind(model_dir):
     log = io.StringIO()
     with make_cluster(model_dir, log, env={"KVSERVE_FAKE_STUCK": "store-0"}) as cluster:
         pids = cluster.pids
-        assert children() - before == set(pids.values()) | {cluster.nats_pid}
+        assert children() - before == set(pids.values()) | {cluster.nats_pid, cluster.reaper_pid}
         cluster.stop(grace=1)
     assert "[kvserve]     store-0 did not stop within 1s; killing it" in log.getvalue()
     assert all(not is_alive(pid) for pid in pids.values())

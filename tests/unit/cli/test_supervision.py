@@ -1,6 +1,7 @@
 """Supervision, on stand-in services (fake_service.py) and a real nats-server: what dies
 is started again (nats-server on its port), what a dead child leaves in shared memory
-is removed, a crash loop is retried ever more slowly, and nothing outlives the launcher."""
+is removed, a crash loop is retried ever more slowly, and nothing outlives the launcher:
+no process, no segment, no credential."""
 
 import io
 import json
@@ -10,10 +11,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from kvserve.cli.reaper import reap
 from kvserve.cli.supervisor import SHM_DIR, Backoff, die_with_launcher, remove_segments_of
+from libs.common.nats_auth import USERS
 from tests.integration.conftest import wait_until
 from tests.unit.cli.harness import ROOT, children, is_alive, make_cluster
 
@@ -112,32 +116,44 @@ def test_a_crash_loop_is_retried_with_growing_delays_until_it_recovers(supervise
     assert "decode-0: fake crash" in log.getvalue()  # its last lines, printed with the warning
 
 
-def test_killing_the_launcher_kills_every_process_it_started(model_dir):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def test_killing_the_launcher_kills_every_process_it_started_and_leaves_nothing_behind(model_dir, tmp_path):
+    # Its temporary directories go to tmp_path, so that whatever it left there is seen.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(tmp_path)}
     launcher = subprocess.Popen(
         [sys.executable, "-m", "tests.unit.cli.supervised_cluster", str(model_dir)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+    # A live process's segment, as another cluster's: not this cluster's to remove.
+    others = SHM_DIR / f"kvserve-{os.getpid()}-prefill-0-kv-0123456789ab"
+    others.write_bytes(b"x")
     pids: dict[str, int] = {}
     try:
         line = launcher.stdout.readline()  # once its cluster is ready
         assert line.startswith("pids "), f"the launcher exited first ({launcher.poll()})"
         pids = json.loads(line.split(" ", 1)[1])
-        assert set(pids) == {"conductor-0", "store-0", "prefill-0", "decode-0", "gateway-0", "nats-server"}
+        runtime = Path(launcher.stdout.readline().removeprefix("runtime ").strip())
+        assert set(pids) == {"conductor-0", "store-0", "prefill-0", "decode-0", "gateway-0", "nats-server", "reaper"}
         assert all(is_alive(pid) for pid in pids.values())
+        services = [pid for name, pid in pids.items() if name not in ("nats-server", "reaper")]
+        assert all(segments_of(pid) for pid in services)  # each holds one, as a worker holds its KV pool
+        credentials = sorted(runtime.glob("kvserve-nats-auth-*/*/credentials.json"))
+        assert runtime.parent == tmp_path and len(credentials) == len(USERS)  # one per NATS user
         launcher.kill()
         launcher.wait()
+        # The watchdog exits last, once it has cleaned up.
         wait_until(lambda: not any(is_alive(pid) for pid in pids.values()), timeout=30)
+        assert [name for pid in pids.values() for name in segments_of(pid)] == []
+        assert not runtime.exists() and list(tmp_path.iterdir()) == []  # no credential, no runtime directory
+        assert others.exists()
     finally:
+        others.unlink(missing_ok=True)
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
         for pid in pids.values():
             if is_alive(pid):  # only when the test fails: leave no orphan behind
                 os.kill(pid, signal.SIGKILL)
-            # Their segments are left to the next service's start-up sweep (remove_stale_segments);
-            # this test removes its own.
-            remove_segments_of(pid)
+            remove_segments_of(pid)  # likewise
 
 
 def test_a_child_whose_launcher_is_already_gone_exits_before_exec():
@@ -173,4 +189,25 @@ def test_segments_are_removed_by_owner_pid_only():
         assert not mine.exists() and other.exists()
     finally:
         for path in (mine, other):
+            path.unlink(missing_ok=True)
+
+
+def test_the_reaper_cleans_up_after_the_processes_named_to_it_and_not_the_forgotten_ones(tmp_path):
+    ended = [subprocess.Popen([sys.executable, "-c", ""]) for _ in range(2)]
+    for proc in ended:
+        proc.wait()
+    watched, forgotten = (proc.pid for proc in ended)
+    made = [SHM_DIR / f"kvserve-{pid}-prefill-0-kv-0123456789ab" for pid in (watched, forgotten)]
+    runtime = tmp_path / "kvserve-cluster-x"
+    (runtime / "kvserve-nats-auth-y" / "store").mkdir(parents=True)
+    (runtime / "kvserve-nats-auth-y" / "store" / "credentials.json").write_text("{}")
+    try:
+        for path in made:
+            path.write_bytes(b"x")
+        lines = [f"watch {watched}\n", f"watch {forgotten}\n", "nonsense\n", f"forget {forgotten}\n"]
+        reap([line.encode() for line in lines], runtime)  # the launcher's lines, then the end of its pipe
+        assert [path.exists() for path in made] == [False, True]  # a forgotten one's are the launcher's to remove
+        assert not runtime.exists()
+    finally:
+        for path in made:
             path.unlink(missing_ok=True)
