@@ -236,11 +236,11 @@ async def _write_events(stream: web.StreamResponse, generation: Generation, bodi
             await stream.write(sse.event(bodies.role_chunk()))
         async with aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
-                if delta.text:
-                    await stream.write(sse.event(bodies.text_chunk(delta.text)))
-                if delta.finish_reason is not None:
+                if delta.finish_reason is not None:  # the last text rides with the finish, even when empty
                     finish_written = True
-                    await stream.write(sse.event(_last_chunk(bodies, delta.finish_reason, generation)))
+                    await stream.write(sse.event(_last_chunk(bodies, delta.finish_reason, generation, delta.text)))
+                elif delta.text:
+                    await stream.write(sse.event(bodies.text_chunk(delta.text)))
     except ConnectionResetError:
         raise  # the client is gone: nothing more to write
     except Exception as e:
@@ -259,9 +259,9 @@ async def _write_events(stream: web.StreamResponse, generation: Generation, bodi
     await stream.write_eof()
 
 
-def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation) -> dict[str, Any]:
-    """The chunk with the finish reason, saying which instances served the request."""
-    return {**bodies.finish_chunk(finish_reason), "kvserve": generation.served_by()}
+def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation, text: str = "") -> dict[str, Any]:
+    """The chunk with the last text and the finish reason, saying which instances served the request."""
+    return {**bodies.finish_chunk(finish_reason, text), "kvserve": generation.served_by()}
 
 
 def _header(request: web.Request, name: str) -> str | None:
