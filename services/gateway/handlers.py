@@ -285,7 +285,9 @@ async def _json_body(request: web.Request, seconds: float) -> Any:
             data = await request.read()
     except TimeoutError:
         raise RequestBodyTimeoutError(f"The request body did not arrive within {seconds:g} seconds.") from None
-    data = decode_content(data, codings)  # at most MAX_BODY_BYTES out: milliseconds
+    if codings:  # at most MAX_BODY_BYTES out, but a large body may hold many gzip members
+        inline = len(data) <= INLINE_DECODE_BYTES
+        data = decode_content(data, codings) if inline else await asyncio.to_thread(decode_content, data, codings)
     if len(data) > INLINE_DECODE_BYTES:
         return await asyncio.to_thread(decode_body, data)
     return decode_body(data)

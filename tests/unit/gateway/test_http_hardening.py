@@ -5,6 +5,7 @@ and the listener closes slow, idle and surplus connections."""
 import asyncio
 import gzip
 import json
+import os
 import zlib
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,7 @@ from libs.common.schema import Heartbeat
 from services.gateway import request_limits
 from services.gateway.app import Gateway
 from services.gateway.errors import BodyTooLargeError
+from services.gateway.handlers import INLINE_DECODE_BYTES
 from services.gateway.listener import ConnectionGuard, serve
 from services.gateway.routes import GATEWAY, init_app
 from tests.integration.conftest import wait_until_async
@@ -303,6 +305,15 @@ async def test_a_compressed_body_is_decoded(served_model, encoding, encode):
     async with listening(served_model) as (port, _):
         status, body = await raw_post(port, encode(BAD_SEED), b"Content-Encoding: %s\r\n" % encoding)
         assert openai_error(status, body) == (400, "invalid_request_error", "seed")  # read as JSON: decoded
+
+
+async def test_a_large_compressed_body_is_decoded_off_the_event_loop_and_checked(served_model):
+    noise = os.urandom(150_000).hex()  # incompressible: the gzip body is larger than what is decoded inline
+    body = gzip.compress(json.dumps({**CHAT, "messages": [{"role": "user", "content": noise}], "seed": 2**64}).encode())
+    assert len(body) > INLINE_DECODE_BYTES
+    async with listening(served_model) as (port, _):
+        status, answer = await raw_post(port, body, b"Content-Encoding: gzip\r\n")
+        assert openai_error(status, answer) == (400, "invalid_request_error", "seed")
 
 
 @pytest.mark.parametrize("encoding, data", [
