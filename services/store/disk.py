@@ -3,11 +3,11 @@ has the format), its own byte capacity and LRU, and an index rebuilt from the
 directory at start.
 
 A checksum that fails on read deletes the file and is reported as a miss (the
-caller reports it as removed). A failed write is logged at once; more failures
-that follow (a full disk fails every block) are summed up in one line. Every file operation runs on the tier's thread
-pool, never on the event loop; the index itself is touched only on the event
-loop. The tier keeps no KV events: `tiers.py` records them. A `LowerTier`
-(`tier.py`).
+caller reports it as removed). A failed write is logged at once; the failures
+that follow it (a full disk fails every block) are summed up in one line. Every
+file operation runs on the tier's thread pool, never on the event loop; the index
+itself is touched only on the event loop. The tier keeps no KV events: `tiers.py`
+records them. A `LowerTier` (`tier.py`).
 """
 
 import asyncio
