@@ -3,7 +3,8 @@
 A service connects to NATS (and keeps reconnecting forever, logging each
 attempt), publishes a Heartbeat every second, decodes every message through
 `schema.decode` (a message that does not decode is logged and dropped, never a
-crash), and on SIGTERM/SIGINT stops taking work, drains NATS and exits.
+crash), and on SIGTERM/SIGINT stops taking work, drains NATS and exits 0, whether
+NATS is up or not.
 """
 
 import asyncio
@@ -163,12 +164,22 @@ class Service:
         return connect.result()
 
     async def _drain(self) -> None:
-        if self.nc is None or self.nc.is_closed:
+        """Drain NATS on the way out; close the connection where it cannot drain. Whatever
+        NATS is doing (down, reconnecting, gone mid-drain), a stop is no failure: the
+        process still exits 0."""
+        nc = self.nc
+        if nc is None or nc.is_closed:
             return
-        if self.nc.is_connected:
-            await self.nc.drain()
-        else:  # nothing to drain to
-            await self.nc.close()
+        if nc.is_connected:
+            try:
+                await nc.drain()
+                return
+            except Exception as e:
+                self.log.warning("NATS did not drain (%s): closing the connection", e)
+        try:
+            await nc.close()  # nothing to drain to
+        except Exception as e:  # e.g. uvloop refuses to flush into a transport the server already closed
+            self.log.info("closed the NATS connection; what it still held is lost (%s)", e)
 
     async def _heartbeat_loop(self) -> None:
         subject = subjects.heartbeat(self.settings.role)

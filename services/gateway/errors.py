@@ -48,6 +48,14 @@ class RateLimitedError(KVServeError):
         self.reason = reason  # the target it would miss: ttft_slo, tbt_slo, decode_full, slo_unattainable
 
 
+class BodyTooLargeError(KVServeError):
+    """The request body, once decoded, is larger than the gateway accepts."""
+
+
+class UnsupportedEncodingError(KVServeError):
+    """The request body came in a Content-Encoding the gateway does not decode."""
+
+
 class RequestTimeoutError(KVServeError):
     """No token arrived for the configured number of seconds."""
 
@@ -78,6 +86,10 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 def to_http(error: Exception) -> HTTPError:
     """The status, OpenAI error body and extra headers for ``error``."""
     message = str(error)
+    if isinstance(error, BodyTooLargeError):
+        return HTTPError(413, error_body(message, "invalid_request_error"), {})
+    if isinstance(error, UnsupportedEncodingError):
+        return HTTPError(415, error_body(message, "invalid_request_error"), {})
     if isinstance(error, InvalidRequestError):
         return HTTPError(400, error_body(message, "invalid_request_error", getattr(error, "param", None)), {})
     if isinstance(error, ModelNotServedError):

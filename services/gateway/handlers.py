@@ -44,7 +44,7 @@ from services.gateway.openai_protocol import (
     parse_chat_request,
     parse_completion_request,
 )
-from services.gateway.request_limits import decode_body
+from services.gateway.request_limits import content_codings, decode_body, decode_content
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -150,7 +150,7 @@ class Handlers:
         description needs ``Authorization: Bearer <key>``."""
         key = self.settings.api_key
         if key is not None and request.path not in PUBLIC_PATHS:
-            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            scheme, _, token = (_header(request, "Authorization") or "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
                 raise AuthenticationError(
                     "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
@@ -183,7 +183,7 @@ def _slo_override(request: web.Request) -> SLOOverride:
     """Per-request SLOs from the x-kvserve-slo-ttft-ms / x-kvserve-slo-tbt-ms headers."""
     values = {}
     for header, field in SLO_HEADERS.items():
-        raw = request.headers.get(header)
+        raw = _header(request, header)
         if raw is None:
             continue
         try:
@@ -207,7 +207,7 @@ MAX_SESSION_ID = 256
 
 def _session_id(request: web.Request, parsed: GenerateRequest) -> str | None:
     """The conversation a request belongs to: the x-session-id header, else OpenAI's ``user``."""
-    session = request.headers.get(SESSION_HEADER) or parsed.user
+    session = _header(request, SESSION_HEADER) or parsed.user
     if session is not None and len(session) > MAX_SESSION_ID:
         raise InvalidParameterError(f"the session id ({SESSION_HEADER} or 'user') must be at most "
                                     f"{MAX_SESSION_ID} characters, got {len(session)}")  # fmt: skip
@@ -242,11 +242,11 @@ async def _write_events(stream: web.StreamResponse, generation: Generation, bodi
             await stream.write(sse.event(bodies.role_chunk()))
         async with aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
-                if delta.text:
-                    await stream.write(sse.event(bodies.text_chunk(delta.text)))
-                if delta.finish_reason is not None:
+                if delta.finish_reason is not None:  # the last text rides with the finish, even when empty
                     finish_written = True
-                    await stream.write(sse.event(_last_chunk(bodies, delta.finish_reason, generation)))
+                    await stream.write(sse.event(_last_chunk(bodies, delta.finish_reason, generation, delta.text)))
+                elif delta.text:
+                    await stream.write(sse.event(bodies.text_chunk(delta.text)))
     except ConnectionResetError:
         raise  # the client is gone: nothing more to write
     except Exception as e:
@@ -265,17 +265,35 @@ async def _write_events(stream: web.StreamResponse, generation: Generation, bodi
     await stream.write_eof()
 
 
-def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation) -> dict[str, Any]:
-    """The chunk with the finish reason, saying which instances served the request."""
-    return {**bodies.finish_chunk(finish_reason), "kvserve": generation.served_by()}
+def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation, text: str = "") -> dict[str, Any]:
+    """The chunk with the last text and the finish reason, saying which instances served the request."""
+    return {**bodies.finish_chunk(finish_reason, text), "kvserve": generation.served_by()}
+
+
+def _header(request: web.Request, name: str) -> str | None:
+    """The value of header ``name``; 400 when its bytes are not UTF-8 (aiohttp hands
+    them on as surrogates, which nothing downstream can encode)."""
+    value = request.headers.get(name)
+    if value is not None and not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise InvalidParameterError(f"The {name} header is not valid UTF-8.") from None
+    return value
 
 
 async def _json_body(request: web.Request, seconds: float) -> Any:
+    """The request's JSON body: read within ``seconds``, its Content-Encoding undone
+    (the server leaves it to us: see listener.SERVER_OPTIONS), decoded."""
+    codings = content_codings(_header(request, "Content-Encoding"))  # 415 before the body is read
     try:
         async with asyncio.timeout(seconds):
             data = await request.read()
     except TimeoutError:
         raise RequestBodyTimeoutError(f"The request body did not arrive within {seconds:g} seconds.") from None
+    if codings:  # at most MAX_BODY_BYTES out, but a large body may hold many gzip members
+        inline = len(data) <= INLINE_DECODE_BYTES
+        data = decode_content(data, codings) if inline else await asyncio.to_thread(decode_content, data, codings)
     if len(data) > INLINE_DECODE_BYTES:
         return await asyncio.to_thread(decode_body, data)
     return decode_body(data)

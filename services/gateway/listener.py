@@ -20,6 +20,11 @@ from services.gateway.errors import error_body
 
 log = logging.getLogger("kvserve.gateway.http")
 
+# What the gateway's application needs of the server that runs it: request bodies
+# as sent, so their Content-Encoding is undone under the body limit
+# (request_limits.decode_content), not inflated unbounded before a handler runs.
+SERVER_OPTIONS = {"auto_decompress": False}
+
 
 def _busy_response() -> bytes:
     body = msgspec.json.encode(
@@ -173,7 +178,7 @@ async def serve(app: web.Application, host: str, port: int, guard: ConnectionGua
     # aiohttp's own keep-alive timer only backs the guard's up: it never fires first
     keepalive = guard.header_timeout + guard.keepalive_timeout
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
-                           keepalive_timeout=keepalive)  # fmt: skip
+                           keepalive_timeout=keepalive, **SERVER_OPTIONS)  # fmt: skip
     await runner.setup()
     try:
         await GuardedSite(runner, host, port, guard).start()

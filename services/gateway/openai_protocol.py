@@ -324,10 +324,13 @@ class ResponseBodies:
             return self._chunk({"delta": {"content": text}, "finish_reason": None})
         return self._chunk({"text": text, "finish_reason": None})
 
-    def finish_chunk(self, finish_reason: str) -> dict[str, Any]:
+    def finish_chunk(self, finish_reason: str, text: str = "") -> dict[str, Any]:
+        """The chunk that ends the answer: its last text, "" when the last tokens have
+        none (an end-of-sequence token under ignore_eos), with the finish reason, as
+        vLLM sends it; so every answer whose usage counts tokens has a content chunk."""
         if self.is_chat:
-            return self._chunk({"delta": {}, "finish_reason": finish_reason})
-        return self._chunk({"text": "", "finish_reason": finish_reason})
+            return self._chunk({"delta": {"content": text}, "finish_reason": finish_reason})
+        return self._chunk({"text": text, "finish_reason": finish_reason})
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.is_chat else "text_completion")

@@ -215,7 +215,8 @@ _STATUS_TEXT = {
     401: "No API key, or the wrong one.",
     404: "The model is not served here.",
     408: "The request body did not arrive within the body timeout.",
-    413: "The request body is larger than the server accepts.",
+    413: "The request body is larger than the server accepts (1 MiB, once its Content-Encoding is undone).",
+    415: "The request body's Content-Encoding is neither gzip, deflate nor identity.",
     429: "The cluster cannot meet the request's latency targets now (Retry-After says when to retry).",
     500: "A worker failed while serving the request.",
     503: "A role the request needs (conductor, prefill, decode) is missing or unreachable.",
@@ -262,7 +263,7 @@ def _generation(summary: str, request: str, response: str, chunk_object: str) ->
                 "description": "The completion, whole or streamed.",
                 "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": {"schema": stream}},
             },
-            **_errors(400, 401, 404, 408, 413, 429, 500, 503, 504),
+            **_errors(400, 401, 404, 408, 413, 415, 429, 500, 503, 504),
         },
     }
 

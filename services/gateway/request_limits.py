@@ -1,18 +1,22 @@
 """What a request may carry: the range of every number, the fields each endpoint
-reads, ignores or refuses, and how deep its JSON may nest.
+reads, ignores or refuses, how large its body may be and in which encodings, and
+how deep its JSON may nest.
 
 `openai_protocol` enforces these while parsing; `openapi` publishes them, so the
 parser and the description cannot drift apart.
 """
 
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import numpy as np
 
-from services.gateway.errors import InvalidParameterError
+from services.gateway.errors import BodyTooLargeError, InvalidParameterError, UnsupportedEncodingError
 
+MAX_BODY_BYTES = 1024**2  # a request body, after its Content-Encoding is undone
+CONTENT_CODINGS = ("gzip", "deflate", "identity")  # what a request body may be sent in
 MAX_JSON_DEPTH = 32  # nesting levels of arrays and objects a request body may have
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch's generators and msgpack carry
@@ -87,6 +91,53 @@ UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
     "suffix": ("",),
 }
 STREAM_OPTIONS = ("include_usage", "include_obfuscation")  # the second is accepted and ignored
+
+
+def content_codings(content_encoding: str | None) -> list[str]:
+    """The codings a Content-Encoding header lists, in the order they were applied;
+    UnsupportedEncodingError (415) for one the gateway does not decode."""
+    codings = [c.strip().lower() for c in (content_encoding or "").split(",") if c.strip()]
+    for coding in codings:
+        if coding not in CONTENT_CODINGS:
+            raise UnsupportedEncodingError(
+                f"Content-Encoding {coding!r} is not supported; send the body as is, gzip or deflate."
+            )
+    return codings
+
+
+def decode_content(data: bytes, codings: list[str]) -> bytes:
+    """The body ``data`` with ``codings`` undone, last applied first. Inflating stops
+    one byte past MAX_BODY_BYTES, so a small body that would inflate to gigabytes
+    costs a mebibyte: BodyTooLargeError (413). Data that is not what its coding
+    says is an InvalidParameterError (400)."""
+    for coding in reversed(codings):
+        if coding != "identity":
+            data = _inflate(data, coding)
+    return data
+
+
+def _inflate(data: bytes, coding: str) -> bytes:
+    out = bytearray()
+    rest = data
+    while True:  # gzip allows several members one after another
+        # zlib's header says deflate (RFC 1950); some clients send bare deflate (RFC 1951), as browsers accept
+        bare = coding == "deflate" and (not rest or rest[0] & 0x0F != 8)
+        wbits = 16 + zlib.MAX_WBITS if coding == "gzip" else -zlib.MAX_WBITS if bare else zlib.MAX_WBITS
+        inflater = zlib.decompressobj(wbits)
+        try:
+            out += inflater.decompress(rest, MAX_BODY_BYTES + 1 - len(out))
+        except zlib.error as e:
+            raise InvalidParameterError(f"The request body is not valid {coding} data ({e}).") from None
+        if len(out) > MAX_BODY_BYTES:
+            raise BodyTooLargeError(f"The request body is larger than {MAX_BODY_BYTES} bytes once decoded.")
+        if not inflater.eof:
+            raise InvalidParameterError(f"The request body is not valid {coding} data (it ends too early).")
+        rest = inflater.unused_data
+        if not rest or coding != "gzip":
+            break
+    if rest:
+        raise InvalidParameterError(f"The request body is not valid {coding} data (bytes follow its end).")
+    return bytes(out)
 
 
 def decode_body(data: bytes) -> Any:

@@ -13,6 +13,7 @@ from services.gateway import console
 from services.gateway.generation import Generations
 from services.gateway.handlers import Handlers, error_middleware
 from services.gateway.listener import ConnectionGuard
+from services.gateway.request_limits import MAX_BODY_BYTES
 
 GATEWAY = web.AppKey("gateway", Service)  # the gateway's NATS side: its instance, its connection
 GENERATIONS = web.AppKey("generations", Generations)  # the request core
@@ -22,7 +23,8 @@ def init_app(service: Service, generations: Generations, guard: ConnectionGuard 
     """The gateway's routes; ``guard``, when given, watches every request first."""
     handlers = Handlers(service, generations)
     middlewares = [error_middleware, handlers.auth_middleware]
-    app = web.Application(middlewares=([guard.middleware] if guard else []) + middlewares)
+    app = web.Application(middlewares=([guard.middleware] if guard else []) + middlewares,
+                          client_max_size=MAX_BODY_BYTES)  # fmt: skip
     app[GATEWAY] = service
     app[GENERATIONS] = generations
     app.router.add_post("/v1/chat/completions", handlers.chat_completions)

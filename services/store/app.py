@@ -101,12 +101,8 @@ class StoreService(Service):
     async def start(self, stack: AsyncExitStack) -> None:
         stack.callback(self._close)
         await self.tiers.start()
-        disk = self.tiers.disk
-        self.log.info(
-            "DRAM tier: %d slots of %d bytes in %s; disk tier: %s", self.tiers.dram.num_slots, self.block_nbytes,
-            self.segment.name,
-            f"{len(disk)} blocks found in {disk.files.directory}, capacity {disk.capacity_bytes} bytes" if disk else "off",
-        )  # fmt: skip
+        self.log.info("DRAM tier: %d slots of %d bytes in %s; disk tier: %s", self.tiers.dram.num_slots,
+                      self.block_nbytes, self.segment.name, disk_state(self.tiers.disk))  # fmt: skip
         await KVEventPublisher(self, self.events).start(stack)
         if self.tiers.next_tier is not None:
             self._write_behind = self.spawn(self.tiers.write_behind(self.settings.write_behind_s), essential=True)
@@ -288,3 +284,13 @@ def _lengths_differ(request: StoreGetRequest) -> ErrorReply | None:
     if len(request.block_hashes) != len(request.offsets):
         return ErrorReply(code=ErrorCode.INVALID_REQUEST, message="block_hashes and offsets differ in length")
     return None
+
+
+def disk_state(disk: LowerTier | None) -> str:
+    """What the start log says of the disk tier once loaded: what it holds and where,
+    or "off" when none is composed (an empty tier is still a tier)."""
+    if disk is None:
+        return "off"
+    stats = disk.stats()
+    where = f" in {disk.files.directory}" if isinstance(disk, DiskTier) else ""
+    return f"{stats.num_blocks} blocks ({stats.used_bytes} bytes) found{where}, capacity {stats.capacity_bytes} bytes"

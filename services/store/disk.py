@@ -3,10 +3,11 @@ has the format), its own byte capacity and LRU, and an index rebuilt from the
 directory at start.
 
 A checksum that fails on read deletes the file and is reported as a miss (the
-caller reports it as removed). Every file operation runs on the tier's thread
-pool, never on the event loop; the index itself is touched only on the event
-loop. The tier keeps no KV events: `tiers.py` records them. A `LowerTier`
-(`tier.py`).
+caller reports it as removed). A failed write is logged at once; the failures
+that follow it (a full disk fails every block) are summed up in one line. Every
+file operation runs on the tier's thread pool, never on the event loop; the index
+itself is touched only on the event loop. The tier keeps no KV events: `tiers.py`
+records them. A `LowerTier` (`tier.py`).
 """
 
 import asyncio
@@ -22,6 +23,41 @@ from services.store.block_files import BlockFiles
 from services.store.tier import TierStats
 
 log = logging.getLogger(__name__)
+
+FAILURE_SUMMARY_S = 10.0  # seconds of write failures summed up in one log line
+
+
+class WriteFailures:
+    """The disk tier's failed block writes, logged without a flood: the first of a run
+    at once, then one line with the count, the bytes and the first error, once the run
+    has lasted ``summary_after_s``, a write lands again, or the tier closes."""
+
+    def __init__(self, summary_after_s: float = FAILURE_SUMMARY_S) -> None:
+        self.summary_after_s = summary_after_s
+        self.num_blocks = 0  # in the run not summed up yet, the first included
+        self.num_bytes = 0
+        self.first_error: str | None = None
+        self._summary: asyncio.TimerHandle | None = None
+
+    def failed(self, block_hash: BlockHash, nbytes: int, error: str) -> None:
+        if self.num_blocks == 0:
+            log.error("could not write block %s to disk: %s (further failures for %gs are summed up in one line)",
+                      block_hash.hex(), error, self.summary_after_s)  # fmt: skip
+            self.first_error = error
+            self._summary = asyncio.get_running_loop().call_later(self.summary_after_s, self.summarize)
+        self.num_blocks += 1
+        self.num_bytes += nbytes
+
+    def summarize(self) -> None:
+        """Log the run so far, when more than its first failure (logged already) is in it."""
+        if self._summary is not None:
+            self._summary.cancel()
+            self._summary = None
+        if self.num_blocks > 1:
+            log.error("could not write %d blocks (%d bytes) to disk; the first error: %s", self.num_blocks,
+                      self.num_bytes, self.first_error)  # fmt: skip
+        self.num_blocks = self.num_bytes = 0
+        self.first_error = None
 
 
 class DiskTier:
@@ -50,6 +86,7 @@ class DiskTier:
         self._deleting: set[BlockHash] = set()
         self._reserved_bytes = 0
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="store-disk")
+        self.write_failures = WriteFailures()
 
     @property
     def used_bytes(self) -> int:
@@ -125,11 +162,12 @@ class DiskTier:
         await self.delete(evicted)
         try:
             await self._run(self.files.write, block_hash, payload)
-            return True
         except OSError as e:
-            log.error("could not write block %s to disk: %s", block_hash.hex(), e)
+            self.write_failures.failed(block_hash, self.files.file_nbytes, str(e))
             self._written_not_added(block_hash)
             return False
+        self.write_failures.summarize()  # a write landed: a run of failures, if any, is over
+        return True
 
     async def put_many(self, blocks: list[tuple[BlockHash, memoryview]]) -> list[bool]:
         """`put` for a batch, as one job on one thread with one fsync of the directory
@@ -158,8 +196,10 @@ class DiskTier:
             if error is None:
                 written[i] = True
             else:
-                log.error("could not write block %s to disk: %s", blocks[i][0].hex(), error)
+                self.write_failures.failed(blocks[i][0], self.files.file_nbytes, error)
                 self._written_not_added(blocks[i][0])
+        if any(written):
+            self.write_failures.summarize()
         return written
 
     def add(self, block_hash: BlockHash) -> None:
@@ -209,4 +249,5 @@ class DiskTier:
             self._deleting.difference_update(block_hashes)
 
     def close(self) -> None:
+        self.write_failures.summarize()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -66,6 +66,23 @@ def test_completions_endpoint_and_models_list(openai_client, smollm):
     assert out.usage.completion_tokens == len(ref.token_ids)
 
 
+def test_a_one_token_answer_whose_token_has_no_text_says_so_as_vllm_does(openai_client):
+    """After a finished assistant turn the model's next token is <|im_end|>, its end of
+    sequence. Under ignore_eos and max_tokens 1 it is the whole answer: counted in usage,
+    no text, shown as "" in the chunk with the finish reason (vLLM's answer)."""
+    prompt = "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\nHello! How can I help you today?"
+    request = dict(model=MODEL, prompt=prompt, temperature=0)
+    stopped = openai_client.completions.create(max_tokens=4, **request)
+    assert (stopped.choices[0].text, stopped.choices[0].finish_reason, stopped.usage.completion_tokens) == ("", "stop", 1)
+
+    one = dict(max_tokens=1, extra_body={"ignore_eos": True}, **request)
+    answer = openai_client.completions.create(**one)
+    assert (answer.choices[0].text, answer.choices[0].finish_reason, answer.usage.completion_tokens) == ("", "length", 1)
+    chunks = list(openai_client.completions.create(stream=True, stream_options={"include_usage": True}, **one))
+    assert [(c.choices[0].text, c.choices[0].finish_reason) for c in chunks if c.choices] == [("", "length")]
+    assert chunks[-1].usage.completion_tokens == 1
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_decode_blocks(cluster):
     capacity = {i: hb.capacity for i, hb in cluster.instances.items() if hb.role == "decode"}
     body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Count to one thousand."}],

@@ -155,7 +155,7 @@ async def test_streams_a_chat_completion_reassembled_in_order(start_gateway, clu
     assert {c.id for c in chunks} == {admit.request_id}
     assert [c.object for c in chunks] == ["chat.completion.chunk"] * len(chunks)
     assert chunks[0].choices[0].delta.role == "assistant"
-    assert [c.choices[0].delta.content for c in chunks[:-2]] == ["", "H", "ello", " world"]
+    assert [c.choices[0].delta.content for c in chunks[:-1]] == ["", "H", "ello", " world", ""]
     assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None, None, None, None, "stop"]
     assert chunks[-1].choices == []
     usage = chunks[-1].usage
@@ -169,6 +169,30 @@ async def test_streams_a_chat_completion_reassembled_in_order(start_gateway, clu
     assert stopped.usage.completion_tokens == 9  # up to the token that completed the stop string
     cancel = await cluster.next_cancel()
     assert (cancel.request_id, cancel.reason) == (stopped.id, "stop")
+
+
+@pytest.mark.parametrize("token, text", [(EOS, ""), (ord("H"), "H")], ids=["no-text", "text"])
+async def test_a_one_token_answer_always_has_a_content_chunk_matching_its_usage(start_gateway, cluster, token, text):
+    """max_tokens 1 and ignore_eos: the prefill worker's first token ends the answer. An
+    end-of-sequence token has no text (as in vLLM: counted, shown as "")."""
+    cluster.script = lambda req: [chunk(req, 0, [token], "length", num_prompt_tokens=len(req.prompt_token_ids))]
+    url = await start_gateway()
+    client = openai_client(url)
+    request = dict(model="tiny-llama", max_tokens=1, extra_body={"ignore_eos": True})
+    chunks = [c async for c in await client.chat.completions.create(
+        messages=MESSAGES, stream=True, stream_options={"include_usage": True}, **request)]  # fmt: skip
+    assert [(c.choices[0].delta.content, c.choices[0].finish_reason) for c in chunks[:-1]] == [
+        ("", None), (text, "length")]  # fmt: skip
+    assert chunks[-1].usage.completion_tokens == 1
+
+    body = {"model": "tiny-llama", "prompt": "Say", "max_tokens": 1, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body) as response:
+        events = (await response.read()).split(b"\n\n")
+    last = json.loads(events[-3].removeprefix(b"data: "))
+    assert (last["choices"][0]["text"], last["choices"][0]["finish_reason"]) == (text, "length")
+
+    answer = await client.chat.completions.create(messages=MESSAGES, **request)
+    assert (answer.choices[0].message.content, answer.usage.completion_tokens) == (text, 1)
 
 
 async def test_a_text_completion_without_streaming(start_gateway, cluster):

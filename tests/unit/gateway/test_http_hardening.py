@@ -3,14 +3,20 @@
 and the listener closes slow, idle and surplus connections."""
 
 import asyncio
+import gzip
 import json
+import os
+import zlib
 from contextlib import asynccontextmanager
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from libs.common.schema import Heartbeat
+from services.gateway import request_limits
 from services.gateway.app import Gateway
+from services.gateway.errors import BodyTooLargeError
+from services.gateway.handlers import INLINE_DECODE_BYTES
 from services.gateway.listener import ConnectionGuard, serve
 from services.gateway.routes import GATEWAY, init_app
 from tests.integration.conftest import wait_until_async
@@ -249,3 +255,113 @@ async def test_the_connection_cap_answers_503_and_frees_slots_as_connections_clo
         assert (await asyncio.wait_for(reader.read(), WAIT)).startswith(b"HTTP/1.1 200")
         for _, w in held + [(reader, writer)]:
             w.close()
+
+
+# --- header bytes and Content-Encoding, through the real listener ----------------------
+async def raw_post(port: int, body: bytes, headers: bytes = b"",
+                   path: bytes = b"/v1/chat/completions") -> tuple[int, dict]:  # fmt: skip
+    """POST ``body`` with ``headers`` (raw lines) byte for byte; the status and JSON body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n%s"
+                 b"Content-Length: %d\r\n\r\n%s" % (path, headers, len(body), body))  # fmt: skip
+    response = await asyncio.wait_for(reader.read(), WAIT)  # the whole answer, then EOF
+    writer.close()
+    head, _, payload = response.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(payload)
+
+
+def openai_error(status: int, body: dict) -> tuple[int, str, str | None]:
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    return status, body["error"]["type"], body["error"]["param"]
+
+
+BAD_SEED = json.dumps({**CHAT, "seed": 2**64}).encode()  # a body that is 400 naming "seed" once read
+
+
+@pytest.mark.parametrize("header", [
+    b"X-Session-Id: caf\xe9\r\n", b"x-kvserve-slo-ttft-ms: 1\xff\r\n", b"Authorization: Bearer \xff\xfe\r\n",
+])  # fmt: skip
+async def test_a_header_that_is_not_utf8_is_400(served_model, header):
+    async with listening(served_model, api_key="sekret") as (port, _):
+        key = b"" if header.startswith(b"Authorization") else b"Authorization: Bearer sekret\r\n"
+        status, body = await raw_post(port, json.dumps(CHAT).encode(), key + header)
+        assert openai_error(status, body) == (400, "invalid_request_error", None)
+        assert "not valid UTF-8" in body["error"]["message"]
+
+
+def gzip_members(data: bytes, copies: int) -> bytes:
+    return gzip.compress(data) * copies  # gzip allows members one after another
+
+
+@pytest.mark.parametrize("encoding, encode", [
+    (b"gzip", gzip.compress),
+    (b"deflate", zlib.compress),  # zlib's header, as HTTP's deflate says
+    (b"deflate", lambda d: zlib.compress(d, wbits=-zlib.MAX_WBITS)),  # bare deflate, as some clients send
+    (b"GZIP, identity", gzip.compress),
+    (b"gzip, gzip", lambda d: gzip.compress(gzip.compress(d))),
+    (b"gzip", lambda d: gzip_members(d[:10], 1) + gzip_members(d[10:], 1)),
+])  # fmt: skip
+async def test_a_compressed_body_is_decoded(served_model, encoding, encode):
+    async with listening(served_model) as (port, _):
+        status, body = await raw_post(port, encode(BAD_SEED), b"Content-Encoding: %s\r\n" % encoding)
+        assert openai_error(status, body) == (400, "invalid_request_error", "seed")  # read as JSON: decoded
+
+
+async def test_a_large_compressed_body_is_decoded_off_the_event_loop_and_checked(served_model):
+    noise = os.urandom(150_000).hex()  # incompressible: the gzip body is larger than what is decoded inline
+    body = gzip.compress(json.dumps({**CHAT, "messages": [{"role": "user", "content": noise}], "seed": 2**64}).encode())
+    assert len(body) > INLINE_DECODE_BYTES
+    async with listening(served_model) as (port, _):
+        status, answer = await raw_post(port, body, b"Content-Encoding: gzip\r\n")
+        assert openai_error(status, answer) == (400, "invalid_request_error", "seed")
+
+
+@pytest.mark.parametrize("encoding, data", [
+    (b"gzip", BAD_SEED), (b"deflate", BAD_SEED), (b"gzip", gzip.compress(BAD_SEED)[:-9]),
+    (b"gzip", gzip.compress(BAD_SEED) + b"junk"), (b"deflate", b""),
+], ids=["plain-as-gzip", "plain-as-deflate", "truncated", "trailing-junk", "empty"])  # fmt: skip
+async def test_a_body_that_is_not_what_its_encoding_says_is_400(served_model, encoding, data):
+    async with listening(served_model) as (port, _):
+        status, body = await raw_post(port, data, b"Content-Encoding: %s\r\n" % encoding)
+        assert openai_error(status, body) == (400, "invalid_request_error", None)
+        assert f"not valid {encoding.decode()} data" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("encoding", [b"br", b"zstd", b"compress", b"gzip, br", b"x-gzip"])
+async def test_another_encoding_is_415(served_model, encoding):
+    async with listening(served_model) as (port, _):
+        status, body = await raw_post(port, BAD_SEED, b"Content-Encoding: %s\r\n" % encoding)
+        assert openai_error(status, body) == (415, "invalid_request_error", None)
+
+
+@pytest.mark.parametrize("data", [
+    gzip.compress(b" " * (256 * 1024**2)),  # 256 MiB of spaces in ~250 KiB
+    gzip_members(b" " * 1024**2, 400),  # 400 MiB in 400 members
+    gzip.compress(b" " * 1024**2 + b"{}"),  # one byte past the limit is enough
+], ids=["one-member", "many-members", "just-past"])  # fmt: skip
+async def test_the_body_limit_applies_to_the_decoded_body(served_model, data):
+    async with listening(served_model) as (port, _):
+        status, body = await raw_post(port, data, b"Content-Encoding: gzip\r\n")
+        assert openai_error(status, body) == (413, "invalid_request_error", None)
+
+
+def test_inflating_stops_just_past_the_limit(monkeypatch):
+    inflated = []
+    real = zlib.decompressobj
+
+    class Counting:
+        def __init__(self, *args):
+            self.inflater = real(*args)
+
+        def decompress(self, data, max_length):
+            out = self.inflater.decompress(data, max_length)
+            inflated.append(len(out))
+            return out
+
+        def __getattr__(self, name):
+            return getattr(self.inflater, name)
+
+    monkeypatch.setattr(request_limits.zlib, "decompressobj", Counting)
+    with pytest.raises(BodyTooLargeError):
+        request_limits.decode_content(gzip_members(b" " * 1024**2, 400), ["gzip"])
+    assert sum(inflated) == request_limits.MAX_BODY_BYTES + 1

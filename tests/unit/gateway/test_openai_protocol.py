@@ -141,8 +141,9 @@ def test_chat_stream_bodies():
                                                     "finish_reason": None, "logprobs": None}]}  # fmt: skip
     assert b.text_chunk("Hi") == {**chunk, "choices": [{"index": 0, "delta": {"content": "Hi"},
                                                         "finish_reason": None, "logprobs": None}]}  # fmt: skip
-    assert b.finish_chunk("stop") == {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop",
-                                                            "logprobs": None}]}  # fmt: skip
+    assert b.finish_chunk("stop") == {**chunk, "choices": [{"index": 0, "delta": {"content": ""},
+                                                            "finish_reason": "stop", "logprobs": None}]}  # fmt: skip
+    assert b.finish_chunk("length", "Hi")["choices"][0]["delta"] == {"content": "Hi"}
     assert b.usage_chunk(USAGE) == {**head("chat.completion.chunk"), "choices": [], "usage": USAGE_BODY}
 
 
@@ -166,6 +167,7 @@ def test_text_completion_bodies():
     assert b.text_chunk("Hi") == {**head("text_completion", "cmpl-1"), "choices": [
         {"index": 0, "text": "Hi", "finish_reason": None, "logprobs": None}]}  # fmt: skip
     assert b.finish_chunk("stop")["choices"] == [{"index": 0, "text": "", "finish_reason": "stop", "logprobs": None}]
+    assert b.finish_chunk("length", "Hi")["choices"][0]["text"] == "Hi"
     assert b.completion("Hi", "stop", USAGE) == {
         **head("text_completion", "cmpl-1"),
         "choices": [{"index": 0, "text": "Hi", "logprobs": None, "finish_reason": "stop"}],

@@ -4,6 +4,7 @@ corruption, restart and removal."""
 
 import os
 
+from services.store.app import disk_state
 from services.store.block_files import HEADER
 from services.store.tier import TierStats
 from tests.unit.store.conftest import BLOCK, events_of, h, payload, put, read
@@ -221,3 +222,18 @@ async def test_a_tier_between_dram_and_disk_takes_the_write_downs(make_store):
     assert memory.blocks == {h(1): payload(1), h(2): payload(2)} and len(store.disk) == 0
     assert await read(store, [1]) == [("memory", payload(1))]
     assert_log_matches(store)
+
+
+async def test_the_start_log_says_what_the_disk_tier_holds_even_when_empty(make_store, tmp_path):
+    store = make_store(slots=2, disk_blocks=2)
+    await store.start()
+    capacity = 2 * (HEADER.size + BLOCK)
+    assert disk_state(store.disk) == f"0 blocks (0 bytes) found in {tmp_path / 'blocks'}, capacity {capacity} bytes"
+    await put(store, [1])
+    assert await store.flush() == 1
+    again = make_store(slots=2, disk_blocks=2)
+    await again.start()
+    assert disk_state(again.disk) == (f"1 blocks ({HEADER.size + BLOCK} bytes) found in {tmp_path / 'blocks'}, "
+                                      f"capacity {capacity} bytes")  # fmt: skip
+    assert disk_state(make_store(slots=1, disk_blocks=None).disk) == "off"
+
