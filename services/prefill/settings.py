@@ -15,7 +15,7 @@ from libs.common.transfer.settings import TransferSettings
 class PrefillSettings(ServiceSettings):
     model: ModelSettings
     transfer: TransferSettings = TransferSettings()
-    max_chunk_tokens: int = 512  # the most prompt tokens one step computes: a prompt waits at most one step
+    max_chunk_tokens: int = 256  # the most prompt tokens one step computes: a prompt waits at most one step
     use_store: bool = True
     store_replicas: int = 1  # writes go to this many store instances per block; reads try them in turn
     enable_prefix_cache: bool = True  # off: every prompt is computed in full (a baseline)
@@ -33,7 +33,7 @@ class PrefillSettings(ServiceSettings):
             **service_env(role),
             model=ModelSettings.from_env(),
             transfer=TransferSettings.from_env(),
-            max_chunk_tokens=env_int("MAX_CHUNK_TOKENS", 512),
+            max_chunk_tokens=env_int("MAX_CHUNK_TOKENS", 256),
             use_store=env_bool("USE_STORE", True),
             store_replicas=env_int("STORE_REPLICAS", 1),
             enable_prefix_cache=env_bool("ENABLE_PREFIX_CACHE", True),

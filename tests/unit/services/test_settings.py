@@ -58,7 +58,7 @@ def test_the_documented_defaults(clean_env):
     assert (conductor.policy, conductor.instance_timeout, conductor.slo_ttft_s, conductor.slo_tbt_s) == ("cache_aware+predictive_rejection", 3.0, 2.0, 0.15)
     assert (conductor.block_size, conductor.balancing_threshold, conductor.expected_output_tokens) == (16, 2.0, 512)
     prefill = PrefillSettings.from_env()
-    assert (prefill.max_chunk_tokens, prefill.use_store, prefill.store_replicas) == (512, True, 1)
+    assert (prefill.max_chunk_tokens, prefill.use_store, prefill.store_replicas) == (256, True, 1)
     assert prefill.enable_prefix_cache and prefill.transfer == TransferSettings()
     model = prefill.model
     assert (model.model, model.device, model.dtype, model.block_size, model.num_blocks, model.max_model_len) == (None, "cpu", "auto", 16, 512, None)
