@@ -135,6 +135,9 @@ class PrefillBeat(KVPoolBeat):
     queued_tokens: int = 0  # prompt tokens still to compute
     speed: float = 0.0  # its steps' measured time over its cost model's, the median of recent ones; 0: not yet
     chunk_tokens: int = 0  # the most prompt tokens one step computes (a request is cut only between steps); 0: unknown
+    # every request it holds: the share of its prefill still to compute (1: not started), so the
+    # conductor's picture of its queue is set right at each heartbeat
+    progress: dict[str, float] = msgspec.field(default_factory=dict)
     kv_epoch: int = 0  # its KV event stream: the epoch ...
     kv_seq: int = 0  # ... and the last sequence number published
 
@@ -216,6 +219,10 @@ class Heartbeat(Message):
         return self.payload.speed if isinstance(self.payload, PrefillBeat) else 0.0
 
     @property
+    def prefill_progress(self) -> dict[str, float]:
+        return self.payload.progress if isinstance(self.payload, PrefillBeat) else {}
+
+    @property
     def chunk_tokens(self) -> int:
         return self.payload.chunk_tokens if isinstance(self.payload, PrefillBeat) else 0
 
@@ -276,7 +283,9 @@ class AdmitReply(Message):
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     cached_tokens: dict[KVTier, int] = msgspec.field(default_factory=dict)  # predicted reuse, by tier
-    slo_ttft_s: float | None = None  # the TTFT target it was admitted against; None: best effort
+    # its prefill is due this long after the admission (its TTFT target, less the conductor's slack for
+    # what happens outside the prefill); None: best effort
+    prefill_deadline_s: float | None = None
 
 
 class ConductorAdmission(Message):
@@ -295,7 +304,7 @@ class ConductorAdmission(Message):
     predicted_ttft_s: float
     predicted_tbt_s: float | None = None
     session_id: str | None = None
-    deadline_in_s: float | None = None  # its first token is due this long after the admission; None: best effort
+    deadline_in_s: float | None = None  # its prefill is due this long after the admission; None: best effort
     moved: bool = False
 
 

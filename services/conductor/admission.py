@@ -10,8 +10,9 @@ disaggregation (prefill on the decode worker when that is predicted faster).
                         moment this request's prefill ends, requests now in
                         prefill included: plain early rejection sees decode load
                         only once it has landed and so admits in waves.
-Both compare each prediction times the margin learned from its observed error
-(`margin.py`) with the SLO. The TTFT is predicted where the request lands in
+Both compare each prediction with the SLO after adding the TTFT slack, or
+multiplying the TBT by the margin, learned from their observed errors
+(`margin.py`). The TTFT is predicted where the request lands in
 the prefill instance's order (shortest first, earlier promises kept:
 `libs/common/prefill_order.py`), and a request whose admission would make an
 admitted one miss its target is refused. A request that misses its TTFT target
@@ -67,27 +68,26 @@ class EarlyRejection:
 
     def judge(self, ctx: AdmitContext, route: Route) -> Verdict:
         request, slo = ctx.request, ctx.slo
-        margin = ctx.margins.ttft(ctx.num_tokens)
+        slack = ctx.ttft_slack  # what the cost model does not see of a TTFT, learned
         p = route.prefill
         judged = not request.moved and not request.best_effort  # a moved request is never refused
-        if judged and p.unloaded_ttft_s * margin > slo.ttft_s + _SLACK:
-            message = (f"predicted TTFT {p.unloaded_ttft_s:.3f} s{_times(margin)} on {p.instance_id} even with "
+        if judged and p.unloaded_ttft_s + slack > slo.ttft_s + _SLACK:
+            message = (f"predicted TTFT {p.unloaded_ttft_s:.3f} s{_plus(slack)} on {p.instance_id} even with "
                        f"nothing queued exceeds the {slo.ttft_s:.3f} s target; send it as best effort "
                        f"(x-kvserve-slo: best-effort) or with a TTFT target it can meet")  # fmt: skip
             return Verdict(route.decode, _reject("slo_unattainable", message, None, route,
-                                                 ttft_s=p.unloaded_ttft_s * margin))  # fmt: skip
+                                                 ttft_s=p.unloaded_ttft_s + slack))  # fmt: skip
         breaks: tuple[str, ...] = ()
         if not route.is_local:  # where it lands in the prefill instance's order, and what that delays
-            placement = ctx.view.get(p.instance_id).prefill.place(
-                request.request_id, p.work_s, ctx.now, ctx.deadline, margin)  # fmt: skip
+            placement = ctx.view.get(p.instance_id).prefill.place(request.request_id, p.work_s, ctx.now,
+                                                                  ctx.prefill_deadline)  # fmt: skip
             p = replace(p, queue_s=max(0.0, placement.done_at - ctx.now - p.work_s))
             route, breaks = replace(route, prefill=p), placement.breaks
-        ttft = p.ttft_s * margin
+        ttft = p.ttft_s + slack
         if judged and ttft > slo.ttft_s + _SLACK:
-            message = (f"predicted TTFT {p.ttft_s:.3f} s{_times(margin)} on {p.instance_id} (queue {p.queue_s:.3f} s) "
+            message = (f"predicted TTFT {p.ttft_s:.3f} s{_plus(slack)} on {p.instance_id} (queue {p.queue_s:.3f} s) "
                        f"exceeds the {slo.ttft_s:.3f} s target")  # fmt: skip
-            return Verdict(route.decode, _reject("ttft_slo", message, (ttft - slo.ttft_s) / margin, route, ttft_s=ttft),
-                           p)  # fmt: skip
+            return Verdict(route.decode, _reject("ttft_slo", message, ttft - slo.ttft_s, route, ttft_s=ttft), p)
         if judged and breaks:
             message = (f"admitting it on {p.instance_id} would make {len(breaks)} admitted request(s) miss their "
                        f"TTFT target ({', '.join(breaks[:3])})")  # fmt: skip
@@ -123,6 +123,10 @@ class PredictiveRejection(EarlyRejection):
 
 def _times(margin: float) -> str:
     return "" if margin == 1.0 else f" x margin {margin:.2f}"
+
+
+def _plus(slack: float) -> str:
+    return "" if slack == 0.0 else f" + {slack:.3f} s slack"
 
 
 def _reject(

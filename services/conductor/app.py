@@ -133,7 +133,7 @@ class Conductor(Service):
         return AdmitReply(
             prefill_id=d.prefill_id, decode_id=d.decode_id, prefill_on_decode=d.prefill_on_decode,
             predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s, cached_tokens=d.cached_tokens,
-            slo_ttft_s=None if request.best_effort else self.scheduler.context_slo(request).ttft_s,
+            prefill_deadline_s=d.prefill_deadline_s,
         )  # fmt: skip
 
     async def on_view(self, request: ConductorViewRequest, msg: Msg) -> ConductorViewReply:

@@ -68,6 +68,8 @@ class ClusterView:
             if heartbeat.load == 0 and instance.assigned_since_heartbeat == 0:
                 instance.prefill.clear(now)  # idle, and nothing can be on its way to it
             instance.assigned_since_heartbeat = 0
+        if heartbeat.prefill_progress:
+            instance.prefill.sync(heartbeat.prefill_progress, now)
         if heartbeat.chunk_tokens:  # a request on it is cut only between chunks of this many seconds
             chunk_s = instance.cost.prefill_time(heartbeat.chunk_tokens)
             instance.prefill.chunk_s = chunk_s * (heartbeat.prefill_speed or 1.0)

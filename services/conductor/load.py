@@ -31,6 +31,7 @@ class Booked:
     model_s: float  # what the cost model alone predicted for the whole job
     deadline: float | None  # when its first token is due; None: best effort
     added: float
+    work_s: float = 0.0  # the whole job, as booked
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class PrefillLoad:
         waited = uncut
         for key, job in self._jobs.items():
             left = job.remaining_s - (uncut if key == head else 0.0)
-            if job.deadline is not None and 0 < left <= seconds:
+            if job.deadline is not None and 0 < left and (left <= seconds or now + job.remaining_s > job.deadline):
                 waited += left
         return waited
 
@@ -90,16 +91,16 @@ class PrefillLoad:
         longer = sum(1 for job in self._jobs.values() if job.deadline is not None and job.remaining_s > seconds)
         return longer * seconds
 
-    def place(self, key: str, seconds: float, now: float, deadline: float | None, margin: float = 1.0) -> Placement:
+    def place(self, key: str, seconds: float, now: float, deadline: float | None) -> Placement:
         """Where a new job would land in the instance's order (nothing is booked): its
-        predicted end, and the jobs predicted to meet their deadline (durations times
-        ``margin``) before it came and to miss it with it."""
+        predicted end, and the jobs predicted to meet their deadline before it came and
+        to miss it with it."""
         self._advance(now)
         before = self._ends(now, {})
         after = self._ends(now, {key: Booked(seconds, seconds, deadline, now)})
         broken = tuple(k for k, job in self._jobs.items()
-                       if job.deadline is not None and _kept(before[k], job.deadline, now, margin)
-                       and not _kept(after[k], job.deadline, now, margin))  # fmt: skip
+                       if job.deadline is not None and before[k] <= job.deadline + 1e-9
+                       and after[k] > job.deadline + 1e-9)  # fmt: skip
         return Placement(after[key], broken)
 
     def add(self, request_id: str, seconds: float, now: float, speed: float = 1.0, deadline: float | None = None) -> None:
@@ -107,8 +108,27 @@ class PrefillLoad:
         ``speed``, the instance's learned slowness), due at ``deadline``."""
         self._advance(now)
         self._alone_since = now if not self._jobs else None
-        self._jobs[request_id] = Booked(seconds, seconds / speed if speed > 0 else seconds, deadline, now)
+        self._jobs[request_id] = Booked(seconds, seconds / speed if speed > 0 else seconds, deadline, now, seconds)
         self._replan(now)
+
+    def sync(self, progress: dict[str, float], now: float) -> None:
+        """What the instance says is left of each job it holds (a share of the job, 1: not
+        started): the jobs the plan had run ahead of or behind the instance are set right."""
+        self._advance(now)
+        changed, started = False, None
+        for key, job in self._jobs.items():
+            share = progress.get(key)
+            if share is not None and job.work_s > 0:
+                job.remaining_s = min(1.0, max(0.0, share)) * job.work_s
+                changed = True
+                if 0.0 < share < 1.0 and started is None:  # partly computed: the one in progress
+                    started = key
+        if changed:
+            self._pinned = None
+            if started is not None:
+                left = self._jobs[started].remaining_s
+                self._pinned = (started, left if self.chunk_s is None else min(left, self.chunk_s))
+            self._replan(now)
 
     def done(self, request_id: str, now: float) -> Served | None:
         """The request's prefill finished at ``now``."""
@@ -180,21 +200,23 @@ class PrefillLoad:
             elapsed -= took
 
     def _ends(self, now: float, extra: dict[str, Booked]) -> dict[str, float]:
-        """When every job (and ``extra``) is predicted to end: the pinned chunk first,
-        then the order re-planned from its end."""
+        """When every job (and ``extra``) is predicted to end: the pinned chunk first, then
+        the jobs already late, then the order re-planned from there. The instance runs late
+        jobs after those that can still make it; admission counts them first all the same,
+        keeping room for them, or a stream of short prompts would starve them."""
         head, uncut = self._head()
         start, ends = now + uncut, {}
         if head is not None and self._jobs[head].remaining_s <= uncut:
             ends[head] = start
         work = self._work(head, uncut) + [Work(k, j.remaining_s, j.deadline, j.added) for k, j in extra.items()]
+        for w in work:
+            if w.key in self._jobs and w.key not in ends and w.deadline is not None and start + w.remaining_s > w.deadline:
+                start += w.remaining_s
+                ends[w.key] = start
         ends.update(completions(plan([w for w in work if w.key not in ends], start), start))
         for key in self._jobs:  # finished in the plan, not yet reported: due now
             ends.setdefault(key, now)
         return ends
-
-
-def _kept(end: float, deadline: float, now: float, margin: float) -> bool:
-    return now + (end - now) * margin <= deadline + 1e-9
 
 
 @dataclass

@@ -6,8 +6,8 @@ the median of the recent ones is the instance's speed, by which every prefill
 prediction for it is scaled (a worker slower than its calibration, or sharing
 its cores with another, is predicted as it runs, and its queue with it).
 
-Every settled request gives an observed/predicted ratio: its TTFT (kept per
-prompt-size band), and, once it ends, its mean TBT against the steps the model gives the batch it ran in (whose
+Every settled request gives its TTFT's observed - predicted (kept per
+prompt-size band), and, once it ends, its mean TBT's observed/predicted ratio against the steps the model gives the batch it ran in (whose
 median is the decode instance's speed, by which the conductor forecasts when
 requests leave a batch). A margin is a high quantile of the recent ratios: admission
 multiplies a prediction by it before comparing with the SLO, so a cost model that
@@ -30,7 +30,7 @@ MIN_SAMPLES = 20  # ratios before a window's quantile is trusted over the next w
 # A margin only covers the spread of the predictions around what the instance runs at (its
 # speed is learned apart), so it is bounded: no burst, kill or restart can turn it into a
 # refusal of everyone.
-TTFT_MARGIN = (1.0, 1.5)
+TTFT_SLACK_S = (0.0, 0.5)  # seconds added to a TTFT prediction: what happens outside the prefill steps
 TBT_MARGIN = (0.8, 2.0)
 MIN_SPEED, MAX_SPEED = 0.1, 20.0
 MIN_SPEED_SAMPLES = 5
@@ -50,9 +50,10 @@ class RatioWindow:
     (admission reads several per request)."""
 
     def __init__(self, size: int, quantile: float, low: float, high: float, max_age_s: float = float("inf"),
-                 clock: Callable[[], float] | None = None) -> None:  # fmt: skip
+                 clock: Callable[[], float] | None = None, additive: bool = False) -> None:  # fmt: skip
         self.ratios: deque[tuple[float, float]] = deque()  # (when, ratio)
         self.size, self.quantile, self.low, self.high = size, quantile, low, high
+        self.additive = additive  # observed - predicted instead of observed / predicted
         self.max_age_s, self.clock = max_age_s, clock
         self._sorted: list[float] = []
 
@@ -61,20 +62,21 @@ class RatioWindow:
         return len(self.ratios)
 
     def observe(self, observed: float, predicted: float) -> None:
-        if predicted <= _TINY or observed < 0 or self.size <= 0:
+        if (predicted <= _TINY and not self.additive) or observed < 0 or self.size <= 0:
             return
-        ratio = observed / predicted
+        ratio = observed - predicted if self.additive else observed / predicted
         if len(self.ratios) == self.size:
             self._drop_oldest()
         self.ratios.append((self.clock() if self.clock else 0.0, ratio))
         insort(self._sorted, ratio)
 
     def value(self) -> float:
-        """The quantile of the window, within [low, high]; 1 while it is empty."""
+        """The quantile of the window, within [low, high]; while it is empty, 1 (0 for
+        differences)."""
         self._expire()
         ordered = self._sorted
         if not ordered:
-            return 1.0
+            return 0.0 if self.additive else 1.0
         q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
         return min(self.high, max(self.low, q))
 
@@ -90,9 +92,15 @@ class RatioWindow:
 
 
 class Margins:
-    """Prefill speeds (per instance), TTFT margins (per prompt-size band: a long prompt's
+    """Prefill speeds (per instance), TTFT slack (per prompt-size band: a long prompt's
     prediction errs otherwise than a short one's) and TBT margins (per instance), each
-    with the cluster's as the fallback."""
+    with the cluster's as the fallback.
+
+    The TTFT slack is additive: a high quantile of observed - predicted, seconds. Most
+    of a TTFT the cost model does not see is a fixed cost per request (the round trips
+    to the conductor, the decode worker's lease, the first token's way back), which a
+    ratio would turn into a wide margin for short prompts; how fast the worker
+    computes is its speed, learned apart."""
 
     def __init__(self, config: MarginConfig | None = None, clock: Callable[[], float] | None = None) -> None:
         self.config = config or MarginConfig()
@@ -101,7 +109,7 @@ class Margins:
         self._tbt: dict[str, RatioWindow] = {}
         self._speed: dict[str, RatioWindow] = {}
         self._decode_speed: dict[str, RatioWindow] = {}
-        self.ttft_all = self._window(*TTFT_MARGIN)
+        self.ttft_all = self._slack_window()
         self.tbt_all = self._window(*TBT_MARGIN)
         self.speed_all = self._speed_window()
         self.decode_speed_all = self._speed_window()
@@ -109,12 +117,16 @@ class Margins:
     def _speed_window(self) -> RatioWindow:
         return RatioWindow(self.config.window, 0.5, MIN_SPEED, MAX_SPEED, self.config.max_age_s, self.clock)
 
+    def _slack_window(self) -> RatioWindow:
+        return RatioWindow(self.config.window, self.config.quantile, *TTFT_SLACK_S, self.config.max_age_s, self.clock,
+                           additive=True)  # fmt: skip
+
     def _window(self, low: float, high: float) -> RatioWindow:
         return RatioWindow(self.config.window, self.config.quantile, low, high, self.config.max_age_s, self.clock)
 
     def observe_ttft(self, num_prompt_tokens: int, observed: float, predicted: float) -> None:
         band = band_of(num_prompt_tokens)
-        self._ttft.setdefault(band, self._window(*TTFT_MARGIN)).observe(observed, predicted)
+        self._ttft.setdefault(band, self._slack_window()).observe(observed, predicted)
         self.ttft_all.observe(observed, predicted)
 
     def observe_tbt(self, instance_id: str, observed: float, predicted: float) -> None:
@@ -136,8 +148,8 @@ class Margins:
         return _pick(self._speed.get(instance_id), self.speed_all, MIN_SPEED_SAMPLES)
 
     def ttft(self, num_prompt_tokens: int) -> float:
-        """The TTFT margin for a prompt of this size: its band's, else every band's."""
-        return _pick(self._ttft.get(band_of(num_prompt_tokens)), self.ttft_all)
+        """The TTFT slack (seconds) for a prompt of this size: its band's, else every band's."""
+        return _pick(self._ttft.get(band_of(num_prompt_tokens)), self.ttft_all, default=0.0)
 
     def tbt(self, instance_id: str) -> float:
         return _pick(self._tbt.get(instance_id), self.tbt_all)
@@ -148,7 +160,7 @@ class Margins:
         self._decode_speed.pop(instance_id, None)
 
 
-def _pick(own: RatioWindow | None, cluster: RatioWindow, enough: int = MIN_SAMPLES) -> float:
+def _pick(own: RatioWindow | None, cluster: RatioWindow, enough: int = MIN_SAMPLES, default: float = 1.0) -> float:
     if own is not None and len(own) >= enough:
         return own.value()
-    return cluster.value() if len(cluster) >= enough else 1.0
+    return cluster.value() if len(cluster) >= enough else default

@@ -59,6 +59,7 @@ class Decision:
     reason: str | None = None  # rejected: ttft_slo or tbt_slo
     affinity: str | None = None  # a session's turn: whether it stayed where its last turn ran, and why
     retry_after_s: float | None = None
+    prefill_deadline_s: float | None = None  # admitted: its prefill is due this long after admission; None: best effort
 
     @property
     def admitted(self) -> bool:

@@ -107,8 +107,11 @@ class AdmitContext:
         self.usable_blocks = min(match.num_blocks, (self.num_tokens - 1) // bs)
         self.handoff_blocks = ceil(self.num_tokens / bs)
         self.expected_output_tokens = max(1, min(request.max_tokens, config.expected_output_tokens))
-        # when its first token is due (None: best effort, which waits behind all SLO work)
+        # when its first token is due (None: best effort, which waits behind all SLO work), and so
+        # when its prefill must be done: the slack learned for what happens outside it comes first
         self.deadline = None if request.best_effort else now + slo.ttft_s
+        self.ttft_slack = self.margins.ttft(self.num_tokens)
+        self.prefill_deadline = None if self.deadline is None else self.deadline - self.ttft_slack
         self._store = self._best_store()
 
     # --- TTFT -------------------------------------------------------------------------
@@ -138,7 +141,7 @@ class AdmitContext:
         speed = self.prefill_speed(p)
         handoff = self.handoff_blocks * c.transfer_per_block
         work = (load + compute + handoff) * speed
-        return (p.prefill.wait(work, self.now, self.deadline), load * speed, compute * speed, handoff * speed, local,
+        return (p.prefill.wait(work, self.now, self.prefill_deadline), load * speed, compute * speed, handoff * speed, local,
                 max(store_len - local, 0), copy_from, copy_blocks, speed)  # fmt: skip
 
     def prefill_speed(self, p: Instance) -> float:
@@ -157,7 +160,7 @@ class AdmitContext:
         the shortest work first)."""
         queue, load, compute, handoff, *_ = self._prefill_parts(p, replication, best_peer if replication else None)
         work = load + compute + handoff
-        imposed = 0.0 if self.deadline is None else p.prefill.imposed(work, self.now)
+        imposed = 0.0 if self.prefill_deadline is None else p.prefill.imposed(work, self.now)
         return queue + work + imposed
 
     def prefill_estimate(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> PrefillEstimate:

@@ -10,7 +10,7 @@ admission's safety margins are learned from (`margin.py`).
 """
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from libs.common.schema import AdmitRequest
 from libs.common.vocabulary import Role
@@ -46,7 +46,7 @@ class Booking:
     predicted_ttft_s: float
     predicted_tbt_s: float | None
     session_id: str | None = None
-    deadline_in_s: float | None = None  # its first token is due this long after admission; None: best effort
+    deadline_in_s: float | None = None  # its prefill is due this long after admission; None: best effort
     moved: bool = False  # continued after a lost worker: its latencies teach the margins nothing
 
 
@@ -165,11 +165,13 @@ class Scheduler:
             self.rejections[key] = self.rejections.get(key, 0) + 1
             return decision
         self.num_admitted += 1
+        if ctx.prefill_deadline is not None:
+            decision = replace(decision, prefill_deadline_s=ctx.prefill_deadline - ctx.now)
         booking = Booking(
             request.request_id, decision.prefill_id, decision.decode_id, decision.work_s, decision.prefill_speed,
             ctx.num_tokens, request.max_tokens, ctx.expected_output_tokens, decision.predicted_ttft_s,
-            decision.predicted_tbt_s, request.session_id, None if request.best_effort else ctx.slo.ttft_s,
-            request.moved,
+            decision.predicted_tbt_s, request.session_id,
+            None if ctx.prefill_deadline is None else ctx.prefill_deadline - ctx.now, request.moved,
         )  # fmt: skip
         self.book(booking, ctx.now)
         return decision

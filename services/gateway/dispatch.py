@@ -189,7 +189,7 @@ class RequestRun:
 
     async def _submit(self) -> None:
         p = self.prepared
-        target = self.admission.slo_ttft_s if self.admission is not None else None
+        target = self.admission.prefill_deadline_s if self.admission is not None else None
         request = PrefillRequest(
             request_id=self.request_id,
             prompt_token_ids=p.prompt_token_ids,

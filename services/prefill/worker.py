@@ -57,6 +57,12 @@ class Job:
     def tokens_left(self) -> int:
         return self.seq.num_tokens - self.seq.num_computed_tokens
 
+    @property
+    def progress(self) -> float:
+        """The share of its prefill still to compute (1: not started; its cached prefix is no work)."""
+        work = self.seq.num_tokens - self.seq.num_cached_tokens
+        return self.tokens_left / work if work > 0 and self.seq.block_table else 1.0
+
 
 class PrefillWorker(Service):
     settings: PrefillSettings
@@ -330,6 +336,7 @@ class PrefillWorker(Service):
             queued_tokens=sum(j.seq.num_prompt_tokens - j.seq.num_computed_tokens for j in self.in_flight.values()
                               if j.seq.num_computed_tokens < j.seq.num_prompt_tokens),
             speed=self.speed, chunk_tokens=self.settings.max_chunk_tokens,
+            progress={request_id: job.progress for request_id, job in self.in_flight.items()},
         )  # fmt: skip
         self.reports.fill(beat.payload)
         return beat

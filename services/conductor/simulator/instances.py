@@ -190,7 +190,9 @@ class SimPrefill:
         return Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", payload=PrefillBeat(
             cost=self.sim.reported, load=len(queued), queued_tokens=sum(r.trace.input_length for r in queued),
             capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks),
-            speed=speeds[len(speeds) // 2] if speeds else 0.0, chunk_tokens=self.chunk_tokens))  # fmt: skip
+            speed=speeds[len(speeds) // 2] if speeds else 0.0, chunk_tokens=self.chunk_tokens,
+            progress={k: left / r.prefill_seconds if r.prefill_seconds > 0 else 0.0
+                      for k, (r, left, _) in self.jobs.items()}))  # fmt: skip
 
 
 class SimDecode:

@@ -29,8 +29,19 @@ def test_a_placement_names_the_promises_it_would_break():
     q = PrefillLoad()  # chunk_s None: a running job is never cut
     q.add("a", 1.0, now=0.0, deadline=1.0)
     q.add("b", 0.5, now=0.0, deadline=1.6)  # "a" runs first (it would miss otherwise), then "b"
-    placed = q.place("c", 0.3, now=0.0, deadline=1.3, margin=1.0)  # c before b: b ends at 1.8 > 1.6
+    placed = q.place("c", 0.3, now=0.0, deadline=1.3)  # c before b: b ends at 1.8 > 1.6
     assert placed.breaks == ("b",) or placed.done_at > 1.3
+
+
+def test_a_heartbeats_progress_sets_the_plan_right():
+    q = PrefillLoad()
+    q.add("a", 1.0, now=0.0, deadline=5.0)
+    q.add("b", 2.0, now=0.0, deadline=5.0)
+    # the plan ran "a" first and thinks it done by 1.5; the instance says it has half of "a" left
+    assert q.backlog(1.5) == pytest.approx(1.5)
+    q.sync({"a": 0.5, "b": 1.0}, now=1.5)
+    assert q.backlog(1.5) == pytest.approx(0.5 + 2.0)
+    assert q.wait(0.6, now=1.5) == pytest.approx(0.5)  # "a" is in progress: a newcomer waits for it
 
 
 def test_a_prefill_alone_reports_its_service_time():

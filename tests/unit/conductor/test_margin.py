@@ -7,7 +7,7 @@ from collections import deque
 import pytest
 
 from services.conductor.admission import build_policy
-from services.conductor.margin import MIN_SAMPLES, TTFT_MARGIN, MarginConfig, Margins, RatioWindow
+from services.conductor.margin import MIN_SAMPLES, TTFT_SLACK_S, MarginConfig, Margins, RatioWindow
 from services.conductor.scheduler import Scheduler
 from services.conductor.simulator.report import kept
 from services.conductor.simulator.simulation import SimConfig, Simulation
@@ -42,19 +42,19 @@ def test_a_window_forgets_ratios_older_than_its_age():
     assert (len(w), w.value()) == (1, 2.0)
 
 
-def test_ttft_margins_are_per_prompt_size_band_with_every_bands_as_the_fallback():
+def test_ttft_slack_is_per_prompt_size_band_with_every_bands_as_the_fallback():
     m = Margins()
     for _ in range(MIN_SAMPLES - 1):
         m.observe_ttft(1500, observed=1.4, predicted=1.0)
-    assert m.ttft(1500) == 1.0  # too few anywhere
+    assert m.ttft(1500) == 0.0  # too few anywhere
     m.observe_ttft(1500, observed=1.4, predicted=1.0)
     for _ in range(MIN_SAMPLES):
-        m.observe_ttft(40, observed=1.1, predicted=1.0)
-    # a long prompt's errors do not widen a short one's margin, nor the other way round
-    assert (m.ttft(1500), m.ttft(40), m.ttft(300)) == pytest.approx((1.4, 1.1, 1.4))
+        m.observe_ttft(40, observed=0.15, predicted=0.05)
+    # a long prompt's errors do not widen a short one's slack, nor the other way round
+    assert (m.ttft(1500), m.ttft(40), m.ttft(300)) == pytest.approx((0.4, 0.1, 0.4))
     for _ in range(MIN_SAMPLES):
         m.observe_ttft(40, observed=50.0, predicted=1.0)  # a burst of wild errors
-    assert m.ttft(40) == TTFT_MARGIN[1]
+    assert m.ttft(40) == TTFT_SLACK_S[1]  # bounded
 
 
 def test_samples_taken_across_a_fault_or_a_migration_teach_the_margins_nothing():
@@ -93,42 +93,31 @@ def test_admission_learns_a_slow_cluster_until_it_keeps_its_promise(policy):
     result = sim.run()
     later = result.requests[len(result.requests) // 2:]
     assert sum(r.outcome == "rejected" for r in later) > len(later) // 4  # overload: admission had to refuse
-    # a job the noise made late goes behind the on-time ones: a few such misses remain
-    assert kept(later, result.config.slo) >= 0.93
+    assert kept(later, result.config.slo) >= 0.95
     margins = sim.scheduler.margins
     assert 1.35 < sim.view.get("prefill-0").heartbeat.prefill_speed < 1.65  # the workers measure how slow they are
     assert margins.tbt("decode-0") > 1.3
 
 
-def test_without_learning_the_same_admission_breaks_its_promise():
-    sim = Simulation(SimConfig(2, 1, "cache_aware+early_rejection", slowdown=1.5, store_blocks=0), overload())
-    sim.scheduler.margins = Margins(MarginConfig(window=0))  # learns nothing
-    for prefill in sim.prefills.values():
-        prefill.speeds = deque(maxlen=0)  # and the workers report no speed
-    result = sim.run()
-    assert kept(result.requests[len(result.requests) // 2:], result.config.slo) < 0.9
-
-
 def test_an_idle_cluster_admits_what_fits_and_the_margin_stays_bounded():
     view, index, clock = cluster(beat("p0", "prefill"), beat("d0", "decode"))
-    s = Scheduler(build_policy("cache_aware+predictive_rejection"), view, index, config(ttft_s=0.3))
-    for _ in range(MIN_SAMPLES):  # predictions have been 3x too optimistic
+    s = Scheduler(build_policy("cache_aware+predictive_rejection"), view, index, config(ttft_s=0.8))
+    for _ in range(MIN_SAMPLES):  # predictions have been 2 s too optimistic
         s.margins.observe_ttft(170, observed=3.0, predicted=1.0)
         s.margins.observe_ttft(40, observed=3.0, predicted=1.0)
         s.margins.observe_tbt("d0", observed=3.0, predicted=1.0)
-    # 170 tokens at 1 ms: 0.170 s alone, x1.5 (the bound, not 3) = 0.255 s: fits the 0.3 s target
+    # 170 tokens at 1 ms: 0.170 s alone + 0.5 s (the bound, not 2 s) = 0.67 s: fits the 0.8 s target
     first = s.admit(request("a"))
     assert first.admitted and not first.best_effort
     assert first.predicted_ttft_s == pytest.approx(0.170)
-    second = s.admit(request("b"))  # behind it: refused, the margin applied to the queue
+    second = s.admit(request("b"))  # behind it: refused, the slack added to the queue's prediction
     assert (second.admitted, second.reason) == (False, "ttft_slo")
-    assert "x margin 1.50" in second.error_message
-    small = s.admit(request("c", tokens=40, blocks=[]))  # 40 ms alone; after "a" (not cut): 0.21 x 1.5
-    assert not small.admitted
+    assert "+ 0.500 s slack" in second.error_message
+    small = s.admit(request("c", tokens=40, blocks=[]))  # 40 ms alone; after "a" (not cut): 0.21 + 0.5 fits
+    assert small.admitted
     clock.now = 0.5
-    s.first_token("a")  # the queue is empty again
-    assert s.admit(request("d", tokens=40, blocks=[])).admitted
-    hopeless = s.admit(request("e", tokens=250, blocks=[]))  # 0.25 s alone x 1.5 misses even on an idle worker
+    s.first_token("a")
+    hopeless = s.admit(request("e", tokens=350, blocks=[]))  # 0.35 s alone + 0.5 misses even on an idle worker
     assert (hopeless.reason, hopeless.retry_after_s) == ("slo_unattainable", None)
 
 
