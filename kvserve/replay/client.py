@@ -135,7 +135,9 @@ async def send(session: aiohttp.ClientSession, endpoint: Endpoint, item: Planned
             record.http_status = response.status
             if response.status != 200:
                 record.ended_s = time.perf_counter() - t0  # a refusal counts from its status line, not its body
-                record.error = f"HTTP {response.status}: {_error_message(await response.read())}"
+                raw = await response.read()
+                record.error = f"HTTP {response.status}: {_error_message(raw)}"
+                record.error_code = _error_code(raw)
                 if response.status == 429:
                     record.status = "rejected"
                     record.retry_after_s = _seconds(response.headers.get("Retry-After"))
@@ -191,6 +193,16 @@ def _error_message(body: bytes) -> str:
         return _message(json.loads(body))
     except ValueError:
         return body[:200].decode(errors="replace")
+
+
+def _error_code(body: bytes) -> str | None:
+    """The ``error.code`` of an OpenAI error body, when it has one."""
+    try:
+        error = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
 
 
 def _message(body: Any) -> str:

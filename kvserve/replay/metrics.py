@@ -32,6 +32,7 @@ import numpy as np
 from kvserve.replay.records import RequestRecord, Run
 
 PERCENTILES = (50, 90, 99)
+UNATTAINABLE = "slo_unattainable"  # a 429 for a request that misses its SLO even on an idle server
 
 # (name, smallest prompt length, first length past the band) in prompt tokens as sent
 BANDS: tuple[tuple[str, int, int | None], ...] = (
@@ -123,6 +124,7 @@ class Summary:
     slo: SLO
     admitted_attainment: float | None = None  # good / (requests - rejected); None when every request was refused
     rejected_while_idle: int | None = None  # None when the records lack the times it needs (older files)
+    rejected_unattainable: int = 0  # refused as unable to meet the SLO even alone (code slo_unattainable)
     bands: tuple[BandSummary, ...] = ()  # one per BANDS entry, in its order
 
     def to_json(self) -> dict:
@@ -162,6 +164,7 @@ def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
         slo=slo,
         admitted_attainment=_ratio(good, len(records) - rejected),
         rejected_while_idle=None if idle is None else len(idle),
+        rejected_unattainable=sum(1 for r in records if r.status == "rejected" and r.error_code == UNATTAINABLE),
         bands=tuple(_band(name, records, slo, idle) for name, _, _ in BANDS),
     )
 
@@ -169,8 +172,10 @@ def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
 def rejected_while_idle(records: Sequence[RequestRecord]) -> list[RequestRecord] | None:
     """The refusals that arrived while no other request of ``records`` was waiting for
     its first token; None when a record lacks the end time this needs (older files).
-    A request waits from its send until its first token or its end, whichever is first."""
-    refused = [r for r in records if r.status == "rejected"]
+    A request waits from its send until its first token or its end, whichever is first.
+    A refusal saying the request cannot meet its SLO even alone (``slo_unattainable``)
+    is no refusal of a request the idle server could have served, and is not counted."""
+    refused = [r for r in records if r.status == "rejected" and r.error_code != UNATTAINABLE]
     if not refused:
         return []
     waits = []

@@ -25,6 +25,7 @@ class RequestRecord:
     status: Status = "error"
     http_status: int | None = None
     error: str | None = None
+    error_code: str | None = None  # the error body's code (a 429: rate_limit_exceeded, slo_unattainable, ...)
     start_s: float = 0.0
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)

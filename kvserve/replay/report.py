@@ -22,19 +22,21 @@ def _count(value: int | None) -> str:
 
 def runs_table(summaries: Sequence[Summary]) -> str:
     """One row per run: load, outcome counts, attainment, goodput and the headline latencies.
-    "429 while idle": refusals made while no other request awaited its first token;
+    "429 while idle": refusals made while no other request awaited its first token (not
+    counting "unattainable" ones: refused as unable to meet the SLO even alone);
     "admitted in SLO": good requests over those not refused."""
     head = (
-        "| run | time scale | offered req/s | sent | ok | 429 | 429 while idle | errors | SLO attained "
+        "| run | time scale | offered req/s | sent | ok | 429 | 429 while idle | 429 unattainable | errors | SLO attained "
         "| admitted in SLO | goodput req/s | throughput req/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms "
         "| cached / cacheable tokens |\n"
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|\n"
     )
     rows = []
     for s in summaries:
         rows.append(
             f"| {s.label} | {s.time_scale:g} | {_num(s.offered_rps, 2)} | {s.requests} | {s.completed} "
-            f"| {s.rejected} | {_count(s.rejected_while_idle)} | {s.errors} | {s.slo_attainment:.1%} "
+            f"| {s.rejected} | {_count(s.rejected_while_idle)} | {s.rejected_unattainable} | {s.errors} "
+            f"| {s.slo_attainment:.1%} "
             f"| {_share(s.admitted_attainment)} | {s.goodput_rps:.3f} | {s.throughput_rps:.3f} "
             f"| {_triple(s.ttft)} | {_triple(s.tpot)} | {s.cached_tokens:,} / {s.cacheable_tokens:,} |"
         )

@@ -35,7 +35,14 @@ def test_bands_table_has_a_row_per_band_with_counts_attainments_and_ttft():
 
 def test_runs_table_shows_idle_refusals_and_attainment_among_admitted():
     row = runs_table([summarize(run(), SLO_1S)]).splitlines()[2]
-    assert row.startswith("| cfg | 1 | 1.00 | 4 | 3 | 1 | 1 | 0 | 50.0% | 66.7% | 0.200 | 0.300 |")
+    assert row.startswith("| cfg | 1 | 1.00 | 4 | 3 | 1 | 1 | 0 | 0 | 50.0% | 66.7% | 0.200 | 0.300 |")
+
+
+def test_a_refusal_as_unattainable_is_counted_apart_not_as_refused_while_idle():
+    records = [good(0, 100, 0.2), refused(2, 1500)]
+    records[1].error_code = "slo_unattainable"
+    summary = summarize(Run("cfg", "http://x", 1.0, 10.0, records, {"block_tokens": 16}), SLO_1S)
+    assert (summary.rejected, summary.rejected_while_idle, summary.rejected_unattainable) == (1, 0, 1)
 
 
 def test_capacity_bands_show_the_peak_goodput_probe_and_the_capacity_probe():
