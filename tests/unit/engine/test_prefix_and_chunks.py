@@ -63,3 +63,25 @@ def test_packed_prefill_of_several_sequences_equals_each_alone(tiny_model):
     for i, p in enumerate(prompts):
         alone = engine.prefill([Sequence.from_prompt(f"alone{i}", p)])
         assert (together[i] - alone[0]).abs().max().item() < 1e-5
+
+
+def test_a_long_prompt_cut_into_steps_between_other_prompts_equals_its_unchunked_prefill(smollm):
+    """What a prefill worker does: a long prompt computed a step at a time, its KV kept
+    between steps while short prompts are computed in steps of their own (or share one)."""
+    ids = prompt(smollm, 300)
+    whole = build_engine(smollm, EngineConfig(num_blocks=64, max_chunk_tokens=4096, enable_prefix_cache=False))
+    reference = Sequence.from_prompt("ref", ids)
+    expected = whole.prefill([reference])
+
+    engine = build_engine(smollm, EngineConfig(num_blocks=64, max_chunk_tokens=4096, enable_prefix_cache=False))
+    long = Sequence.from_prompt("long", ids)
+    short = [Sequence.from_prompt(f"s{i}", prompt(smollm, 20 + i)) for i in range(3)]
+    assert engine.prefill_chunk([(long, 100)]) is None  # not done: no logits, its KV kept
+    short_logits = engine.prefill_chunk([(short[0], short[0].num_tokens)])  # a newcomer goes between
+    assert engine.prefill_chunk([(long, 128)]) is None
+    both = engine.prefill_chunk([(short[1], short[1].num_tokens), (long, 72)])  # a step shared with another
+    assert both.shape[0] == 2 and long.num_computed_tokens == 300
+    assert (both[1:] - expected).abs().max().item() < 1e-4
+    assert greedy_continue(engine, long, both[1], 12) == greedy_continue(whole, reference, expected[0], 12)
+    alone = build_engine(smollm, EngineConfig(num_blocks=64, enable_prefix_cache=False))
+    assert (short_logits - alone.prefill([Sequence.from_prompt("a", short[0].prompt_token_ids)])).abs().max().item() < 1e-4
