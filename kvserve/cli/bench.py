@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvserve.cli.options import positive_int
 from libs.common.errors import KVServeError
 from libs.common.model.default_model import DEFAULT_MODEL_ID
 
@@ -91,7 +92,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"HF folder or tokenizer.json whose ordinary (non-special) token ids prompts are made of "
         f"(default: {DEFAULT_MODEL_ID}, prepared on first use)",
     )  # fmt: skip
-    p.add_argument("--block-tokens", type=_positive, default=16, metavar="T", help="tokens per hash id (default 16)")
+    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="T", help="tokens per hash id (default 16)")
     p.add_argument(
         "--time-scale", type=_non_negative, nargs="+", default=None, metavar="X",
         help="arrival time = trace timestamp x X (default 1; 0.5 is twice the rate); several make a sweep",
@@ -105,7 +106,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --find-capacity: the share of requests sent that must meet both SLOs (default 0.9)",
     )  # fmt: skip
     p.add_argument(
-        "--max-probes", type=_positive, default=None, metavar="N",
+        "--max-probes", type=positive_int, default=None, metavar="N",
         help="with --find-capacity: runs the search may make (default 6)",
     )  # fmt: skip
     p.add_argument(
@@ -123,7 +124,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "stamp ~10 requests per 3-second bucket; without this they arrive as one burst)",
     )  # fmt: skip
     p.add_argument("--start", type=_non_negative_int, default=0, metavar="I", help="first trace request (default 0)")
-    p.add_argument("--max-requests", type=_positive, default=None, metavar="N", help="replay N requests (default all)")
+    p.add_argument("--max-requests", type=positive_int, default=None, metavar="N", help="replay N requests (default all)")
     p.add_argument(
         "--warm-history", action="store_true",
         help="before each run, send (one at a time, one output token each) the prefixes the window shares with "
@@ -135,7 +136,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="cap prompts at T tokens by truncating (keeps the leading hash-id blocks, so sharing is preserved); "
         "0, the default, is no cap: prompt lengths follow the trace scaled by block-tokens/512",
     )  # fmt: skip
-    p.add_argument("--max-output", type=_positive, default=None, metavar="T", help="cap max_tokens at T")
+    p.add_argument("--max-output", type=positive_int, default=None, metavar="T", help="cap max_tokens at T")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, metavar="MS", help="TTFT objective (default 2000)")
     p.add_argument(
         "--slo-tbt-ms", type=float, default=150.0, metavar="MS",
@@ -238,13 +239,6 @@ def load_vocab(spec: str | None) -> list[int]:
     if tok_file.suffix != ".json" or not tok_file.exists():
         raise KVServeError(f"no tokenizer.json at {spec}: give a Hugging Face folder or its tokenizer.json")
     return ordinary_vocab(tok_file.read_text())
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
 
 
 def input_cap(text: str) -> int | None:

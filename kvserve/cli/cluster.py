@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 from kvserve.cli.console import Console
 from kvserve.cli.cpus import CpuShare, plan_cpus
 from kvserve.cli.heartbeats import HeartbeatWatcher
+from kvserve.cli.model import ModelChoiceError, resolve_model
 from kvserve.cli.reaper import Reaper
 from kvserve.cli.service_process import ServiceProcess, describe_exit
 from kvserve.cli.supervisor import (
@@ -40,7 +41,7 @@ from kvserve.cli.supervisor import (
 )
 from libs.common.cpu_share import available_cpus
 from libs.common.errors import KVServeError
-from libs.common.model.default_model import DEFAULT_MODEL_ID, resolve_model_path
+from libs.common.model.default_model import DEFAULT_MODEL_ID
 from libs.common.nats_server import NatsServer
 from libs.common.schema import Heartbeat
 from libs.common.vocabulary import Role
@@ -357,28 +358,13 @@ class LocalCluster:
 
     # --- internals ------------------------------------------------------------
     def _resolve_model(self) -> None:
-        """Prepare the model once, here, and fix the dtype every worker must share
-        (part of the KV contract), so no two services decide differently."""
-        import torch
-
-        from libs.common.model.checkpoint import open_checkpoint
-        from libs.common.model.loader import DTYPES, open_model, resolve_dtype
-
-        path, self.model_id = resolve_model_path(self.model, progress=True)
-        self.model_path = path.absolute()  # not resolve(): a symlink's name is the model id
-        hidden, intermediate = 576, 1536  # resolve_dtype's defaults; only "auto" needs the real ones
-        if self.dtype == "auto":
-            config = open_checkpoint(self.model_path, self.model_id).config
-            hidden, intermediate = config.hidden_size, config.intermediate_size
+        """Prepare the model once, here, and fix the dtype every worker must share."""
         try:
-            chosen = resolve_dtype(self.dtype, torch.device(self.device), hidden, intermediate)
-        except ValueError as e:
+            model = resolve_model(self.model, self.dtype, self.quantization, self.device)
+        except ModelChoiceError as e:
             raise ClusterError(str(e)) from None
-        self.dtype = next(name for name, dt in DTYPES.items() if dt == chosen)
-        try:
-            _, self.quantization, _ = open_model(self.model, self.quantization, self.device, self.dtype, progress=False)
-        except ValueError as e:
-            raise ClusterError(str(e)) from None
+        self.model_path, self.model_id = model.path, model.model_id
+        self.dtype, self.quantization = model.dtype, model.quantization
 
     def _plan(self, role: str, instance_id: str) -> ServiceProcess:
         env = dict(os.environ)

@@ -1,4 +1,4 @@
-"""Command-line options several kvserve commands share."""
+"""Command-line options and argument types several kvserve commands share."""
 
 import argparse
 from pathlib import Path
@@ -39,3 +39,11 @@ def read_api_key_file(path: str) -> str:
     if not key:
         raise argparse.ArgumentTypeError(f"{path} holds no API key")
     return key
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value

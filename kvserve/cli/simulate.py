@@ -14,6 +14,7 @@ from pathlib import Path
 
 import msgspec
 
+from kvserve.cli.options import positive_int
 from libs.common.schema import CostCoefficients
 
 DESCRIPTION = """\
@@ -43,14 +44,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     parser.add_argument("--trace", required=True, type=Path, help="Mooncake-format JSONL trace")
-    parser.add_argument("--prefill", type=_positive, required=True, metavar="N", help="prefill instances")
-    parser.add_argument("--decode", type=_positive, required=True, metavar="M", help="decode instances")
+    parser.add_argument("--prefill", type=positive_int, required=True, metavar="N", help="prefill instances")
+    parser.add_argument("--decode", type=positive_int, required=True, metavar="M", help="decode instances")
     parser.add_argument("--policy", default="cache_aware", metavar="P[,P...]",
                         help="one policy or a comma-separated list to compare (default cache_aware)")  # fmt: skip
     parser.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                         help="multiply arrival times by X: below 1 the same requests come faster (default 1)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="random policy and duration noise (default 0)")
-    parser.add_argument("--max-requests", type=_positive, default=None, metavar="K", help="only the first K requests")
+    parser.add_argument("--max-requests", type=positive_int, default=None, metavar="K", help="only the first K requests")
     parser.add_argument("--start", type=int, default=0, metavar="I", help="skip the first I requests (default 0)")
     parser.add_argument("--out", type=Path, default=Path("simulate-out"), metavar="DIR",
                         help="where the plot and summary go (default ./simulate-out)")  # fmt: skip
@@ -131,10 +132,3 @@ def _calibrate_here() -> CostCoefficients:
     coefficients = calibrate(engine)
     print(f"calibrated on this machine: {CostModel(coefficients).describe()}", file=sys.stderr)
     return coefficients
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value

@@ -14,7 +14,7 @@ import sys
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.cpus import cpus_argument
 from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
-from kvserve.cli.options import add_model_options, read_api_key_file
+from kvserve.cli.options import add_model_options, positive_int, read_api_key_file
 from libs.common.cpu_share import available_cpus
 
 DESCRIPTION = f"""\
@@ -69,9 +69,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="prefill workers (default 1). 0: none; each decode worker prefills its own requests, the decode "
         "workers divide every core and the conductor's policy gets +local_prefill",
     )  # fmt: skip
-    parser.add_argument("--decode", type=_positive, default=1, metavar="M", help="decode workers (default 1)")
+    parser.add_argument("--decode", type=positive_int, default=1, metavar="M", help="decode workers (default 1)")
     parser.add_argument(
-        "--conductors", type=_positive, default=1, metavar="N",
+        "--conductors", type=positive_int, default=1, metavar="N",
         help="conductor replicas, active-active: each answers admissions and books the others', so one "
         "that dies loses no request (default 1)",
     )  # fmt: skip
@@ -202,13 +202,6 @@ def _count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
 
 

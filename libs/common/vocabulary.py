@@ -18,6 +18,7 @@ class ErrorCode(StrEnum):
     CANCELLED = "cancelled"
     REJECTED = "rejected"  # the conductor predicts its latency targets cannot be met now
     # routing and capacity
+    NO_CONDUCTOR = "no_conductor"  # no conductor replica answered the admission
     NO_INSTANCES = "no_instances"  # no prefill and no decode instance is alive
     NO_PREFILL = "no_prefill"
     NO_DECODE = "no_decode"

@@ -350,7 +350,7 @@ class _Answerer:
     silent: str  # no answer within the timeout
     unreachable: str  # NATS failed otherwise
     failed: str  # the reply is no valid message
-    code: str  # the ServiceUnavailableError code when NATS failed
+    code: ErrorCode  # the ServiceUnavailableError code when NATS failed
     instance_id: str | None = None  # a worker: its id, and its role below
     role: str = ""
 
@@ -364,7 +364,7 @@ _CONDUCTOR = _Answerer(
     silent="conductor unavailable: no answer within {timeout:g}s",
     unreachable="conductor unavailable: {error}",
     failed="the conductor failed to admit the request: {error}",
-    code="no_conductor",
+    code=ErrorCode.NO_CONDUCTOR,
 )
 
 
@@ -375,7 +375,7 @@ def _worker(instance_id: str, role: str) -> _Answerer:
         silent="{where} did not answer within {timeout:g}s",
         unreachable="{where} is unreachable: {error}",
         failed="{where} failed: {error}",
-        code="no_prefill",
+        code=ErrorCode.NO_DECODE if role == Role.DECODE else ErrorCode.NO_PREFILL,
         instance_id=instance_id,
         role=role,
     )

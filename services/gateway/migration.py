@@ -21,6 +21,7 @@ import msgspec
 
 from libs.common.hashing import BlockHash
 from libs.common.schema import AdmitReply, TokenChunk
+from libs.common.vocabulary import ErrorCode
 from services.gateway.dispatch import RequestRun, WorkerLostError
 from services.gateway.errors import ServiceUnavailableError
 from services.gateway.served_model import PreparedRequest
@@ -32,7 +33,7 @@ BlockHasher = Callable[[list[int]], Awaitable[list[BlockHash]]]
 # seconds a moved request waits for the conductor to answer again, or for a worker of the
 # role it lacks to come (back): long enough for a supervisor to restart a dead worker
 ADMIT_RETRY_WINDOW = 15.0
-_WAIT_FOR_CODES = ("no_conductor", "no_prefill", "no_decode", "no_instances")
+_WAIT_FOR_CODES = (ErrorCode.NO_CONDUCTOR, ErrorCode.NO_PREFILL, ErrorCode.NO_DECODE, ErrorCode.NO_INSTANCES)
 ADMIT_RETRY_DELAY = 0.2
 
 log = logging.getLogger("kvserve.gateway.migration")

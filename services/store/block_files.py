@@ -8,7 +8,7 @@ xxh3 hashes at memory speed (tens of GB/s), so verifying it on every read costs
 far less than the read itself. Writes are atomic: a temp file in the same
 directory, fsync, rename, fsync of the directory (one for a whole batch of
 renames); a crash leaves the old state or the new one, never half a block
-under a block's name.
+under a block's name (`atomic_write.py`).
 
 A scan deletes (and logs) temp files and block files of the wrong size or
 header, and leaves block files of another KV contract untouched (the
@@ -20,7 +20,6 @@ import hashlib
 import logging
 import os
 import re
-import secrets
 import struct
 import threading
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import xxhash
 from libs.common import failpoints
 from libs.common.hashing import BlockHash
 from libs.common.schema import KVContract
+from services.store.atomic_write import TEMP_SUFFIX, sync_directory, write_temp
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,6 @@ MAGIC = b"KVSB"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sHH16s16sQQ8x")  # magic, version, flags, contract digest, key digest, length, xxh3
 SUFFIX = ".kvb"
-TEMP_SUFFIX = ".tmp"
 _NAME = re.compile(r"^([0-9a-f]{2,128})\.kvb$")
 
 
@@ -89,23 +88,11 @@ class BlockFiles:
         """The block's file under a temp name, its bytes fsynced; the caller renames it."""
         header = HEADER.pack(MAGIC, FORMAT_VERSION, 0, self.contract, key_digest(block_hash), len(payload),
                              xxhash.xxh3_64_intdigest(payload))  # fmt: skip
-        temp = self.directory / f".{block_hash.hex()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            if failpoints.active("store.stall_disk_write"):
-                os.write(fd, header)
-                os.write(fd, payload[: len(payload) // 2])
-                os.fsync(fd)
-                log.warning("failpoint store.stall_disk_write: holding %s half-written", temp.name)
-                threading.Event().wait()  # until the process is killed
-            _write_all(fd, [header, payload])
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            temp.unlink(missing_ok=True)
-            raise
-        os.close(fd)
-        return temp
+        if failpoints.active("store.stall_disk_write"):
+            temp = write_temp(self.directory, block_hash.hex(), [header, payload[: len(payload) // 2]])
+            log.warning("failpoint store.stall_disk_write: holding %s half-written", temp.name)
+            threading.Event().wait()  # until the process is killed
+        return write_temp(self.directory, block_hash.hex(), [header, payload])
 
     def read(self, block_hash: bytes, into: memoryview) -> str | None:
         """Read the block's payload into ``into``; None when it is intact, else why not
@@ -138,11 +125,7 @@ class BlockFiles:
             self.delete(block_hash)
 
     def sync_directory(self) -> None:
-        fd = os.open(self.directory, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        sync_directory(self.directory)
 
     def scan(self) -> list[tuple[BlockHash, float]]:
         """The intact-looking block files, oldest first (by modification time); deletes
@@ -202,14 +185,3 @@ def _is_foreign(header: bytes, contract: bytes) -> bool:
         return False
     magic, _, _, theirs, *_ = HEADER.unpack(header)
     return magic == MAGIC and theirs != contract
-
-
-def _write_all(fd: int, buffers: list) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        written = os.writev(fd, views)
-        while views and written >= len(views[0]):
-            written -= len(views[0])
-            views.pop(0)
-        if views and written:
-            views[0] = views[0][written:]

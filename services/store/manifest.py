@@ -8,14 +8,13 @@ is refused before it touches a file, so a restart with other settings can never
 wipe a disk tier. The manifest is JSON, readable by hand.
 """
 
-import os
-import secrets
 from pathlib import Path
 
 import msgspec
 
 from libs.common.errors import KVServeError
 from libs.common.schema import KVContract
+from services.store.atomic_write import write_atomically
 
 MANIFEST_NAME = "manifest.json"
 MANIFEST_VERSION = 1
@@ -44,7 +43,7 @@ def claim_directory(directory: Path, contract: KVContract, contract_digest: byte
     except FileNotFoundError:
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            _write_atomically(path, msgspec.json.format(msgspec.json.encode(ours), indent=2) + b"\n")
+            write_atomically(path, msgspec.json.format(msgspec.json.encode(ours), indent=2) + b"\n")
         except OSError as e:
             raise StoreDirectoryError(f"store directory {directory}: cannot write {MANIFEST_NAME}: {e}") from None
         return True
@@ -72,22 +71,3 @@ def claim_directory(directory: Path, contract: KVContract, contract_digest: byte
             "or leave it unset (each contract then gets its own)"
         )
     return False
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        temp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.rename(temp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -9,17 +9,20 @@ the control plane): where to write and a one-time token; the sender writes
 from dataclasses import dataclass
 from enum import StrEnum
 
+from libs.common.vocabulary import ErrorCode
+
 
 class Cause(StrEnum):
-    """Why a transfer ended badly; the value is the label of the failure metric."""
+    """Why a transfer ended badly; the value is the label of the failure metric, and
+    the `ErrorCode` a service replies with when a transfer it needed failed."""
 
-    TIMEOUT = "timeout"
-    PEER_GONE = "peer_gone"
-    BAD_TOKEN = "bad_token"
-    BAD_RANGE = "bad_range"
-    TRUNCATED = "truncated"
-    CANCELLED = "cancelled"
-    INTERNAL = "internal"  # a bug in the engine, not the peer's doing
+    TIMEOUT = ErrorCode.TIMEOUT.value
+    PEER_GONE = ErrorCode.PEER_GONE.value
+    BAD_TOKEN = ErrorCode.BAD_TOKEN.value
+    BAD_RANGE = ErrorCode.BAD_RANGE.value
+    TRUNCATED = ErrorCode.TRUNCATED.value
+    CANCELLED = ErrorCode.CANCELLED.value
+    INTERNAL = ErrorCode.INTERNAL.value  # a bug in the engine, not the peer's doing
 
 
 class TransferError(Exception):

@@ -229,3 +229,10 @@ def test_the_api_key_is_read_from_a_file_and_a_missing_or_empty_one_is_refused(t
         with pytest.raises(SystemExit):
             parser.parse_args(["up", "--api-key-file", str(bad)])
     assert "API key" in capsys.readouterr().err
+
+
+def test_a_dtype_the_model_cannot_use_stops_the_start_with_a_cluster_error(model_dir):
+    cluster = make_cluster(model_dir, None, prefill=1, decode=1, dtype="float8")
+    with pytest.raises(ClusterError, match="unknown dtype 'float8'"):
+        cluster.start(timeout=5)
+    assert not cluster.running

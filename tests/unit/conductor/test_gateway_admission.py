@@ -9,13 +9,12 @@ import pytest
 
 from libs.common import schema, subjects
 from libs.common.schema import Ack, AdmitReply, ErrorReply, PrefillRequest, RequestProgress
+from tests.unit.gateway.conftest import nats_server, nc  # noqa: F401  (fixtures)
 from tests.unit.gateway.test_gateway_nats import (  # noqa: F401  (fixtures)
     MESSAGES,
     WAIT,
     cluster,
     hello_world,
-    nats_server,
-    nc,
     openai_client,
     start_gateway,
 )

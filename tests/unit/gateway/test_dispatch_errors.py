@@ -29,9 +29,10 @@ class FakeService:
     """The conductor admits to p0 and d0 unless ``admit_error``; the worker fails with ``submit_error``."""
 
     def __init__(self, admit_error: Exception | ErrorReply | None = None,
-                 submit_error: Exception | ErrorReply | None = None) -> None:  # fmt: skip
+                 submit_error: Exception | ErrorReply | None = None, on_decode: bool = False) -> None:  # fmt: skip
         self.nc = FakeNATS()
         self.admit_error, self.submit_error = admit_error, submit_error
+        self.on_decode = on_decode  # the conductor has d0 prefill the request itself
         self.published: list[object] = []
 
     async def request(self, subject: str, message: object, kind: type, timeout: float = 5.0) -> object:
@@ -40,7 +41,11 @@ class FakeService:
             return error
         if error is not None:
             raise error
-        return AdmitReply(prefill_id="p0", decode_id="d0") if kind is AdmitReply else Ack()
+        if kind is not AdmitReply:
+            return Ack()
+        if self.on_decode:
+            return AdmitReply(prefill_id="d0", decode_id="d0", prefill_on_decode=True)
+        return AdmitReply(prefill_id="p0", decode_id="d0")
 
     async def publish(self, subject: str, message: object) -> None:
         self.published.append(message)
@@ -87,3 +92,11 @@ async def test_a_worker_that_gives_no_valid_answer(error, kind, code, message):
     if kind is WorkerLostError:
         assert (raised.value.instance_id, raised.value.role) == ("p0", "prefill")
     assert [c.reason for c in service.published if isinstance(c, Cancel)] == ["error"]
+
+
+async def test_an_unreachable_decode_worker_prefilling_the_request_is_no_decode():
+    service = FakeService(submit_error=nats.errors.ConnectionClosedError(), on_decode=True)
+    with pytest.raises(ServiceUnavailableError) as raised:
+        await enter(service)
+    message = "decode instance d0 is unreachable: nats: connection closed"
+    assert (raised.value.code, str(raised.value)) == ("no_decode", message)

@@ -8,11 +8,9 @@ import json
 from collections.abc import Callable
 
 import aiohttp
-import nats
 import pytest
 
 from libs.common import schema, subjects
-from libs.common.nats_server import NatsServer
 from libs.common.schema import Ack, AdmitReply, AdmitRequest, Cancel, Heartbeat, PrefillRequest, TokenChunk
 from services.gateway.app import Gateway
 from tests.integration.conftest import wait_until_async
@@ -87,19 +85,6 @@ class FakeCluster:
 
     async def next_cancel(self) -> Cancel:
         return await asyncio.wait_for(self.cancels.get(), WAIT)
-
-
-@pytest.fixture(scope="module")
-def nats_server():
-    with NatsServer() as server:
-        yield server
-
-
-@pytest.fixture
-async def nc(nats_server):
-    client = await nats.connect(nats_server.url)
-    yield client
-    await client.close()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from schemathesis.specs.openapi.checks import (
 from libs.common import schema, subjects
 from libs.common.schema import Heartbeat
 from tests.integration.conftest import wait_until
-from tests.unit.gateway.test_gateway_nats import cluster, nats_server, nc, start_gateway  # noqa: F401 (fixtures)
+from tests.unit.gateway.test_gateway_nats import cluster, start_gateway  # noqa: F401 (fixtures)
 
 MAX_EXAMPLES = 30  # per operation and generation mode
 WAIT = 20.0
