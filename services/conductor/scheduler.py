@@ -128,7 +128,7 @@ class Scheduler:
         self.admitted: dict[str, Admitted] = {}
         self.errors = PredictionErrors()
         self.tbt_errors = PredictionErrors(TBT_ERROR_BUCKETS, "TBT")
-        self.margins = Margins(self.config.margin, view.clock)
+        self.margins = Margins(self.config.margin, lambda: view.clock())
         self.sessions = SessionTable()
         self.num_admitted = 0
         self.rejections: dict[str, int] = {}  # by error code or rejection reason
