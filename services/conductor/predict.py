@@ -97,9 +97,11 @@ class AdmitContext:
 
     def __init__(self, request: AdmitRequest, match: PrefixMatch, view: ClusterView, now: float, slo: SLO,
                  config: PredictConfig, prefills: list[Instance] | None = None, decodes: list[Instance] | None = None,
-                 stores: list[Instance] | None = None, margins: Margins | None = None) -> None:  # fmt: skip
+                 stores: list[Instance] | None = None, margins: Margins | None = None,
+                 shorter_share: float = 0.0) -> None:  # fmt: skip
         self.request, self.match, self.view, self.now, self.slo, self.config = request, match, view, now, slo, config
         self.margins = margins or Margins()
+        self.shorter_share = shorter_share  # the share of a prefill instance shorter prompts take (overload.py)
         self.prefills, self.decodes, self.stores = prefills or [], decodes or [], stores or []
         self.num_tokens = request.num_prompt_tokens
         bs = config.block_size

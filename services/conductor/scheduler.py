@@ -19,6 +19,7 @@ from services.conductor.affinity import Home, SessionTable
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
 from services.conductor.margin import MarginConfig, Margins
+from services.conductor.overload import Overload, OverloadConfig
 from services.conductor.policies import Decision
 from services.conductor.predict import SLO, AdmitContext, PredictConfig, modelled_step
 
@@ -28,6 +29,7 @@ class SchedulerConfig:
     slo: SLO = SLO(ttft_s=2.0, tbt_s=0.15)
     predict: PredictConfig = field(default_factory=PredictConfig)
     margin: MarginConfig = field(default_factory=MarginConfig)
+    overload: OverloadConfig = field(default_factory=OverloadConfig)
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,7 @@ class Scheduler:
         self.errors = PredictionErrors()
         self.tbt_errors = PredictionErrors(TBT_ERROR_BUCKETS, "TBT")
         self.margins = Margins(self.config.margin, lambda: view.clock())
+        self.overload = Overload(self.config.overload)
         self.sessions = SessionTable()
         self.num_admitted = 0
         self.rejections: dict[str, int] = {}  # by error code or rejection reason
@@ -152,7 +155,8 @@ class Scheduler:
         return AdmitContext(
             request=request, match=self.index.match(request.block_hashes), view=view, now=view.clock(), slo=slo,
             config=self.config.predict, prefills=prefills, decodes=decodes, stores=view.alive(Role.STORE),
-            margins=self.margins,
+            margins=self.margins, shorter_share=self.overload.shorter_share(request.num_prompt_tokens, view.clock(),
+                                                                            len(prefills)),
         )  # fmt: skip
 
     def admit(self, request: AdmitRequest) -> Decision:
@@ -160,6 +164,8 @@ class Scheduler:
         decision = self.policy.choose(ctx, self.sessions.get(request.session_id))
         if self.explain is not None:
             self.explain(ctx, decision)
+        if not request.best_effort:  # best effort runs in time SLO work leaves: it takes none from it
+            self.overload.observe(ctx.now, ctx.num_tokens, decision.work_s, decision.admitted)
         if not decision.admitted:
             key = decision.reason or decision.error_code
             self.rejections[key] = self.rejections.get(key, 0) + 1

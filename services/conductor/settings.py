@@ -9,6 +9,7 @@ from typing import Self
 
 from libs.common.settings import ServiceSettings, env_float, env_int, env_str, service_env
 from services.conductor.admission import build_policy
+from services.conductor.overload import OverloadConfig
 from services.conductor.predict import SLO, PredictConfig
 from services.conductor.scheduler import SchedulerConfig
 
@@ -29,6 +30,7 @@ class ConductorSettings(ServiceSettings):
     block_size: int = 16  # tokens per hashed block, as the gateway hashes prompts
     balancing_threshold: float = 2.0
     expected_output_tokens: int = 512
+    max_band_refusal_ratio: float = 3.0  # the overload guard (overload.py); 0: no preference for short prompts
 
     def __post_init__(self) -> None:
         if self.instance_timeout <= 0:
@@ -43,6 +45,8 @@ class ConductorSettings(ServiceSettings):
             raise ValueError(f"KVSERVE_BALANCING_THRESHOLD must be at least 1, got {self.balancing_threshold}")
         if self.expected_output_tokens < 1:
             raise ValueError(f"KVSERVE_EXPECTED_OUTPUT_TOKENS must be at least 1, got {self.expected_output_tokens}")
+        if self.max_band_refusal_ratio < 0:
+            raise ValueError(f"KVSERVE_MAX_BAND_REFUSAL_RATIO must be at least 0, got {self.max_band_refusal_ratio}")
         try:
             build_policy(self.policy)
         except ValueError as e:
@@ -59,10 +63,12 @@ class ConductorSettings(ServiceSettings):
             block_size=env_int("BLOCK_SIZE", 16),
             balancing_threshold=env_float("BALANCING_THRESHOLD", 2.0),
             expected_output_tokens=env_int("EXPECTED_OUTPUT_TOKENS", 512),
+            max_band_refusal_ratio=env_float("MAX_BAND_REFUSAL_RATIO", 3.0),
         )
 
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
             slo=SLO(self.slo_ttft_s, self.slo_tbt_s),
             predict=PredictConfig(self.block_size, self.balancing_threshold, self.expected_output_tokens),
+            overload=OverloadConfig(self.max_band_refusal_ratio),
         )

@@ -1,0 +1,66 @@
+"""Overload: a long prompt's TTFT counts the shorter prompts that will go first, and a
+guard stops that preference before a band is starved."""
+
+import pytest
+
+from services.conductor.admission import build_policy
+from services.conductor.overload import WINDOW_S, Overload, OverloadConfig
+from services.conductor.scheduler import Scheduler
+from tests.unit.conductor.helpers import beat, cluster, config, request
+
+
+def test_the_share_shorter_prompts_take_counts_only_admitted_shorter_work_in_the_window():
+    o = Overload()
+    o.observe(now=0.0, num_prompt_tokens=50, work_s=6.0, admitted=True)  # band <128
+    o.observe(now=10.0, num_prompt_tokens=300, work_s=3.0, admitted=True)  # band 128-511
+    o.observe(now=10.0, num_prompt_tokens=40, work_s=9.0, admitted=False)  # refused: takes nothing
+    assert o.shorter_share(40, now=10.0, num_instances=1) == 0.0  # nothing is shorter than the shortest band
+    assert o.shorter_share(1500, now=10.0, num_instances=1) == pytest.approx(9.0 / WINDOW_S)
+    assert o.shorter_share(1500, now=10.0, num_instances=3) == pytest.approx(3.0 / WINDOW_S)
+    assert o.shorter_share(300, now=10.0, num_instances=1) == pytest.approx(6.0 / WINDOW_S)
+    assert o.shorter_share(300, now=WINDOW_S + 1, num_instances=1) == 0.0  # the short one left the window
+
+
+def test_a_band_refused_far_more_often_than_all_is_no_longer_held_back():
+    o = Overload(OverloadConfig(max_refusal_ratio=3.0))
+    for _ in range(40):
+        o.observe(0.0, 50, 1.0, admitted=True)
+    for i in range(10):
+        o.observe(0.0, 1500, 1.0, admitted=i < 8)  # 20% of long ones refused, 4% overall: 20% > 12%
+    assert o.guarded(3) and o.shorter_share(1500, now=0.0, num_instances=1) == 0.0
+    assert o.refusal_rates() == {"<128": 0.0, ">=1024": pytest.approx(0.2)}
+    assert OverloadConfig(max_refusal_ratio=0.0) != o.config
+    off = Overload(OverloadConfig(max_refusal_ratio=0.0))
+    off.observe(0.0, 50, 5.0, admitted=True)
+    assert off.shorter_share(1500, now=0.0, num_instances=1) == 0.0
+
+
+def test_under_a_stream_of_short_prompts_a_long_one_is_refused_for_the_time_they_will_take():
+    beats = (beat("p0", "prefill"), beat("d0", "decode"))
+    view, index, clock = cluster(*beats)
+    s = Scheduler(build_policy("cache_aware+predictive_rejection"), view, index, config(2.0, 10.0))
+
+    def at(now: float) -> None:
+        clock.now = now
+        for hb in beats:
+            view.observe(hb)
+
+    def short(i: int) -> None:  # a 0.1 s prompt, served as predicted
+        at(i * 0.1)
+        assert s.admit(request(f"s{i}", tokens=100, blocks=[])).admitted
+        at(i * 0.1 + 0.1)
+        s.first_token(f"s{i}")
+        s.finished(f"s{i}")
+
+    for i in range(20):  # 20 prompts of 0.1 s admitted in 2 s
+        short(i)
+    # 1.2 s alone, on an idle instance; 2 s of 30 taken by shorter ones: 1.29 s, fits
+    assert s.admit(request("long", tokens=1200, blocks=[])).admitted
+    at(3.2)
+    s.first_token("long")
+    s.finished("long")
+    for i in range(32, 250):  # much more short work: the instance is all but full of it
+        short(i)
+    refused = s.admit(request("long2", tokens=1500, blocks=[]))
+    assert (refused.admitted, refused.reason) == (False, "ttft_slo"), refused
+    assert "shorter prompts" in refused.error_message
