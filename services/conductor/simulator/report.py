@@ -3,8 +3,8 @@
 SLO attainment counts every request of the trace: a rejected or wasted one
 missed its SLO. "admitted met SLO" is admission's promise: the share of the
 admitted requests (wasted ones included) that met both SLOs, leaving out the
-"best effort" ones, admitted only because nothing queued ahead of them although
-predicted to miss an SLO even alone. Goodput is the requests that met both SLOs per second of the
+"best effort" ones, admitted with no promise (sent as best effort, or whose TBT
+is predicted to miss its target even alone). Goodput is the requests that met both SLOs per second of the
 trace. The cache hit rate is prompt tokens reused (own cache, store, a peer's
 copy) over prompt tokens of the requests that were prefilled.
 """
@@ -31,7 +31,7 @@ class Summary:
     tbt_p99: float
     slo_attainment: float  # fraction of all requests
     kept: float  # fraction of the admitted requests that met both SLOs (admission's promise), best effort aside
-    best_effort: int  # admitted although predicted to miss an SLO even alone
+    best_effort: int  # admitted with no promise: sent as best effort, or over the TBT target even alone
     goodput: float  # requests meeting both SLOs per second
     rejected: int
     wasted: int  # prefilled, then refused by the decode instance
