@@ -112,3 +112,30 @@ def test_domain_errors_map_to_statuses():
     assert to_http(UpstreamError("boom", "kv_lost")).status == 500
     hidden = to_http(RuntimeError("secret internals"))
     assert (hidden.status, hidden.body["error"]["message"]) == (500, "internal server error")
+
+
+def test_a_request_no_wait_can_help_is_429_slo_unattainable_without_retry_after():
+    unattainable = to_http(RateLimitedError("predicted TTFT 4.5 s even alone", None, {"predicted_ttft_s": 4.5},
+                                            "slo_unattainable"))  # fmt: skip
+    assert (unattainable.status, unattainable.headers) == (429, {})
+    error = unattainable.body["error"]
+    assert (error["type"], error["code"], error["reason"], error["predicted_ttft_s"]) == (
+        "rate_limit_error", "slo_unattainable", "slo_unattainable", 4.5
+    )  # fmt: skip
+    busy = to_http(RateLimitedError("queue", 0.3, {}, "ttft_slo"))
+    assert (busy.headers, busy.body["error"]["code"], busy.body["error"]["reason"]) == (
+        {"Retry-After": "1"}, "rate_limit_exceeded", "ttft_slo"
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("value, best_effort", [("best-effort", True), ("Best-Effort", True)])
+def test_x_kvserve_slo_best_effort_is_read_and_anything_else_is_400(value, best_effort):
+    from aiohttp.test_utils import make_mocked_request
+
+    from services.gateway.errors import InvalidParameterError
+    from services.gateway.handlers import _slo_override
+
+    assert _slo_override(make_mocked_request("POST", "/", headers={"x-kvserve-slo": value})).best_effort is best_effort
+    assert _slo_override(make_mocked_request("POST", "/")).best_effort is False
+    with pytest.raises(InvalidParameterError, match="x-kvserve-slo must be 'best-effort'"):
+        _slo_override(make_mocked_request("POST", "/", headers={"x-kvserve-slo": "fast"}))
