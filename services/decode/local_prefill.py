@@ -1,16 +1,21 @@
 """Conditional disaggregation: the decode worker prefills a request itself, when
 the conductor predicts that is faster than a prefill worker plus the hand-off
 (a short prompt the decode batch can afford to stall for), then decodes it in
-its batch like any handed-over request (the batch's scheduler prefills it in its
-next step, as `kvserve chat` would). Also calibrates the worker's cost
+its batch like any handed-over request. The batch's scheduler prefills such
+requests a chunk per step in deadline order (shortest first unless an earlier
+one would miss its deadline: `libs/common/prefill_order.py`), as a prefill
+worker does. Also calibrates the worker's cost
 model at start-up and reports it, with the batch it is running, in heartbeats.
 """
+
+import time
 
 from nats.aio.msg import Msg
 
 from libs.common import subjects
-from libs.common.cost_model import CostModel, calibrate_once
+from libs.common.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
 from libs.common.errors import KVServeError
+from libs.common.model.scheduler import Due
 from libs.common.model.sequence import Sequence
 from libs.common.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
 from libs.common.vocabulary import ErrorCode
@@ -39,8 +44,15 @@ class LocalPrefill:
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
         if not engine.cache.can_allocate(seq, seq.num_tokens + engine.block_size):
             return ErrorReply(code=ErrorCode.NO_CAPACITY, message=f"{self.worker.instance_id} has no free KV blocks")
-        self.worker.spawn(self.worker.admit(seq, computed=False))
+        now = time.monotonic()  # the scheduler's clock
+        due = Due(None if request.ttft_budget_s is None else now + request.ttft_budget_s, now)
+        self.worker.spawn(self.worker.admit(seq, computed=False, due=due))
         return Ack()
+
+    def prefill_time(self, seq: Sequence) -> float:
+        """Engine thread: predicted seconds of prefill ``seq`` has left, by the calibrated cost model."""
+        cost = CostModel(self.cost or uncalibrated_coefficients(self.worker.engine.block_size))
+        return cost.prefill_time(seq.num_tokens - seq.num_computed_tokens, seq.num_computed_tokens)
 
     def fill(self, beat: DecodeBeat) -> None:
         w = self.worker

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 from libs.common import subjects
 from libs.common.engine_host import EngineHost
 from libs.common.errors import OutOfKVBlocksError
-from libs.common.model.scheduler import Scheduler, StepFailed, run_step, token_stop
+from libs.common.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
 from libs.common.model.sequence import Sequence
 from libs.common.recent import RecentIds
 from libs.common.schema import (
@@ -49,15 +49,15 @@ class DecodeWorker(Service):
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
         self.leases = LeaseTable(settings.lease_seconds)
         # the batch: changed on the engine thread only (through host.run); heartbeats read it
+        self.local_prefill = LocalPrefill(self, settings.model.calibrate)  # cost model; prefills the conductor sends here
         self.scheduler = Scheduler(self.engine.cache, token_stop(self.eos_ids, self.engine.max_model_len),
-                                   settings.max_batch_size)  # fmt: skip
+                                   settings.max_batch_size, self.local_prefill.prefill_time)  # fmt: skip
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
                                             num_running=lambda: len(self.scheduler.running),
                                             num_waiting=lambda: len(self.scheduler.waiting))
         self.cancelled = RecentIds()
         self._work = asyncio.Event()
         self._blocks_freed = asyncio.Condition()
-        self.local_prefill = LocalPrefill(self, settings.model.calibrate)  # cost model; prefills the conductor sends here
 
     async def start(self, stack: AsyncExitStack) -> None:
         stack.callback(self.host.close)
@@ -159,10 +159,13 @@ class DecodeWorker(Service):
         self._work.set()
 
     # --- the batch -------------------------------------------------------------
-    async def admit(self, seq: Sequence, computed: bool) -> None:
+    async def admit(self, seq: Sequence, computed: bool, due: Due | None = None) -> None:
         """Add a sequence to the batch: one whose KV came by hand-off (``computed``),
-        or one to prefill here (local prefill)."""
-        await self.host.run(self.scheduler.add_running if computed else self.scheduler.add, seq)
+        or one to prefill here (local prefill), due by ``due``."""
+        if computed:
+            await self.host.run(self.scheduler.add_running, seq)
+        else:
+            await self.host.run(self.scheduler.add, seq, due)
         if seq.request_id in self.cancelled:  # the cancel came while it was on its way in
             await self.host.run(self.scheduler.abort, seq.request_id)
             await self._blocks_were_freed()
@@ -188,8 +191,8 @@ class DecodeWorker(Service):
                 await self.publish(subjects.tokens(out.request_id), token_chunk(out, self.instance_id))
             if result.rejected or result.preempted or any(out.finish_reason is not None for out in result.outputs):
                 await self._blocks_were_freed()
-            elif result.outputs:
-                self._work.set()  # more to do; waiting sequences that did not fit wait for freed blocks
+            elif result.outputs or result.computed:
+                self._work.set()  # more to do (a prompt's next chunk); sequences that did not fit wait for freed blocks
 
     async def _publish_error(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         chunk = error_chunk(seq.request_id, seq.num_output_tokens, code, message, self.instance_id)

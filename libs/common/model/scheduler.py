@@ -15,6 +15,7 @@ only in how they decide a sequence stops (`Stop`) and where its tokens go.
 Not thread-safe: a worker calls it on its engine thread alone.
 """
 
+import time
 from collections import deque
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from libs.common.model.kv_cache import KVCacheManager
 from libs.common.model.sampling import sample
 from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
+from libs.common.prefill_order import Work, plan
 from libs.common.vocabulary import FinishReason
 
 # Whether the token just appended to a sequence ends it, and why.
@@ -79,6 +81,17 @@ class StepResult:
     outputs: list[TokenOutput]
     preempted: list[Sequence]
     rejected: list[Sequence]
+    computed: bool = False  # the step ran something (a chunk of a prompt counts, though it yields no token)
+
+
+@dataclass(frozen=True)
+class Due:
+    """When a sequence to prefill is due (its TTFT deadline on the caller's clock; None:
+    best effort) and when it came: such sequences are prefilled in the order of
+    `libs/common/prefill_order.py`, a chunk per step."""
+
+    deadline: float | None
+    arrived: float
 
 
 class StepFailed(Exception):
@@ -90,10 +103,14 @@ class StepFailed(Exception):
 
 
 class Scheduler:
-    def __init__(self, cache: KVCacheManager, stop: Stop, max_batch_size: int = 64) -> None:
+    def __init__(self, cache: KVCacheManager, stop: Stop, max_batch_size: int = 64,
+                 prefill_time: Callable[[Sequence], float] | None = None) -> None:  # fmt: skip
         self.cache = cache
         self.stop = stop
         self.max_batch_size = max_batch_size
+        # predicted seconds of prefill a sequence has left (ordering sequences added with a Due)
+        self.prefill_time = prefill_time or (lambda seq: 1e-3 * (seq.num_tokens - seq.num_computed_tokens))
+        self.due: dict[str, Due] = {}
         self.waiting: deque[Sequence] = deque()  # to prefill, oldest first
         self.running: list[Sequence] = []  # KV computed up to their last token, oldest first
         self.partial: Sequence | None = None  # waiting with its blocks allocated and its prompt partly computed
@@ -107,9 +124,13 @@ class Scheduler:
     def num_requests(self) -> int:
         return len(self.running) + len(self.waiting)
 
-    def add(self, seq: Sequence) -> None:
-        """A new sequence: it waits for room, then is prefilled (reusing cached prefix blocks)."""
+    def add(self, seq: Sequence, due: Due | None = None) -> None:
+        """A new sequence: it waits for room, then is prefilled (reusing cached prefix blocks).
+        With ``due``, it is prefilled in deadline order with the others that have one, after
+        any without (sequences preempted to be recomputed, and every one of `kvserve chat`)."""
         self.waiting.append(seq)
+        if due is not None:
+            self.due[seq.request_id] = due
 
     def add_running(self, seq: Sequence) -> None:
         """A sequence whose KV was computed elsewhere (a hand-off) and which holds
@@ -126,6 +147,7 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
+        self.due.pop(seq.request_id, None)
         if seq is self.partial:
             self.partial = None
         if seq in self.running:
@@ -134,17 +156,21 @@ class Scheduler:
             self.waiting.remove(seq)
         self.cache.free(seq)
 
-    def schedule(self, max_chunk_tokens: int | None = None) -> Batch:
+    def schedule(self, max_chunk_tokens: int | None = None, now: float | None = None) -> Batch:
         """Admit what fits (a prefill step) or else decode the running batch,
         preempting the newest sequences until that step's blocks fit. With
         ``max_chunk_tokens`` and a batch decoding, the prefill takes at most that many
-        prompt tokens and the next step decodes."""
+        prompt tokens and the next step decodes. Sequences added with a Due are
+        prefilled a chunk per step even with no batch decoding, in deadline order
+        (``now`` on their clock, else ``time.monotonic()``): a short one that arrives
+        behind a long one waits a step, not the whole long prompt."""
         rejected: list[Sequence] = []
-        budget = max_chunk_tokens if self.running else None
+        ordered = self._reorder(time.monotonic() if now is None else now)
+        budget = max_chunk_tokens if self.running or ordered else None
         if budget is None or not self._decode_next:
-            admitted, chunk = self._admit(rejected, budget)
+            admitted, chunk = self._admit(rejected, budget, ordered)
             if admitted or chunk is not None:
-                self._decode_next = budget is not None
+                self._decode_next = budget is not None and bool(self.running)
                 return Batch(admitted, is_prefill=True, chunk=chunk, rejected=rejected)
         self._decode_next = False
         preempted: list[Sequence] = []
@@ -162,12 +188,50 @@ class Scheduler:
                 self.finish(out.seq, out.finish_reason)
         return outputs
 
+    def _reorder(self, now: float) -> list[Sequence]:
+        """Put the waiting sequences with a Due in plan order, behind the others (the
+        partly prefilled one stays at the head); return, in plan order, those the plan
+        puts ahead of the partly prefilled one (or all of them, without one)."""
+        ordered = [s for s in self.waiting if s.request_id in self.due and s is not self.partial]
+        if not ordered:
+            return []
+        work = [Work(i, self.prefill_time(s), self.due[s.request_id].deadline, self.due[s.request_id].arrived)
+                for i, s in enumerate(ordered)]  # fmt: skip
+        partial = self.partial if self.partial is not None and self.partial.request_id in self.due else None
+        if partial is not None:
+            d = self.due[partial.request_id]
+            work.append(Work(-1, self.prefill_time(partial), d.deadline, d.arrived))
+        order = [w.key for w in plan(work, now)]
+        keep = [s for s in self.waiting if s.request_id not in self.due or s is self.partial]
+        self.waiting = deque(keep + [ordered[i] for i in order if i >= 0])
+        if partial is None:
+            return [ordered[i] for i in order if i >= 0]
+        return [ordered[i] for i in order[: order.index(-1)]]
+
     def _admit(
-        self, rejected: list[Sequence], budget: int | None
+        self, rejected: list[Sequence], budget: int | None, ahead: list[Sequence] | None = None
     ) -> tuple[list[Sequence], tuple[Sequence, int] | None]:
         """The waiting sequences this prefill step completes, oldest first, and the chunk
-        of the next one's prompt it computes within ``budget`` tokens (None: no limit)."""
+        of the next one's prompt it computes within ``budget`` tokens (None: no limit).
+        ``ahead``: sequences the deadline order puts before a partly prefilled one, which
+        this step completes first when they fit it whole."""
         cache, admitted = self.cache, []
+        if self.partial is not None and budget is not None:
+            for seq in ahead or []:
+                if len(self.running) + len(admitted) >= self.max_batch_size or budget <= 0:
+                    break
+                if not self._can_ever_fit(seq):
+                    continue
+                cache.match_prefix(seq)
+                headroom = (len(self.running) + len(admitted)) * cache.block_size
+                left = seq.num_tokens - seq.num_computed_tokens
+                if left > budget or not cache.can_allocate(seq, seq.num_tokens + headroom):
+                    self._reset(seq)  # it would be a second partial one, or it does not fit now
+                    continue
+                cache.allocate(seq, seq.num_tokens)
+                budget -= left
+                self.waiting.remove(seq)
+                admitted.append(seq)
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             if budget == 0:
                 break  # before any allocation: a partial one keeps its blocks and computed KV, a new one takes none
@@ -232,6 +296,8 @@ def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
     ran = batch.seqs + ([batch.chunk[0]] if batch.chunk is not None else [])
     if not ran:
         return StepResult([], batch.preempted, batch.rejected)
+    for seq in batch.seqs if batch.is_prefill else []:
+        scheduler.due.pop(seq.request_id, None)  # prefilled: no longer ordered
     try:
         if batch.chunk is not None:
             prefill_chunk(engine, *batch.chunk)
@@ -243,7 +309,7 @@ def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
             scheduler.finish(seq, FinishReason.ABORT)
         raise StepFailed(ran, e) from e
     outputs = scheduler.update(batch, logits) if logits is not None else []
-    return StepResult(outputs, batch.preempted, batch.rejected)
+    return StepResult(outputs, batch.preempted, batch.rejected, computed=True)
 
 
 @torch.inference_mode()

@@ -163,3 +163,30 @@ def test_a_step_whose_budget_runs_out_exactly_leaves_the_next_prompt_untouched()
     steps = [step(sched, 4)[1] for _ in range(4)]
     assert steps == [("decode", ["a", "exact"]), ("prefill", [], ("next", 4)), ("decode", ["a", "exact"]),
                      ("prefill", ["next"], None)]  # fmt: skip
+
+
+def test_prompts_with_a_due_are_chunked_in_deadline_order_so_a_short_one_passes_a_long_one():
+    from libs.common.model.scheduler import Due
+
+    sched = scheduler(num_blocks=16)
+    sched.prefill_time = lambda s: 1e-3 * (s.num_tokens - s.num_computed_tokens)
+    long, short = seq("long", 40), seq("short", 4)
+    sched.add(long, Due(deadline=10.0, arrived=0.0))
+    batch = sched.schedule(max_chunk_tokens=8, now=0.0)  # nothing decodes, but it is cut all the same
+    assert ran(batch) == ("prefill", [], ("long", 8)) and sched.partial is long
+    sched.add(short, Due(deadline=10.0, arrived=1.0))
+    batch = sched.schedule(max_chunk_tokens=8, now=1.0)
+    # the short one first, whole, then the long one's next chunk with what is left of the step
+    assert ran(batch) == ("prefill", ["short"], ("long", 4))
+    sched.update(batch, logits_for(1))
+    assert sched.running == [short] and sched.partial is long
+    # a long one whose deadline only the order keeps goes first: a 30-token prompt due in 0.04 s
+    urgent = seq("urgent", 30)
+    sched.add(urgent, Due(deadline=1.05, arrived=1.0))
+    assert [s.request_id for s in sched.waiting] == ["long", "urgent"]
+
+
+def test_without_a_due_a_prompt_alone_is_prefilled_whole_as_before():
+    sched = scheduler(num_blocks=16)
+    sched.add(seq("a", 40))
+    assert ran(sched.schedule(max_chunk_tokens=8)) == ("prefill", ["a"], None)
