@@ -13,7 +13,7 @@ If a hand-off fails (transfer error, timeout, the decode worker gone), the
 worker retries once on another live decode worker, shipping whole blocks. A lease
 asked of a decode worker that dies before answering (a message routed to a process
 being killed is lost) fails as soon as its heartbeats say it is gone, not at the
-timeout; if it was restarted, the new process is asked at once.
+timeout; if it was restarted, the new process is asked at once. So does a hand-over.
 """
 
 import asyncio
@@ -32,12 +32,13 @@ from libs.common.schema import (
     BadMessageError,
     ErrorReply,
     HandoffRequest,
+    Message,
     PrefillRequest,
     ReleaseRequest,
     ReserveReply,
     ReserveRequest,
 )
-from libs.common.service import Service
+from libs.common.service import M, Service
 from libs.common.transfer import Span, TransferError
 from libs.common.transfer.writers import Writer
 from libs.common.vocabulary import ErrorCode
@@ -89,7 +90,8 @@ class Handoff:
                                  prefill_id=self.service.instance_id, contract=self.host.contract,
                                  host_id=self.host.transfers.writer_host_id)  # fmt: skip
         try:
-            reply = await self._ask_while_alive(decode_id, subjects.decode_reserve(decode_id), message)
+            reply = await self._ask_while_alive(decode_id, subjects.decode_reserve(decode_id), message, ReserveReply,
+                                                RESERVE_TIMEOUT)  # fmt: skip
         except (NoRespondersError, NatsTimeout) as e:
             raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {decode_id} did not answer ({e})") from e
         except BadMessageError as e:
@@ -98,13 +100,14 @@ class Handoff:
             raise HandoffError(reply.code, reply.message)
         return Transfer(request, decode_id, reply)
 
-    async def _ask_while_alive(self, decode_id: str, subject: str, message: ReserveRequest) -> ReserveReply | ErrorReply:
+    async def _ask_while_alive(self, decode_id: str, subject: str, message: Message, kind: type[M],
+                               timeout: float) -> M | ErrorReply:  # fmt: skip
         """The decode worker's answer, or HandoffError as soon as its heartbeats say the
         process asked is gone (restarted, or silent): its answer will never come."""
         heard = self.decoders.last_heard(decode_id)
         started_at = heard[0].started_at if heard is not None else None
-        ask = asyncio.ensure_future(self.service.request(subject, message, ReserveReply, timeout=RESERVE_TIMEOUT))
-        deadline = time.monotonic() + RESERVE_TIMEOUT
+        ask = asyncio.ensure_future(self.service.request(subject, message, kind, timeout=timeout))
+        deadline = time.monotonic() + timeout
         try:
             while True:
                 done, _ = await asyncio.wait([ask], timeout=min(LIVENESS_CHECK_S, max(0.0, deadline - time.monotonic())))
@@ -179,8 +182,8 @@ class Handoff:
             block_ids=transfer.lease.block_ids,
         )
         try:
-            ack = await self.service.request(subjects.decode_admit(transfer.decode_id), handoff, Ack,
-                                             timeout=HANDOFF_TIMEOUT)  # fmt: skip
+            ack = await self._ask_while_alive(transfer.decode_id, subjects.decode_admit(transfer.decode_id), handoff,
+                                              Ack, HANDOFF_TIMEOUT)  # fmt: skip
         except (NoRespondersError, NatsTimeout, BadMessageError) as e:
             raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {transfer.decode_id} did not take the request ({e})") from e
         if isinstance(ack, ErrorReply):

@@ -1,7 +1,7 @@
-"""A lease asked of a decode worker that dies before answering (the message went to a
-process being killed) fails as soon as the worker's heartbeats say it is gone, not at
-the 15 s timeout; when it was restarted, the new process is the one asked. Over a real
-nats-server, with a stand-in decode worker."""
+"""A lease (or a hand-over) asked of a decode worker that dies before answering (the
+message went to a process being killed) fails as soon as the worker's heartbeats say it
+is gone, not at its timeout (15 s, 5 s); when it was restarted, the new process is the
+one asked. Over a real nats-server, with a stand-in decode worker."""
 
 import asyncio
 from types import SimpleNamespace
@@ -22,7 +22,7 @@ from services.prefill.handoff import Handoff, HandoffError
 CONTRACT = KVContract(model_id="m", block_size=16, layout="l", hash_scheme="h")
 REQUEST = PrefillRequest(request_id="r1", prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=4),
                          decode_id="decode-0")  # fmt: skip
-WAIT = 10.0  # a bound on every wait below, shorter than the reserve's own timeout
+WAIT = 4.5  # a bound on every wait below, shorter than the lease's and the hand-over's own timeouts
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +88,17 @@ async def test_a_lease_lost_in_a_dying_worker_is_asked_again_of_its_restart(nats
             await nc.close()
 
 
-async def test_a_lease_asked_of_a_worker_that_goes_silent_fails_without_waiting_for_the_timeout(nats_server):
+def ask(handoff: Handoff, what: str):
+    """A lease, or the hand-over of a request whose KV is written into one."""
+    if what == "reserve":
+        return handoff.reserve(REQUEST, "decode-0", 3)
+    transfer = SimpleNamespace(request=REQUEST, decode_id="decode-0", lease=SimpleNamespace(block_ids=[7]))
+    seq = SimpleNamespace(token_ids=[1, 2, 3, 9], num_prompt_tokens=3, num_cached_tokens=0)
+    return handoff._hand_over(transfer, seq)
+
+
+@pytest.mark.parametrize("what", ["reserve", "hand_over"])
+async def test_a_request_to_a_worker_that_goes_silent_fails_without_waiting_for_the_timeout(nats_server, what):
     prefill_nc, decode_nc = [await nats.connect(nats_server.url) for _ in range(2)]
     try:
         now = [100.0]
@@ -99,9 +109,10 @@ async def test_a_lease_asked_of_a_worker_that_goes_silent_fails_without_waiting_
         async def dying(msg):
             swallowed.set()
 
-        await decode_nc.subscribe(subjects.decode_reserve("decode-0"), cb=dying)
+        subject = subjects.decode_reserve("decode-0") if what == "reserve" else subjects.decode_admit("decode-0")
+        await decode_nc.subscribe(subject, cb=dying)
         await decode_nc.flush()
-        asking = asyncio.create_task(make_handoff(prefill_nc, decoders).reserve(REQUEST, "decode-0", 3))
+        asking = asyncio.create_task(ask(make_handoff(prefill_nc, decoders), what))
         await asyncio.wait_for(swallowed.wait(), WAIT)
         now[0] += 2.5  # two and a half heartbeats without one
         with pytest.raises(HandoffError, match="decode worker decode-0 is gone") as lost:
