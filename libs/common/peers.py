@@ -24,6 +24,11 @@ class PeerDirectory:
         """The last heartbeat of ``instance_id`` and when it came (by ``clock``); None if never heard."""
         return self._seen.get(instance_id)
 
+    def silent_for(self, role: str) -> float | None:
+        """Seconds since any instance of ``role`` was last heard; None if none ever was."""
+        times = [seen for hb, seen in self._seen.values() if hb.role == role]
+        return self.clock() - max(times) if times else None
+
     def heard(self) -> list[tuple[Heartbeat, float]]:
         """Every instance heard from within ``timeout``, with the seconds since its last heartbeat."""
         now = self.clock()

@@ -13,6 +13,7 @@ from nats.errors import Error as NatsError
 
 from libs.common import failpoints, subjects
 from libs.common.kv_events import KVEventTracker
+from libs.common.recent import RecentIds
 from libs.common.schema import (
     AdmitReply,
     AdmitRequest,
@@ -49,6 +50,7 @@ class Conductor(Service):
         super().__init__(settings)
         self.view = ClusterView(timeout=settings.instance_timeout, block_size=settings.block_size)
         self.index = KVIndex()
+        self._unadmitted = RecentIds()  # requests told "cannot admit": their retries are logged at debug
         self.tracker = KVEventTracker(apply=self.index.apply_event, reset=self.index.replace)
         self.view.on_gone = self._forget
         self.scheduler = Scheduler(build_policy(settings.policy), self.view, self.index, settings.scheduler_config())
@@ -120,7 +122,10 @@ class Conductor(Service):
         if not d.admitted:
             if d.error_code == "rejected":
                 self.log.info("rejected %s: %s", request.request_id, d.error_message)
+            elif request.request_id in self._unadmitted:  # asked again while it waits for a role to come back
+                self.log.debug("cannot admit %s: %s", request.request_id, d.error_message)
             else:
+                self._unadmitted.add(request.request_id)
                 self.log.warning("cannot admit %s: %s", request.request_id, d.error_message)
             return ErrorReply(
                 code=d.error_code, message=d.error_message, retry_after_s=d.retry_after_s, reason=d.reason,

@@ -76,12 +76,19 @@ class SLOOverride:
 
 
 class WorkerLostError(ServiceUnavailableError):
-    """A worker serving the request is gone (silent, restarted, or not taking requests)."""
+    """A worker serving the request is gone (silent, restarted, or not taking requests).
+    ``started_at``: the start time of the process seen gone, where known (a process
+    restarted under the same id since is another, and may serve the request again).
+    ``until_heard``: only suspected gone (a hand-off found it not answering): it serves
+    again once heard from, as a live worker is within a heartbeat."""
 
-    def __init__(self, message: str, instance_id: str | None, role: str) -> None:  # None: the control plane
+    def __init__(self, message: str, instance_id: str | None, role: str,  # None: the control plane
+                 started_at: float | None = None, until_heard: bool = False) -> None:  # fmt: skip
         super().__init__(message, "worker_lost")
         self.instance_id = instance_id
         self.role = role
+        self.started_at = started_at
+        self.until_heard = until_heard
 
 
 class RequestRun:
@@ -200,7 +207,7 @@ class RequestRun:
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation
             subject, role = subjects.decode_prefill(self.decode_id), Role.DECODE
-        worker = _worker(self.prefill_id, role)
+        worker = _worker(self.prefill_id, role, self._started_at(self.prefill_id))
         try:
             ack = await self.service.request(subject, request, Ack, self.control_timeout)
         except NO_ANSWER as e:
@@ -223,8 +230,10 @@ class RequestRun:
         if chunk.error is not None:
             self._failure = f"error: {chunk.error.code}"
             where = f"instance {chunk.instance_id}" if chunk.instance_id else "a worker"
-            if chunk.error.code in _HANDOFF_LOST_CODES:  # no decode worker took the KV: admit it again
-                raise WorkerLostError(f"{where} failed: {chunk.error.message}", None, Role.DECODE)
+            if chunk.error.code in _HANDOFF_LOST_CODES:  # no decode worker took the KV: admit it again,
+                # passing over the chosen one until it is heard from again (a dead one: until its restart)
+                raise WorkerLostError(f"{where} failed: {chunk.error.message}", self.decode_id, Role.DECODE,
+                                      self._started_at(self.decode_id), until_heard=True)  # fmt: skip
             raise _worker_error(chunk.error, where)
         if chunk.index == 0 and self.ttft_s is None and self._admitted_at is not None:
             self.ttft_s = time.monotonic() - self._admitted_at
@@ -253,10 +262,14 @@ class RequestRun:
             if gone is not None:
                 self._failure = f"{gone.instance_id} is gone"
                 where = f"{gone.role} instance {gone.instance_id}"
-                raise WorkerLostError(f"{where} is gone ({gone.why})", gone.instance_id, gone.role)
+                raise WorkerLostError(f"{where} is gone ({gone.why})", gone.instance_id, gone.role, gone.started_at)
             if time.monotonic() >= deadline:
                 self._failure = "timeout"
                 raise RequestTimeoutError(f"no token arrived for {self.token_timeout:g} seconds")
+
+    def _started_at(self, instance_id: str | None) -> float | None:
+        """The start time of the process admission chose under ``instance_id``, as watched."""
+        return self.watch.started_at(instance_id) if self.watch is not None and instance_id else None
 
     def _decoding_on(self, instance_id: str) -> None:
         """The decode worker's first token came: the prefill worker's part is done."""
@@ -351,8 +364,9 @@ class _Answerer:
     unreachable: str  # NATS failed otherwise
     failed: str  # the reply is no valid message
     code: ErrorCode  # the ServiceUnavailableError code when NATS failed
-    instance_id: str | None = None  # a worker: its id, and its role below
+    instance_id: str | None = None  # a worker: its id, its role and its process's start time below
     role: str = ""
+    started_at: float | None = None
 
     def say(self, phrase: str, timeout: float, error: Exception) -> str:
         return phrase.format(where=self.where, timeout=timeout, error=error)
@@ -368,7 +382,7 @@ _CONDUCTOR = _Answerer(
 )
 
 
-def _worker(instance_id: str, role: str) -> _Answerer:
+def _worker(instance_id: str, role: str, started_at: float | None = None) -> _Answerer:
     return _Answerer(
         where=f"{role} instance {instance_id}",
         gone="{where} is unavailable",  # its process is gone; the conductor has not noticed yet
@@ -378,6 +392,7 @@ def _worker(instance_id: str, role: str) -> _Answerer:
         code=ErrorCode.NO_DECODE if role == Role.DECODE else ErrorCode.NO_PREFILL,
         instance_id=instance_id,
         role=role,
+        started_at=started_at,
     )
 
 
@@ -391,5 +406,5 @@ def _raise_no_answer(error: Exception, who: _Answerer, timeout: float) -> NoRetu
         message = who.say(phrase, timeout, error)
         if who.instance_id is None:
             raise ServiceUnavailableError(message, who.code) from None
-        raise WorkerLostError(message, who.instance_id, who.role) from None
+        raise WorkerLostError(message, who.instance_id, who.role, who.started_at) from None
     raise ServiceUnavailableError(who.say(who.unreachable, timeout, error), who.code) from error

@@ -84,7 +84,8 @@ class Generations:
         generation, started_at = None, time.monotonic()
         self.num_in_flight += 1
         try:
-            async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at) as run:
+            async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at,
+                                    self._heard_at, self.peers.silent_for) as run:  # fmt: skip
                 generation = Generation(run, text, slo, started_at)
                 yield generation
         finally:
@@ -97,6 +98,10 @@ class Generations:
     def _started_at(self, instance_id: str) -> float | None:
         heard = self.peers.last_heard(instance_id)
         return None if heard is None else heard[0].started_at
+
+    def _heard_at(self, instance_id: str) -> float | None:
+        heard = self.peers.last_heard(instance_id)
+        return None if heard is None else heard[1]
 
     async def _block_hashes(self, token_ids: list[int]) -> list[BlockHash]:
         """The block hashes of a prompt, as the workers name its KV blocks."""

@@ -3,7 +3,7 @@
 Each attempt is a `dispatch.RequestRun` with its own request id. When a worker
 serving an attempt is gone (WorkerLostError), the attempt is cancelled
 everywhere (its blocks on the survivors are freed) and the request is admitted
-again as ``<id>-m<n>``, excluding every instance seen gone, with the tokens
+again as ``<id>-m<n>``, excluding every instance seen gone (until it restarts), with the tokens
 already delivered appended to its prompt and max_tokens reduced by them: the new
 prefill, mostly a prefix-cache hit, yields the next token and decoding goes on.
 The caller reads one stream whose chunk indexes carry on where the last attempt
@@ -30,10 +30,13 @@ from services.gateway.served_model import PreparedRequest
 AttemptFactory = Callable[[PreparedRequest, frozenset[str]], RequestRun]
 BlockHasher = Callable[[list[int]], Awaitable[list[BlockHash]]]
 
-# seconds a moved request waits for the conductor to answer again, or for a worker of the
-# role it lacks to come (back): long enough for a supervisor to restart a dead worker
+# seconds a request waits for the conductor to answer again, or for a worker of the role it
+# lacks to come (back): long enough for a supervisor to restart a dead worker. A moved request
+# always waits; a new one only for a role heard from this recently (one being restarted, not
+# one the cluster never had or lost long ago).
 ADMIT_RETRY_WINDOW = 15.0
-_WAIT_FOR_CODES = (ErrorCode.NO_CONDUCTOR, ErrorCode.NO_PREFILL, ErrorCode.NO_DECODE, ErrorCode.NO_INSTANCES)
+_WAIT_FOR_ROLES = {ErrorCode.NO_CONDUCTOR: ("conductor",), ErrorCode.NO_PREFILL: ("prefill",),
+                   ErrorCode.NO_DECODE: ("decode",), ErrorCode.NO_INSTANCES: ("prefill", "decode")}  # fmt: skip
 ADMIT_RETRY_DELAY = 0.2
 
 log = logging.getLogger("kvserve.gateway.migration")
@@ -47,6 +50,8 @@ class MigratingRun:
         block_hashes: BlockHasher,
         max_attempts: int,
         started_at: Callable[[str], float | None] = lambda instance_id: None,
+        heard_at: Callable[[str], float | None] = lambda instance_id: None,
+        silent_for: Callable[[str], float | None] = lambda role: None,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"a request needs at least one attempt, got {max_attempts}")
@@ -60,8 +65,12 @@ class MigratingRun:
         self._attempt: RequestRun | None = None
         self._served: list[RequestRun] = []  # every attempt that reached a worker, in order
         self._num_attempts = 0
-        self._gone: dict[str, float | None] = {}  # instance id -> the start time of the process seen gone
+        # instance id -> (the start time of the process seen gone, when it was last heard then
+        # where hearing it again is enough to serve again: see WorkerLostError.until_heard)
+        self._gone: dict[str, tuple[float | None, float | None]] = {}
         self._process_start = started_at  # an instance's current process's start time, from its heartbeats
+        self._heard_at = heard_at  # when an instance was last heard
+        self._silent_for = silent_for  # seconds since any instance of a role was heard; None: never
         self._delivered: list[int] = []  # generated tokens handed to the caller, over every attempt
         self._offset = 0  # tokens delivered before the current attempt started
         self._started_at = 0.0
@@ -138,8 +147,9 @@ class MigratingRun:
     # --- attempts -------------------------------------------------------------------------
     async def _start_attempt(self) -> None:
         """Admit and submit the next attempt; move on again if its worker is already gone.
-        A later attempt that finds no conductor answering (NATS just came back and the
-        conductor has not resubscribed yet) asks again for up to ``ADMIT_RETRY_WINDOW``."""
+        An attempt that finds no conductor answering (NATS just came back, or it is being
+        restarted) or no worker of a role it needs asks again for up to ``ADMIT_RETRY_WINDOW``:
+        a later attempt always, the first one while that role was heard from lately."""
         retry_until = time.monotonic() + ADMIT_RETRY_WINDOW
         while True:
             self._num_attempts += 1
@@ -150,7 +160,7 @@ class MigratingRun:
                 self._lost(e)
                 continue
             except ServiceUnavailableError as e:
-                if self._num_attempts == 1 or e.code not in _WAIT_FOR_CODES or time.monotonic() >= retry_until:
+                if not self._may_wait_for(e.code) or time.monotonic() >= retry_until:
                     raise
                 self._num_attempts -= 1  # not a worker lost: the same attempt, asked again
                 await asyncio.sleep(ADMIT_RETRY_DELAY)  # a bounded wait for the conductor to come back
@@ -161,15 +171,35 @@ class MigratingRun:
                 self.taken_at = time.monotonic()
             return
 
+    def _may_wait_for(self, code: str) -> bool:
+        """Whether an admission refused for ``code`` is worth asking again: a role is missing
+        that may come (back) soon."""
+        roles = _WAIT_FOR_ROLES.get(code)
+        if roles is None:
+            return False
+        if self._num_attempts > 1:  # moved: it has no better place to go
+            return True
+        silences = [self._silent_for(role) for role in roles]
+        return any(s is not None and s < ADMIT_RETRY_WINDOW for s in silences)
+
     def _excluded(self) -> frozenset[str]:
         """The gone instances not restarted since: a process that came back under the same
-        id (a supervisor restarted it) serves again."""
-        return frozenset(i for i, started in self._gone.items() if started is None or self._process_start(i) == started)
+        id (a supervisor restarted it) serves again, and so does one only suspected gone
+        once it has been heard from since."""
+        return frozenset(i for i, (started, heard) in self._gone.items() if self._still_gone(i, started, heard))
+
+    def _still_gone(self, instance_id: str, started: float | None, heard: float | None) -> bool:
+        if started is None:
+            return True
+        if self._process_start(instance_id) != started:
+            return False
+        return heard is None or self._heard_at(instance_id) == heard
 
     def _lost(self, error: WorkerLostError) -> None:
         """Note the gone instance; raise when no attempt is left."""
-        if error.instance_id is not None:  # None: a NATS outage cut the stream, every worker may still serve
-            self._gone[error.instance_id] = self._process_start(error.instance_id)
+        if (i := error.instance_id) is not None:  # None: a NATS outage cut the stream, every worker may still serve
+            started = error.started_at if error.started_at is not None else self._process_start(i)
+            self._gone[i] = (started, self._heard_at(i) if error.until_heard else None)
         if self._num_attempts >= self.max_attempts:
             log.warning("%s: %s; no attempt left (%d made)", self.request_id, error, self._num_attempts)
             message = f"{error}; the request was given up after {self._num_attempts} attempts"

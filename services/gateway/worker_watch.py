@@ -22,6 +22,7 @@ class Gone:
     instance_id: str
     role: Role  # PREFILL or DECODE
     why: str  # for the log and the error message
+    started_at: float  # the start time of the process seen gone (a restarted one has another)
 
 
 class WorkerWatch:
@@ -40,6 +41,11 @@ class WorkerWatch:
         if heard is not None and instance_id not in self._watched:
             self._watched[instance_id] = (role, heard[0].started_at)
 
+    def started_at(self, instance_id: str) -> float | None:
+        """The start time of the process watched under ``instance_id``; None if not watched."""
+        watched = self._watched.get(instance_id)
+        return watched[1] if watched is not None else None
+
     def unwatch(self, instance_id: str) -> None:
         self._watched.pop(instance_id, None)
 
@@ -49,9 +55,9 @@ class WorkerWatch:
         for instance_id, (role, started_at) in self._watched.items():
             heartbeat, seen = self.peers.last_heard(instance_id)
             if heartbeat.started_at != started_at:
-                return Gone(instance_id, role, "restarted")
+                return Gone(instance_id, role, "restarted", started_at)
             if now - seen >= self.silence:
-                return Gone(instance_id, role, f"no heartbeat for {now - seen:.1f}s")
+                return Gone(instance_id, role, f"no heartbeat for {now - seen:.1f}s", started_at)
         return None
 
     def seconds_to_next_check(self) -> float:

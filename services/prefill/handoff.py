@@ -10,11 +10,15 @@ what it holds on both sides::
         +----------+-----------+--> released (lease given back, writer aborted)
 
 If a hand-off fails (transfer error, timeout, the decode worker gone), the
-worker retries once on another live decode worker, shipping whole blocks.
+worker retries once on another live decode worker, shipping whole blocks. A lease
+asked of a decode worker that dies before answering (a message routed to a process
+being killed is lost) fails as soon as its heartbeats say it is gone, not at the
+timeout; if it was restarted, the new process is asked at once. So does a hand-over.
 """
 
 import asyncio
 import enum
+import time
 from dataclasses import dataclass
 
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
@@ -22,29 +26,34 @@ from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 from libs.common import subjects
 from libs.common.engine_host import EngineHost
 from libs.common.model.sequence import Sequence
+from libs.common.peers import PeerDirectory
 from libs.common.schema import (
     Ack,
     BadMessageError,
     ErrorReply,
     HandoffRequest,
+    Message,
     PrefillRequest,
     ReleaseRequest,
     ReserveReply,
     ReserveRequest,
 )
-from libs.common.service import Service
+from libs.common.service import M, Service
 from libs.common.transfer import Span, TransferError
 from libs.common.transfer.writers import Writer
 from libs.common.vocabulary import ErrorCode
 
 RESERVE_TIMEOUT = 15.0  # the decode worker waits up to 10 s for blocks before saying no
 HANDOFF_TIMEOUT = 5.0
+GONE_AFTER_HEARTBEATS = 2.5  # a decode worker silent this many heartbeat intervals is gone (as the gateway says)
+LIVENESS_CHECK_S = 0.25  # how often an unanswered lease looks at the decode worker's heartbeats
 
 
 class HandoffError(Exception):
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, restarted: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.restarted = restarted  # the decode worker asked was restarted before it answered
 
 
 class State(enum.Enum):
@@ -67,9 +76,12 @@ class Transfer:
 
 
 class Handoff:
-    def __init__(self, service: Service, host: EngineHost) -> None:
+    def __init__(self, service: Service, host: EngineHost, decoders: PeerDirectory | None = None,
+                 heartbeat_interval: float = 1.0) -> None:  # fmt: skip
         self.service = service
         self.host = host
+        self.decoders = decoders if decoders is not None else PeerDirectory()  # the decode workers' heartbeats
+        self.silence = GONE_AFTER_HEARTBEATS * heartbeat_interval
         layout = host.engine.pool.layout
         self.block_nbytes, self.layer_nbytes = layout.block_nbytes, layout.layer_nbytes
 
@@ -78,8 +90,8 @@ class Handoff:
                                  prefill_id=self.service.instance_id, contract=self.host.contract,
                                  host_id=self.host.transfers.writer_host_id)  # fmt: skip
         try:
-            reply = await self.service.request(subjects.decode_reserve(decode_id), message, ReserveReply,
-                                               timeout=RESERVE_TIMEOUT)  # fmt: skip
+            reply = await self._ask_while_alive(decode_id, subjects.decode_reserve(decode_id), message, ReserveReply,
+                                                RESERVE_TIMEOUT)  # fmt: skip
         except (NoRespondersError, NatsTimeout) as e:
             raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {decode_id} did not answer ({e})") from e
         except BadMessageError as e:
@@ -87,6 +99,32 @@ class Handoff:
         if isinstance(reply, ErrorReply):
             raise HandoffError(reply.code, reply.message)
         return Transfer(request, decode_id, reply)
+
+    async def _ask_while_alive(self, decode_id: str, subject: str, message: Message, kind: type[M],
+                               timeout: float) -> M | ErrorReply:  # fmt: skip
+        """The decode worker's answer, or HandoffError as soon as its heartbeats say the
+        process asked is gone (restarted, or silent): its answer will never come."""
+        heard = self.decoders.last_heard(decode_id)
+        started_at = heard[0].started_at if heard is not None else None
+        ask = asyncio.ensure_future(self.service.request(subject, message, kind, timeout=timeout))
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                done, _ = await asyncio.wait([ask], timeout=min(LIVENESS_CHECK_S, max(0.0, deadline - time.monotonic())))
+                if done:
+                    return ask.result()
+                heard = self.decoders.last_heard(decode_id)
+                if heard is None or started_at is None:
+                    continue  # never heard: only the timeout can tell
+                if heard[0].started_at != started_at:
+                    raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {decode_id} was restarted "
+                                       "before it answered", restarted=True)  # fmt: skip
+                silent = self.decoders.clock() - heard[1]
+                if silent >= self.silence:
+                    raise HandoffError(ErrorCode.DECODE_UNAVAILABLE,
+                                       f"decode worker {decode_id} is gone (no heartbeat for {silent:.1f}s)")
+        finally:
+            ask.cancel()
 
     async def start_streaming(self, transfer: Transfer) -> None:
         """Open the writer, so layers can be submitted as they are computed."""
@@ -144,8 +182,8 @@ class Handoff:
             block_ids=transfer.lease.block_ids,
         )
         try:
-            ack = await self.service.request(subjects.decode_admit(transfer.decode_id), handoff, Ack,
-                                             timeout=HANDOFF_TIMEOUT)  # fmt: skip
+            ack = await self._ask_while_alive(transfer.decode_id, subjects.decode_admit(transfer.decode_id), handoff,
+                                              Ack, HANDOFF_TIMEOUT)  # fmt: skip
         except (NoRespondersError, NatsTimeout, BadMessageError) as e:
             raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {transfer.decode_id} did not take the request ({e})") from e
         if isinstance(ack, ErrorReply):

@@ -86,8 +86,8 @@ class PrefillWorker(Service):
                                             num_waiting=lambda: len(self.in_flight) - len(self.ready))  # fmt: skip
         self.cancelled = RecentIds()
         self.store = StoreClient(self, self.host, settings.store_replicas) if settings.use_store else None
-        self.handoff = Handoff(self, self.host)
-        self.decoders = PeerDirectory()  # for retrying a failed hand-off elsewhere
+        self.decoders = PeerDirectory()  # for retrying a failed hand-off elsewhere, and to see a lease's target die
+        self.handoff = Handoff(self, self.host, self.decoders, settings.heartbeat_interval)
         self.reports = KVReports(  # KV events and cost model
             self, self.host, settings.model.calibrate, settings.model.calibration_file
         )
@@ -242,6 +242,8 @@ class PrefillWorker(Service):
             except HandoffError as e:
                 self.log.warning("lease for %s on %s failed: %s", job.request.request_id, first, e)
                 error = e
+            if error.restarted and job.request.request_id not in self.cancelled:  # ask the new process at once
+                return await self.handoff.reserve(job.request, first, job.seq.num_prompt_tokens)
         others = self.decoders.alive(Role.DECODE, exclude={*exclude, job.request.decode_id})
         if not others or job.request.request_id in self.cancelled:
             raise error if first is not None else HandoffError(ErrorCode.NO_DECODE, "no other decode worker is alive")

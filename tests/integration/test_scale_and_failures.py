@@ -49,7 +49,7 @@ def test_two_prefill_two_decode_share_eight_concurrent_requests(smollm):
         cluster.stop()
 
 
-def test_with_no_decode_worker_alive_requests_fail_at_once_with_503():
+def test_with_no_decode_worker_coming_back_requests_end_in_503():
     cluster = start_cluster(env={"KVSERVE_INSTANCE_TIMEOUT": "3"})
     try:
         client = OpenAI(base_url=cluster.gateway_url + "/v1", api_key="unused", max_retries=0)
@@ -62,7 +62,9 @@ def test_with_no_decode_worker_alive_requests_fail_at_once_with_503():
                 return e.status_code == 503 and "no decode instance is alive" in e.message
             return False
 
-        wait_until(refused, timeout=30)  # once the conductor has missed 3 s of heartbeats
+        # a request waits up to 15 s for a decode worker heard from lately (it may be restarting);
+        # none comes back here, so one ends in 503, and once 15 s have passed one fails at once
+        wait_until(refused, timeout=60)
     finally:
         cluster.stop()
 

@@ -3,6 +3,9 @@ the conductor's silence is a 503 no_conductor, a worker's absence or silence a
 WorkerLostError (so the request can move), NATS failing otherwise a 503, and a
 reply that is no valid message an upstream error. Whom nobody heard is not cancelled."""
 
+import asyncio
+import types
+
 import nats.errors
 import pytest
 
@@ -100,3 +103,33 @@ async def test_an_unreachable_decode_worker_prefilling_the_request_is_no_decode(
         await enter(service)
     message = "decode instance d0 is unreachable: nats: connection closed"
     assert (raised.value.code, str(raised.value)) == ("no_decode", message)
+
+
+class OneMessage(FakeSubscription):
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def next_msg(self, timeout: float) -> object:
+        return types.SimpleNamespace(data=self.data, subject="tokens")
+
+
+async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_suspect_only():
+    # the prefill worker's lease or hand-over to d0 went unanswered: d0 is passed over by the
+    # next attempt until heard from again (or restarted), as the process seen then
+    from libs.common import schema
+    from libs.common.peers import PeerDirectory
+    from libs.common.schema import Heartbeat
+    from libs.common.token_chunks import error_chunk
+    from libs.common.vocabulary import ErrorCode
+    from services.gateway.worker_watch import WorkerWatch
+
+    peers = PeerDirectory()
+    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
+        peers.observe(Heartbeat(instance_id=instance_id, role=role, host_id="h", started_at=5.0))
+    service = FakeService()
+    lost = error_chunk("req", 0, ErrorCode.DECODE_UNAVAILABLE, "decode worker d0 did not answer", "p0")
+    service.nc.subscribe = lambda subject: asyncio.sleep(0, OneMessage(schema.encode(lost)))
+    with pytest.raises(WorkerLostError) as e:
+        async with RequestRun(service, PREPARED, token_timeout=1.0, watch=WorkerWatch(peers, 2.5)) as run:
+            await run.next_chunks()
+    assert (e.value.instance_id, e.value.role, e.value.started_at, e.value.until_heard) == ("d0", "decode", 5.0, True)

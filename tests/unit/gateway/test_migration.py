@@ -264,3 +264,74 @@ async def test_a_moved_request_waits_for_a_restarted_worker_and_no_longer_exclud
     assert [bytes(c.token_ids).decode() for c in chunks] == ["H", "i"]
     assert attempts == [frozenset(), {"d0"}, frozenset()]
     assert run.migrations == 1
+
+
+async def test_a_worker_seen_restarted_is_excluded_only_as_the_process_that_died():
+    # The watch saw d0 restarted: the directory already holds the new process's start time,
+    # which must not be mistaken for the dead one's, or the restarted worker is never used again.
+    starts = {"p0": 200.0}  # heard from the restarted process by the time the loss is noted
+    restarted = WorkerLostError("prefill instance p0 is gone (restarted)", "p0", "prefill", started_at=100.0)
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [restarted]},
+        {"route": ("p0", "d0"), "script": [[chunk(0, "i", "stop", instance="p0")]]},
+    )
+    run = MigratingRun(ORIGINAL, cluster.new_attempt, cluster.block_hashes, 2, started_at=starts.get)
+    async with run:
+        await read_all(run)
+    assert [a.exclude for a in cluster.attempts] == [frozenset(), frozenset()]
+
+
+async def test_a_decode_worker_a_hand_off_found_silent_is_passed_over_until_it_is_heard_again(monkeypatch):
+    from services.gateway import migration
+    from services.gateway.errors import ServiceUnavailableError
+
+    monkeypatch.setattr(migration, "ADMIT_RETRY_DELAY", 0.0)
+    heard = {"d0": 50.0}
+    no_decode = ServiceUnavailableError("no decode instance is alive", "no_decode")
+    handoff_lost = WorkerLostError("p0 failed: decode worker d0 did not answer", "d0", "decode", started_at=100.0,
+                                   until_heard=True)  # fmt: skip
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [handoff_lost]},
+        {"route": ("p0", "d0"), "enter_error": no_decode},  # d0 excluded: the only decode worker
+        {"route": ("p0", "d0"), "script": [[chunk(0, "i", "stop", instance="p0")]]},
+    )
+    attempts = []
+
+    def new_attempt(prepared, exclude):
+        attempts.append(exclude)
+        if len(attempts) == 2:
+            heard["d0"] = 51.0  # its next heartbeat: the same process, alive
+        return cluster.new_attempt(prepared, exclude)
+
+    run = MigratingRun(ORIGINAL, new_attempt, cluster.block_hashes, 2, started_at={"d0": 100.0}.get,
+                       heard_at=heard.get)  # fmt: skip
+    async with run:
+        await read_all(run)
+    assert attempts == [frozenset(), {"d0"}, frozenset()]
+    assert run.migrations == 1  # the wait for d0 spent no attempt
+
+
+@pytest.mark.parametrize("code", ["no_decode", "no_prefill", "no_instances", "no_conductor"])
+async def test_a_new_request_waits_for_a_role_heard_from_lately_and_not_for_one_never_heard(monkeypatch, code):
+    from services.gateway import migration
+    from services.gateway.errors import ServiceUnavailableError
+
+    monkeypatch.setattr(migration, "ADMIT_RETRY_DELAY", 0.0)
+    missing = ServiceUnavailableError("its role is missing", code)
+    restarting = Cluster(
+        {"route": ("p0", "d0"), "enter_error": missing},
+        {"route": ("p0", "d0"), "script": [[chunk(0, "i", "stop", instance="p0")]]},
+    )
+    silences = {"conductor": 2.0, "prefill": 2.0, "decode": 2.0}  # each last heard 2 s ago (being restarted)
+    run = MigratingRun(ORIGINAL, restarting.new_attempt, restarting.block_hashes, 1, silent_for=silences.get)
+    async with run:
+        chunks = await read_all(run)
+    assert [bytes(c.token_ids).decode() for c in chunks] == ["i"]
+    assert [a.prepared.request_id for a in restarting.attempts] == ["req", "req"]
+
+    for silences in ({}, {"conductor": 60.0, "prefill": 60.0, "decode": 60.0}):  # never heard; gone long ago
+        absent = Cluster({"route": ("p0", "d0"), "enter_error": missing})
+        with pytest.raises(ServiceUnavailableError):
+            async with MigratingRun(ORIGINAL, absent.new_attempt, absent.block_hashes, 1, silent_for=silences.get):
+                pass
+        assert len(absent.attempts) == 1

@@ -36,7 +36,7 @@ def test_silence_makes_a_watched_worker_gone_and_a_heartbeat_pushes_the_deadline
     assert watch.seconds_to_next_check() == 0.5 and watch.gone() is None
     clock.now += 0.5
     assert watch.seconds_to_next_check() == 0.0
-    assert watch.gone() == Gone("d0", "decode", "no heartbeat for 2.5s")
+    assert watch.gone() == Gone("d0", "decode", "no heartbeat for 2.5s", 1.0)
 
 
 def test_a_restart_under_the_same_id_is_gone_at_once():
@@ -44,7 +44,9 @@ def test_a_restart_under_the_same_id_is_gone_at_once():
     peers.observe(beat("d0", started_at=1.0))
     watch.watch("d0", "decode")
     peers.observe(beat("d0", started_at=7.0))
-    assert watch.gone() == Gone("d0", "decode", "restarted")
+    # gone is the process watched, not the one heard last: the restarted one may serve again
+    assert watch.gone() == Gone("d0", "decode", "restarted", 1.0)
+    assert watch.started_at("d0") == 1.0 and watch.started_at("d1") is None
 
 
 def test_an_instance_never_heard_from_is_not_watched_and_unwatching_stops_watching():

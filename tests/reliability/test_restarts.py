@@ -1,0 +1,77 @@
+"""A restart is not an absence: with one worker per role (what `kvserve up` runs),
+SIGKILL of the only prefill or the only decode worker under 40 streams costs no
+stream, and a request sent at the kill waits for the restarted worker instead of
+being refused (429) or failed (503). The streams moved off the dead worker can only
+finish on its restart under the same id, so finishing says it was not excluded.
+Bounded: 40 streams of at most 24 tokens per fault, every wait has a deadline.
+"""
+
+import asyncio
+import tempfile
+import time
+
+import pytest
+
+from kvserve.cli.cluster import LocalCluster
+from kvserve.replay.streams import ChatLoad, run_streams, tally
+from tests.integration.conftest import CLUSTER_ENV, STARTED
+
+MODEL = "SmolLM2-135M-Instruct"
+NUM_STREAMS = 40
+MAX_TOKENS = 24
+PROMPTS = [f"Write one sentence about the number {i}." for i in range(NUM_STREAMS)]
+
+
+@pytest.fixture(scope="module")
+def one_per_role():
+    cluster = LocalCluster(
+        prefill=1, decode=1, gateway_port=0, dtype="auto", env=CLUSTER_ENV, log=None, supervise=True,
+        store_dir=tempfile.mkdtemp(prefix="kvserve-restarts-"),
+    )  # fmt: skip
+    STARTED.append(cluster)
+    cluster.start(timeout=180)
+    yield cluster
+    cluster.stop()
+
+
+def _idle(cluster: LocalCluster):
+    def idle(hbs) -> bool:
+        workers = [hb for hb in hbs.values() if hb.role in ("prefill", "decode")]
+        return set(cluster.instance_ids) <= hbs.keys() and all(hb.load == 0 for hb in workers)
+
+    return idle
+
+
+@pytest.mark.parametrize(
+    ("victim", "kill_after_first_tokens"),
+    [
+        ("prefill-0", 8),  # most prompts are still queued on it: they move, and wait for its restart
+        ("decode-0", NUM_STREAMS),  # every stream is decoding on it
+    ],
+)
+def test_the_only_worker_of_a_role_killed_costs_no_stream_and_a_new_request_waits_for_its_restart(
+    one_per_role, victim, kill_after_first_tokens
+):
+    cluster = one_per_role
+    cluster.wait_for(_idle(cluster), timeout=60)
+    killed_at = {}
+
+    async def scenario():
+        started = asyncio.Event()
+        load = ChatLoad(cluster.gateway_url, MODEL, PROMPTS, max_tokens=MAX_TOKENS)
+        streams = asyncio.create_task(run_streams(load, started, started_after=kill_after_first_tokens))
+        await asyncio.wait_for(started.wait(), timeout=120)
+        killed_at["wall"] = time.time()
+        await asyncio.to_thread(cluster.kill, victim)
+        sent_at_kill = ChatLoad(cluster.gateway_url, MODEL, ["Name a color."], max_tokens=4)
+        (new,) = await run_streams(sent_at_kill)
+        return await streams, new
+
+    outcomes, new = asyncio.run(scenario())
+    result = tally(outcomes)
+    assert result.completed == NUM_STREAMS, f"{victim}: {result.line()}"
+    assert result.migrated > 0, f"no stream moved off {victim}: {result.line()}"
+    assert new.status == 200 and new.completed, f"the request sent at the kill: {new.status} {new.error}"
+    # served after the restart: the only instance of its role is the restarted process
+    assert cluster.instances[victim].started_at > killed_at["wall"]
+    assert new.served_by is not None and victim in new.served_by["prefill_instances"] + new.served_by["decode_instances"]
