@@ -43,9 +43,12 @@ class RequestRecord:
 
     @property
     def end_at_s(self) -> float | None:
-        """``ended_s``, or for a completed request of an older file its send plus e2e."""
+        """``ended_s``, or for a request of an older file: a completed one's send plus e2e,
+        a refused one's send (a 429 comes back within milliseconds)."""
         if self.ended_s is not None:
             return self.ended_s
+        if self.status == "rejected":
+            return self.start_s
         return None if self.e2e_s is None else self.start_s + self.e2e_s
 
     @property

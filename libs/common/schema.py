@@ -553,11 +553,20 @@ class PrefixView(msgspec.Struct, kw_only=True):
     holders: dict[InstanceId, KVTier] = msgspec.field(default_factory=dict)  # fastest tier of its last block
 
 
+class LearnedView(msgspec.Struct, kw_only=True):
+    """What a conductor has learned of its predictions' errors (`services/conductor/margin.py`)."""
+
+    ttft_slack_s: dict[str, float] = msgspec.field(default_factory=dict)  # per prompt-size band, seconds added
+    tbt_margins: dict[InstanceId, float] = msgspec.field(default_factory=dict)  # per decode instance, a factor
+    prefill_speeds: dict[InstanceId, float] = msgspec.field(default_factory=dict)  # per prefill instance, measured
+
+
 class ConductorViewReply(Message):
     instance_id: InstanceId
     policy: str
     slo_ttft_s: float
     slo_tbt_s: float
+    learned: LearnedView = msgspec.field(default_factory=LearnedView)
     blocks: dict[InstanceId, dict[KVTier, int]] = msgspec.field(default_factory=dict)  # the KV index, counted
     hot_prefixes: list[PrefixView] = msgspec.field(default_factory=list)
     decisions: list[DecisionView] = msgspec.field(default_factory=list)

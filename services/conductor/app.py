@@ -27,9 +27,11 @@ from libs.common.schema import (
     KVEventBatch,
     KVSnapshotReply,
     KVSnapshotRequest,
+    LearnedView,
     RequestProgress,
 )
 from libs.common.service import Service
+from libs.common.vocabulary import Role
 from services.conductor.admission import build_policy
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.conductor_metrics import ConductorMetrics
@@ -143,8 +145,12 @@ class Conductor(Service):
 
     async def on_view(self, request: ConductorViewRequest, msg: Msg) -> ConductorViewReply:
         """The console's question: the KV map, the hottest prefixes and the last decisions."""
-        slo = self.scheduler.config.slo
-        return self.decisions.view(self.instance_id, self.index, slo, request.max_decisions, request.max_prefixes)
+        slo, margins = self.scheduler.config.slo, self.scheduler.margins
+        view = self.decisions.view(self.instance_id, self.index, slo, request.max_decisions, request.max_prefixes)
+        speeds = {i.instance_id: i.heartbeat.prefill_speed for i in self.view.alive(Role.PREFILL)}
+        view.learned = LearnedView(ttft_slack_s=margins.slack_by_band(), tbt_margins=margins.tbt_by_instance(),
+                                   prefill_speeds=speeds)  # fmt: skip
+        return view
 
     async def on_peer_admission(self, message: ConductorAdmission, msg: Msg) -> None:
         if self.replicas.on_peer_admission(message):

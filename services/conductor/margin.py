@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from libs.common.prefill_order import band_of
+from libs.common.prefill_order import BAND_NAMES, band_of
 
 MIN_SAMPLES = 20  # ratios before a window's quantile is trusted over the next wider one
 # A margin only covers the spread of the predictions around what the instance runs at (its
@@ -153,6 +153,13 @@ class Margins:
 
     def tbt(self, instance_id: str) -> float:
         return _pick(self._tbt.get(instance_id), self.tbt_all)
+
+    def slack_by_band(self) -> dict[str, float]:
+        """The TTFT slack each prompt-size band gets now (seconds)."""
+        return {name: _pick(self._ttft.get(band), self.ttft_all, default=0.0) for band, name in enumerate(BAND_NAMES)}
+
+    def tbt_by_instance(self) -> dict[str, float]:
+        return {instance_id: self.tbt(instance_id) for instance_id in self._tbt}
 
     def forget(self, instance_id: str) -> None:
         self._tbt.pop(instance_id, None)

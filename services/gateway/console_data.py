@@ -139,7 +139,7 @@ def console_state(
         "gateway": gateway,
         "instances": [_instance(hb, age, blocks.get(hb.instance_id, {}), now) for hb, age in _ordered(heard)],
         "conductors": [{"instance_id": v.instance_id, "policy": v.policy, "slo_ttft_s": v.slo_ttft_s,
-                        "slo_tbt_s": v.slo_tbt_s} for v in views]  # fmt: skip
+                        "slo_tbt_s": v.slo_tbt_s, "learned": msgspec.to_builtins(v.learned)} for v in views]  # fmt: skip
         + [{"instance_id": c, "error": "did not answer"} for c in unreachable],
         "kv_map": {"blocks": blocks, "hot_prefixes": _hot_prefixes(views)},
         "decisions": _decisions(views, by_id, max_decisions),

@@ -75,3 +75,40 @@ def test_the_only_worker_of_a_role_killed_costs_no_stream_and_a_new_request_wait
     # served after the restart: the only instance of its role is the restarted process
     assert cluster.instances[victim].started_at > killed_at["wall"]
     assert new.served_by is not None and victim in new.served_by["prefill_instances"] + new.served_by["decode_instances"]
+
+
+def test_a_decode_kill_under_load_leaves_admissions_learned_corrections_within_their_bounds():
+    """With admission on (the default policy): the streams a decode kill delayed teach the
+    conductor nothing (a fault touched them), its learned TTFT slack and TBT margins stay
+    inside their bounds, and a short request right after is admitted, not refused."""
+    import json
+    import urllib.request
+
+    from services.conductor.margin import TBT_MARGIN, TTFT_SLACK_S
+
+    env = {k: v for k, v in CLUSTER_ENV.items() if k != "KVSERVE_POLICY"}  # the default: admission on
+    cluster = LocalCluster(prefill=1, decode=1, gateway_port=0, dtype="auto", env=env, log=None, supervise=True,
+                           store_dir=tempfile.mkdtemp(prefix="kvserve-restarts-"))  # fmt: skip
+    STARTED.append(cluster)
+    cluster.start(timeout=180)
+    try:
+        async def scenario():
+            started = asyncio.Event()
+            load = ChatLoad(cluster.gateway_url, MODEL, PROMPTS[:24], max_tokens=MAX_TOKENS)
+            streams = asyncio.create_task(run_streams(load, started, started_after=12))
+            await asyncio.wait_for(started.wait(), timeout=120)
+            await asyncio.to_thread(cluster.kill, "decode-0")
+            return await streams
+
+        outcomes = asyncio.run(scenario())
+        assert all(o.completed or o.status == 429 for o in outcomes), tally(outcomes).line()
+        cluster.wait_for(_idle(cluster), timeout=60)
+        (after,) = asyncio.run(run_streams(ChatLoad(cluster.gateway_url, MODEL, ["Name a color."], max_tokens=4)))
+        assert after.status == 200 and after.completed, f"refused after the kill: {after.status} {after.error}"
+        with urllib.request.urlopen(cluster.gateway_url + "/console/api/state", timeout=10) as response:
+            learned = json.load(response)["conductors"][0]["learned"]
+        assert set(learned["ttft_slack_s"]) == {"<128", "128-511", "512-1023", ">=1024"}
+        assert all(TTFT_SLACK_S[0] <= v <= TTFT_SLACK_S[1] for v in learned["ttft_slack_s"].values()), learned
+        assert all(TBT_MARGIN[0] <= v <= TBT_MARGIN[1] for v in learned["tbt_margins"].values()), learned
+    finally:
+        cluster.stop()

@@ -21,6 +21,7 @@ from libs.common.schema import AdmitRequest, CostCoefficients
 from services.conductor.admission import AdmitAll, build_policy
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
+from services.conductor.overload import OverloadConfig
 from services.conductor.predict import SLO, PredictConfig
 from services.conductor.scheduler import Scheduler, SchedulerConfig
 from services.conductor.simulator.instances import SimDecode, SimPrefill, SimRequest, SimStore
@@ -44,6 +45,7 @@ class SimConfig:
     heartbeat_interval: float = 1.0
     balancing_threshold: float = 2.0
     expected_output_tokens: int = 512
+    max_band_refusal_ratio: float = 3.0  # the overload guard (services/conductor/overload.py); 0: no preference
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -90,7 +92,8 @@ class Simulation:
         policy = build_policy(config.policy, random.Random(config.seed))
         self.admission = not isinstance(policy.admission, AdmitAll)
         predict = PredictConfig(TRACE_BLOCK_SIZE, config.balancing_threshold, config.expected_output_tokens)
-        self.scheduler = Scheduler(policy, self.view, self.index, SchedulerConfig(config.slo, predict))
+        overload = OverloadConfig(config.max_band_refusal_ratio)
+        self.scheduler = Scheduler(policy, self.view, self.index, SchedulerConfig(config.slo, predict, overload=overload))
         self.prefills = {f"prefill-{i}": SimPrefill(self, f"prefill-{i}", cost, config.prefill_cache_blocks)
                          for i in range(config.num_prefill)}  # fmt: skip
         self.decodes = {f"decode-{i}": SimDecode(self, f"decode-{i}", cost, config.decode_max_batch,

@@ -149,7 +149,7 @@ def test_two_refusals_at_once_do_not_make_each_other_busy():
     assert summarize(run_of(records), SLO_1S_100MS).rejected_while_idle == 2
 
 
-def test_an_old_run_file_without_end_times_loads_and_leaves_idle_refusals_unknown(tmp_path):
+def test_an_old_run_file_without_end_times_loads_and_counts_a_refusal_from_its_send(tmp_path):
     old = {
         "label": "old", "base_url": "http://x", "time_scale": 1.0, "duration_s": 2.0, "settings": {"block_tokens": 16},
         "summary": {"requests": 2},  # an older Summary's fields: ignored on load
@@ -165,6 +165,17 @@ def test_an_old_run_file_without_end_times_loads_and_leaves_idle_refusals_unknow
     run = Run.load(path)
     assert run.records[1].ended_s is None and run.records[0].end_at_s == pytest.approx(0.2)
     s = summarize(run, SLO_1S_100MS)
-    assert (s.requests, s.rejected, s.good, s.admitted_attainment, s.rejected_while_idle) == (2, 1, 1, 1.0, None)
-    assert [b.rejected_while_idle for b in s.bands] == [None] * 4
+    # the refusal came at 0.5 s, after the other request had ended: the server was idle
+    assert (s.requests, s.rejected, s.good, s.admitted_attainment, s.rejected_while_idle) == (2, 1, 1, 1.0, 1)
+    assert [b.rejected_while_idle for b in s.bands] == [1, 0, 0, 0]
     assert [b.requests for b in s.bands] == [1, 0, 1, 0]
+
+
+def test_a_refusal_of_an_older_file_without_its_end_counts_from_its_send():
+    from kvserve.replay.metrics import rejected_while_idle
+
+    waiting = RequestRecord(0, 0.0, 64, 4, status="ok", start_s=0.0, ttft_s=2.0, e2e_s=3.0, output_tokens=4)
+    busy = RequestRecord(1, 1.0, 64, 4, status="rejected", start_s=1.0)  # while "0" awaited its first token
+    idle = RequestRecord(2, 5.0, 64, 4, status="rejected", start_s=5.0)
+    assert (busy.end_at_s, idle.end_at_s) == (1.0, 5.0)
+    assert rejected_while_idle([waiting, busy, idle]) == [idle]
