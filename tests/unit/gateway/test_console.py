@@ -77,7 +77,8 @@ def test_state_lists_instances_with_their_kv_tiers_and_cost_and_annotates_decisi
     assert state["instances"][2]["tiers"] == {"dram": 40, "disk": 90} and state["instances"][2]["kv_usage"] == 0.4
     assert state["instances"][0]["kv_usage"] is None  # no KV pool
     assert state["conductors"] == [
-        {"instance_id": "conductor-0", "policy": "cache_aware", "slo_ttft_s": 1.0, "slo_tbt_s": 0.1},
+        {"instance_id": "conductor-0", "policy": "cache_aware", "slo_ttft_s": 1.0, "slo_tbt_s": 0.1,
+         "learned": {"ttft_slack_s": {}, "tbt_margins": {}, "prefill_speeds": {}}},
         {"instance_id": "conductor-1", "error": "did not answer"}]  # fmt: skip
     (decision,) = state["decisions"]
     assert (decision["request_id"], decision["prefill_id"], decision["decode_id"]) == ("req-1", "prefill-0", "decode-0")
