@@ -92,10 +92,11 @@ class EarlyRejection:
             message = (f"admitting it on {p.instance_id} would make {len(breaks)} admitted request(s) miss their "
                        f"TTFT target ({', '.join(breaks[:3])})")  # fmt: skip
             return Verdict(route.decode, _reject("ttft_slo", message, p.work_s, route, ttft_s=ttft), p)
-        rho = ctx.shorter_share  # shorter prompts arriving meanwhile go first (overload.py)
+        # shorter prompts arriving meanwhile go first (overload.py); never on an idle instance
+        rho = ctx.shorter_share if not route.is_local and ctx.view.get(p.instance_id).prefill.num_pending else 0.0
         if judged and rho > 0 and (rho >= 1 or p.ttft_s / (1 - rho) + slack > slo.ttft_s + _SLACK):
             pushed = p.ttft_s / (1 - rho) if rho < 1 else float("inf")
-            message = (f"predicted TTFT {p.ttft_s:.3f} s{_plus(slack)} on {p.instance_id}, {pushed:.3f} s with the "
+            message = (f"predicted TTFT {p.ttft_s:.3f} s{_plus(slack)} on {p.instance_id}, {pushed:.3f} s{_plus(slack)} with the "
                        f"shorter prompts that take {rho:.0%} of it going first, exceeds the {slo.ttft_s:.3f} s target")  # fmt: skip
             return Verdict(route.decode, _reject("ttft_slo", message, p.work_s, route, ttft_s=pushed + slack), p)
         d = ctx.view.get(route.decode.instance_id)

@@ -61,6 +61,12 @@ def test_under_a_stream_of_short_prompts_a_long_one_is_refused_for_the_time_they
     s.finished("long")
     for i in range(32, 250):  # much more short work: the instance is all but full of it
         short(i)
+    # on an idle instance a prompt that can meet its target alone is admitted all the same (never refused idle)
+    assert s.admit(request("idle", tokens=1500, blocks=[], max_tokens=1)).admitted
+    at(clock.now + 1.6)
+    s.first_token("idle")
+    s.finished("idle")
+    assert s.admit(request("busy", tokens=100, blocks=[])).admitted  # one short prompt queued
     refused = s.admit(request("long2", tokens=1500, blocks=[]))
     assert (refused.admitted, refused.reason) == (False, "ttft_slo"), refused
     assert "shorter prompts" in refused.error_message
