@@ -15,7 +15,7 @@ from kvserve.cli.cluster import LocalCluster
 from libs.common import schema, subjects
 from libs.common.cost_model import CostModel
 from libs.common.schema import MetricsReply, MetricsRequest
-from tests.integration.conftest import CLUSTER_ENV, metric_value
+from tests.integration.conftest import CLUSTER_ENV, metric_value, wait_until
 from tests.integration.test_one_request import reference
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -54,7 +54,8 @@ def test_workers_calibrate_and_report_their_cost_models(cluster):
         cost = cluster.instances[worker].cost
         assert cost is not None and cost.block_size == 16 and cost.transfer_per_block > 0
         assert any("cost model: prefill" in line for line in cluster.logs(worker))
-    assert any("prefill-0 cost model: prefill" in line for line in cluster.logs("conductor-0"))
+    # the launcher heard the cost model first: the conductor logs it when its own copy of the heartbeat comes
+    wait_until(lambda: any("prefill-0 cost model: prefill" in line for line in cluster.logs("conductor-0")), 30)
 
 
 def test_a_shared_prefix_goes_to_the_worker_holding_it_until_its_queue_makes_the_other_faster(cluster):
