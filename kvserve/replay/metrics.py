@@ -30,22 +30,19 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from kvserve.replay.records import RequestRecord, Run
+from libs.common.prefill_order import BAND_NAMES
+from libs.common.prefill_order import band_of as band_index
 
 PERCENTILES = (50, 90, 99)
 UNATTAINABLE = "slo_unattainable"  # a 429 for a request that misses its SLO even on an idle server
 
 # (name, smallest prompt length, first length past the band) in prompt tokens as sent
-BANDS: tuple[tuple[str, int, int | None], ...] = (
-    ("<128", 0, 128),
-    ("128-511", 128, 512),
-    ("512-1023", 512, 1024),
-    (">=1024", 1024, None),
-)
+BANDS = BAND_NAMES  # the prompt-size bands admission learns its slack per (libs/common/prefill_order.py)
 
 
 def band_of(input_tokens: int) -> str:
     """The name of the prompt-size band a prompt of ``input_tokens`` tokens falls in."""
-    return next(name for name, low, high in BANDS if input_tokens >= low and (high is None or input_tokens < high))
+    return BAND_NAMES[band_index(input_tokens)]
 
 
 @dataclass(frozen=True)
@@ -165,7 +162,7 @@ def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
         admitted_attainment=_ratio(good, len(records) - rejected),
         rejected_while_idle=None if idle is None else len(idle),
         rejected_unattainable=sum(1 for r in records if r.status == "rejected" and r.error_code == UNATTAINABLE),
-        bands=tuple(_band(name, records, slo, idle) for name, _, _ in BANDS),
+        bands=tuple(_band(name, records, slo, idle) for name in BANDS),
     )
 
 
