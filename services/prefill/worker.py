@@ -181,11 +181,10 @@ class PrefillWorker(Service):
         return statistics.median(self.step_ratios) if self.step_ratios else 0.0
 
     def _observe_step(self, chunk: list[tuple[Job, int]], seconds: float) -> None:
-        c = self.cost.coefficients
-        predicted = c.prefill_base + sum(
-            n * (c.prefill_per_token + c.prefill_per_token_context * (job.seq.num_computed_tokens - n / 2))
-            for job, n in chunk
-        )  # the jobs' KV was computed up to num_computed_tokens by the step
+        cost = self.cost
+        base = cost.coefficients.prefill_base  # one per step, not per prompt in it
+        # each prompt's n tokens came after the num_computed_tokens - n it had before the step
+        predicted = base + sum(cost.prefill_time(n, job.seq.num_computed_tokens - n) - base for job, n in chunk)
         if predicted > 0:
             self.step_ratios.append(seconds / predicted)
         if self.store is not None:  # the speed a store fetch must beat
