@@ -39,6 +39,7 @@ from kvserve.cli.supervisor import (
     die_with_launcher,
     remove_segments_of,
 )
+from libs.common import standby
 from libs.common.cpu_share import available_cpus
 from libs.common.errors import KVServeError
 from libs.common.model.default_model import DEFAULT_MODEL_ID
@@ -52,6 +53,10 @@ GATEWAY_ID = "gateway-0"
 # SIGTERM to SIGKILL. Longer than any service's own stop: the gateway drains in-flight
 # requests for up to 10 s (SHUTDOWN_GRACE, services/gateway/app.py), so twice that.
 STOP_GRACE_SECONDS = 20.0
+# After a spare became a worker, the next one starts this much later: its start (torch's
+# import, the model's load: seconds of CPU) would otherwise compete with the recovery.
+STANDBY_RESPAWN_SECONDS = 10.0
+STANDBY_ROLES = (Role.PREFILL, Role.DECODE)  # the roles whose start is slow enough to keep a spare
 _STDOUT: Any = object()  # `log`'s default: sys.stdout as it is when the cluster is built, not at import
 
 
@@ -79,6 +84,12 @@ class LocalCluster:
     Each worker gets its share of this machine's cores (kvserve/cli/cpus.py): ``cpus``
     gives a worker role its own cores (``{"prefill": (0, 1), "decode": (2, 3)}``);
     the roles it leaves out share the rest.
+
+    With ``supervise`` and ``standby`` (the default), each worker role also keeps a warm
+    spare (libs/common/standby.py): a process with the model loaded that becomes the next
+    worker of its role to die, so that restart takes well under a second instead of the
+    interpreter's, torch's and the model's start; a new spare starts ``STANDBY_RESPAWN_SECONDS``
+    later, not while the cluster is still absorbing the death.
 
     With ``supervise``, once the cluster is ready any process that exits (a service
     instance or nats-server) is started again after a backoff: ``restart_delays``
@@ -109,6 +120,7 @@ class LocalCluster:
         restart_delays: tuple[float, float] = (RESTART_DELAY_FIRST, RESTART_DELAY_MAX),
         cpus: dict[str, tuple[int, ...]] | None = None,
         metrics_port: int | None = None,
+        standby: bool = True,
     ) -> None:
         if decode < 1:
             raise ValueError("a cluster needs at least one decode worker")
@@ -139,6 +151,7 @@ class LocalCluster:
             self.policy = colocated_policy(self.given_policy)
         self.modules = {role: f"services.{role}" for role in ROLES} | (modules or {})
         self.supervise = supervise
+        self.standby = standby  # keep a warm spare per worker role (when supervising)
         self.restart_delays = restart_delays
         self.model_id = ""
         self.model_path: Path | None = None
@@ -148,6 +161,8 @@ class LocalCluster:
         self._heartbeats: dict[str, Heartbeat] = {}
         self._last_seen: dict[str, float] = {}
         self._procs: dict[str, ServiceProcess] = {}
+        self._spares: dict[str, ServiceProcess] = {}  # by role: warm spares, each until a worker adopts it
+        self._spare_timers: list[threading.Timer] = []
         self._nats: NatsServer | None = None
         self._watcher: HeartbeatWatcher | None = None
         self._supervisor: Supervisor | None = None  # forks every child; restarts them when supervising
@@ -156,6 +171,7 @@ class LocalCluster:
         self._reaper: Reaper | None = None  # removes what the cluster leaves if this process is killed
         self._nats_started_at = 0.0  # time.monotonic()
         ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
+        # (a spare's rare lines before it is adopted, say an error, may overflow the label column)
         self._console = Console(sys.stdout if log is _STDOUT else log, ids + ["kvserve", "nats-server"])
 
     # --- what the cluster looks like ------------------------------------------
@@ -175,6 +191,12 @@ class LocalCluster:
     def pids(self) -> dict[str, int]:
         """The process id of every service instance started."""
         return {i: inst.pid for i, inst in self._procs.items() if inst.pid is not None}
+
+    @property
+    def spare_pids(self) -> dict[str, int]:
+        """The warm spares' processes by role (those started and not yet adopted)."""
+        with self._cond:
+            return {role: spare.pid for role, spare in self._spares.items() if spare.pid is not None}
 
     def logs(self, instance_id: str) -> list[str]:
         """The last lines (up to 200) an instance wrote to stdout or stderr."""
@@ -253,7 +275,11 @@ class LocalCluster:
         ``grace`` seconds, then stop nats-server. Safe to call more than once."""
         if self._supervisor is not None:
             self._supervisor.unwatch_all()  # nothing is restarted from here on
-        running = [inst for inst in self._procs.values() if inst.exit_code() is None]
+        for timer in self._spare_timers:
+            timer.cancel()
+        with self._cond:
+            spares, self._spares = list(self._spares.values()), {}
+        running = [inst for inst in list(self._procs.values()) + spares if inst.exit_code() is None]
         for inst in running:
             inst.send(signal.SIGTERM)
         deadline = time.monotonic() + grace
@@ -264,7 +290,7 @@ class LocalCluster:
                 self.echo(f"{inst.instance_id} did not stop within {grace:g}s; killing it", label="kvserve")
                 inst.proc.kill()
                 inst.proc.wait()
-        for inst in self._procs.values():
+        for inst in list(self._procs.values()) + spares:
             inst.reap_group()
             inst.wait_output()
         if self._watcher is not None:
@@ -312,6 +338,23 @@ class LocalCluster:
                 if remaining <= 0:
                     raise TimeoutError(f"the cluster did not reach the expected state within {timeout:g}s")
                 self._cond.wait(remaining)
+
+    def wait_for_spares(self, timeout: float) -> None:
+        """Return once every worker role that keeps a warm spare has one ready (TimeoutError
+        after ``timeout`` seconds); at once when this cluster keeps none."""
+        if not (self.supervise and self.standby):
+            return
+        deadline = time.monotonic() + timeout
+        for role in (r for r in STANDBY_ROLES if self.counts[r]):
+            while True:
+                with self._cond:
+                    spare = self._spares.get(role)
+                if spare is not None and spare.standby_ready.wait(max(0.0, min(0.5, deadline - time.monotonic()))):
+                    break
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"no warm spare for {role} within {timeout:g}s")
+                with self._cond:  # none yet (one starts STANDBY_RESPAWN_SECONDS after the last was taken)
+                    self._cond.wait(0.1)
 
     def wait_for_exit(self, timeout: float | None = None) -> tuple[str, int] | None:
         """Block until a service process has exited: (instance id, exit code, negative
@@ -449,6 +492,10 @@ class LocalCluster:
                 backoff=backoff(),
                 started_at=inst.spawned_at,
             )
+        if self.standby:
+            for role in STANDBY_ROLES:
+                if self.counts[role]:
+                    self._supervisor.call(self._spawn_spare, role)
         self._supervisor.watch(
             "nats-server",
             self._nats.exit_code,
@@ -483,9 +530,60 @@ class LocalCluster:
             raise ClusterError(f"{inst.instance_id} is still running")
         inst.reap_group()
         inst.wait_output()  # its last lines first, in order
+        if self._adopt_spare(inst):
+            self.echo(f"{inst.instance_id} started again (pid {inst.pid}, the warm spare)", label="kvserve")
+            return
         self._spawn(inst)
         if not by_hand:
             self.echo(f"{inst.instance_id} started again (pid {inst.pid})", label="kvserve")
+
+    def _spawn_spare(self, role: str) -> None:
+        """Start a warm spare for ``role`` unless it has one (supervisor's thread only)."""
+        if self._supervisor is None or self._nats is None or not self.supervise:
+            return  # stopping
+        with self._cond:
+            spare = self._spares.get(role)
+            if spare is not None and spare.exit_code() is None:
+                return
+        model_of = next(inst for inst in self._procs.values() if inst.role == role)
+        env = dict(model_of.env) | {standby.STANDBY_ENV: "1", "KVSERVE_INSTANCE_ID": f"{role}-spare"}
+        spare = ServiceProcess(f"{role}-spare", role, self.modules[role], env)
+        prefix = self._console.prefix(spare.instance_id, role)
+        spare.spawn(write=lambda line: self._console.echo(prefix + line), on_exit=self._on_process_exit)
+        self._tell_reaper(watch=spare.pid)
+        with self._cond:
+            self._spares[role] = spare
+
+    def _adopt_spare(self, inst: ServiceProcess) -> bool:
+        """Start ``inst`` as its role's warm spare, if one is ready; a new spare follows later."""
+        if not self.standby or inst.role not in STANDBY_ROLES:
+            return False
+        timer = threading.Timer(STANDBY_RESPAWN_SECONDS, self._respawn_spare_later, args=(inst.role,))
+        timer.daemon = True
+        self._spare_timers.append(timer)
+        timer.start()
+        with self._cond:
+            spare = self._spares.get(inst.role)
+            if spare is None or spare.exit_code() is not None or not spare.standby_ready.is_set():
+                return False  # none, dead or still loading: start the instance the slow way
+            del self._spares[inst.role]
+        prefix = self._console.prefix(inst.instance_id, inst.role)
+        try:
+            inst.adopt(spare, write=lambda line: self._console.echo(prefix + line))
+        except OSError:  # it died just now
+            return False
+        return True
+
+    def _respawn_spare_later(self, role: str) -> None:
+        supervisor = self._supervisor
+        if supervisor is None:
+            return
+        try:
+            supervisor.call(self._spawn_spare, role)
+        except RuntimeError:  # the supervisor has ended: the cluster is stopping
+            pass
+        except OSError as e:
+            self.echo(f"could not start a warm spare for {role}: {e}", label="kvserve")
 
     def _restart_nats(self) -> None:
         self._tell_reaper(forget=self._nats.pid)  # it has exited; it creates no segment

@@ -1,7 +1,9 @@
 """One service instance as a child process of the launcher: what it runs (module and
 environment), its process, and the thread that hands its output on, line by line,
-keeping the last lines to say why it died."""
+keeping the last lines to say why it died. A warm spare (libs/common/standby.py) is one
+too, until an instance adopts its process."""
 
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvserve.cli.supervisor import die_with_launcher, remove_segments_of
+from libs.common import standby
 
 LOG_TAIL_LINES = 200
 
@@ -27,6 +30,8 @@ class ServiceProcess:
     reader: threading.Thread | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_TAIL_LINES))
     spawned_at: float = 0.0  # time.monotonic() of the last start
+    standby_ready: threading.Event = field(default_factory=threading.Event)  # a spare: its model is loaded
+    _write: Callable[[str], None] = print
 
     @property
     def pid(self) -> int | None:
@@ -35,15 +40,21 @@ class ServiceProcess:
     def exit_code(self) -> int | None:
         return None if self.proc is None else self.proc.poll()
 
+    @property
+    def is_standby(self) -> bool:
+        return self.env.get(standby.STANDBY_ENV) == "1"
+
     def spawn(self, write: Callable[[str], None], on_exit: Callable[[int], None]) -> None:
         """Start it, on the thread that forks every child (see die_with_launcher); each
         line it writes goes to ``write``; ``on_exit(pid)`` once it has exited, its output
-        ended and its segments are removed."""
+        ended and its segments are removed. A spare reads its assignment from a pipe."""
         self.spawned_at = time.monotonic()
+        self.standby_ready.clear()
+        self._write = write
         self.proc = subprocess.Popen(
             [sys.executable, "-m", self.module],
             env=self.env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE if self.is_standby else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             # Its own process group: a Ctrl-C in the terminal reaches the launcher
@@ -52,16 +63,31 @@ class ServiceProcess:
             preexec_fn=die_with_launcher(),
         )
         self.reader = threading.Thread(
-            target=self._pump, args=(self.proc, write, on_exit), name=f"log-{self.instance_id}", daemon=True
+            target=self._pump, args=(self.proc, on_exit), name=f"log-{self.instance_id}", daemon=True
         )
         self.reader.start()
 
-    def _pump(self, proc: subprocess.Popen, write: Callable[[str], None], on_exit: Callable[[int], None]) -> None:
+    def adopt(self, spare: "ServiceProcess", write: Callable[[str], None]) -> None:
+        """Become ``spare``'s process: send it this instance's environment; from now on its
+        lines go to ``write`` and this instance's tail. ``spare`` must be ready and running."""
+        assert spare.is_standby and spare.proc is not None and spare.standby_ready.is_set()
+        spare.tail, spare._write = self.tail, write
+        spare.proc.stdin.write(json.dumps(self.env).encode() + b"\n")
+        spare.proc.stdin.close()
+        self.proc, self.reader, self._write = spare.proc, spare.reader, write
+        self.spawned_at = time.monotonic()
+
+    def _pump(self, proc: subprocess.Popen, on_exit: Callable[[int], None]) -> None:
         for raw in proc.stdout:
             line = raw.decode(errors="replace").rstrip("\r\n")
+            if line == standby.READY_LINE:
+                self.standby_ready.set()
+                continue
             self.tail.append(line)
-            write(line)
+            self._write(line)
         proc.stdout.close()
+        if proc.stdin is not None:
+            proc.stdin.close()
         proc.wait()
         remove_segments_of(proc.pid)  # what SIGKILL left it no chance to remove
         on_exit(proc.pid)

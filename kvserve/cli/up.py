@@ -111,6 +111,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "conductor, store, prefill workers, decode workers, gateway (default: none; the gateway's /metrics "
         "has every instance's metrics)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-standby", dest="standby", action="store_false",
+        help="keep no warm spare worker per role (default: one prefill and one decode process with the model "
+        "loaded, waiting to replace the next worker of its role that dies: a restart in well under a second "
+        "instead of ~4 s, for ~1 GB of memory each with the default model)",
+    )  # fmt: skip
     add_model_options(parser)
     parser.set_defaults(run=run)
 
@@ -133,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         api_key=args.api_key_file or args.api_key,
         supervise=True,
+        standby=args.standby,
         cpus=args.cpus,
         metrics_port=args.metrics_port,
     )

@@ -29,6 +29,22 @@ from libs.common.transfer.segment import new_segment_name, remove_stale_segments
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+# A model loaded before this process knew which instance it would be (a warm spare,
+# libs/common/standby.py), by what loaded it; the first EngineHost of those settings takes it.
+_preloaded: dict[tuple, LoadedModel] = {}
+
+
+def _model_key(settings: ModelSettings) -> tuple:
+    return (settings.model, settings.device, settings.dtype, settings.quantization)
+
+
+def preload_model(settings: ModelSettings) -> None:
+    """Load the model ``settings`` name now, for the first ``EngineHost.create`` with them."""
+    torch.set_grad_enabled(False)
+    _preloaded[_model_key(settings)] = load_model(
+        settings.model, device=settings.device, dtype=settings.dtype, progress=False, quantization=settings.quantization
+    )
+
 
 @dataclass
 class EngineHost:
@@ -63,8 +79,9 @@ class EngineHost:
         # Before the model loads and calibrates: both then run on this share only.
         cpus, threads = apply_cpu_share(settings.cpus, settings.threads)
         log.info("%s runs on cores %s, torch threads: %d", owner, format_cpu_list(cpus), threads)
-        loaded = load_model(settings.model, device=settings.device, dtype=settings.dtype, progress=False,
-                            quantization=settings.quantization)  # fmt: skip
+        loaded = _preloaded.pop(_model_key(settings), None) or load_model(
+            settings.model, device=settings.device, dtype=settings.dtype, progress=False, quantization=settings.quantization
+        )
         config = EngineConfig(
             block_size=settings.block_size,
             num_blocks=settings.num_blocks,

@@ -2,7 +2,8 @@
 SIGKILL of the only prefill or the only decode worker under 40 streams costs no
 stream, and a request sent at the kill waits for the restarted worker instead of
 being refused (429) or failed (503). The streams moved off the dead worker can only
-finish on its restart under the same id, so finishing says it was not excluded.
+finish on its restart under the same id, so finishing says it was not excluded. The
+restart is the role's warm spare (its process, already loaded, becomes the worker).
 Bounded: 40 streams of at most 24 tokens per fault, every wait has a deadline.
 """
 
@@ -54,6 +55,8 @@ def test_the_only_worker_of_a_role_killed_costs_no_stream_and_a_new_request_wait
 ):
     cluster = one_per_role
     cluster.wait_for(_idle(cluster), timeout=60)
+    cluster.wait_for_spares(timeout=120)
+    spare = cluster.spare_pids[cluster.instances[victim].role]
     killed_at = {}
 
     async def scenario():
@@ -74,6 +77,7 @@ def test_the_only_worker_of_a_role_killed_costs_no_stream_and_a_new_request_wait
     assert new.status == 200 and new.completed, f"the request sent at the kill: {new.status} {new.error}"
     # served after the restart: the only instance of its role is the restarted process
     assert cluster.instances[victim].started_at > killed_at["wall"]
+    assert cluster.pids[victim] == spare, "the restart did not take the warm spare"
     assert new.served_by is not None and victim in new.served_by["prefill_instances"] + new.served_by["decode_instances"]
 
 

@@ -7,6 +7,8 @@ names (one instance id a line, read at each start); KVSERVE_FAKE_STUCK lists
 instances that never finish stopping. With KVSERVE_FAKE_SEGMENT=1 each holds a
 shared-memory segment named as the transfer engine names them, removed at a clean
 stop. The gateway listens on its host and port for real and reports the port it got.
+As a warm spare (KVSERVE_STANDBY=1) it waits for its assignment as a worker does,
+having nothing to load.
 """
 
 import asyncio
@@ -16,6 +18,7 @@ import sys
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+from libs.common import standby
 from libs.common.schema import Heartbeat
 from libs.common.service import Service, run_service
 from libs.common.settings import ServiceSettings, env_int, env_str
@@ -58,6 +61,8 @@ async def _close_server(server: asyncio.Server) -> None:
 
 
 def main() -> None:
+    if standby.requested():
+        standby.wait_for_assignment(lambda: None)
     instance_id = env_str("INSTANCE_ID", "")
     print("settings " + " ".join(f"{name}={os.environ.get('KVSERVE_' + name, '-')}" for name in REPORTED))
     crash_file = env_str("FAKE_CRASH_FILE", "")

@@ -54,6 +54,8 @@ def test_backoff_doubles_to_its_cap_and_resets_after_a_healthy_run():
 
 def test_a_killed_service_is_restarted_with_its_segments_removed_and_the_others_untouched(supervised):
     cluster, log, _ = supervised
+    cluster.wait_for_spares(timeout=30)
+    spare = cluster.spare_pids["prefill"]
     pids = cluster.pids
     old = pids["prefill-0"]
     assert segments_of(old)  # the stand-in holds one, as a worker holds its KV pool
@@ -61,14 +63,15 @@ def test_a_killed_service_is_restarted_with_its_segments_removed_and_the_others_
     os.kill(old, signal.SIGKILL)
     restarted(cluster, "prefill-0", started)
     new = cluster.pids["prefill-0"]
-    assert new != old and is_alive(new)
+    assert new == spare and is_alive(new)  # the warm spare became prefill-0
     assert cluster.pids == pids | {"prefill-0": new}  # nobody else was restarted
     assert segments_of(old) == []  # SIGKILL gave it no chance to remove its own
     assert segments_of(new)
     out = log.getvalue()
     assert f"[kvserve]     prefill-0 (pid {old}) was killed by SIGKILL after " in out
     assert f"; restarting it in {DELAYS[0]:g}s\n" in out
-    assert f"[kvserve]     prefill-0 started again (pid {new})\n" in out
+    assert f"[kvserve]     prefill-0 started again (pid {new}, the warm spare)\n" in out
+    assert "settings MODEL=" in "".join(line for line in out.splitlines(True) if line.startswith("[prefill-0]"))
     assert cluster.wait_for_exit(timeout=0) is None
 
 
