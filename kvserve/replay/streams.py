@@ -50,6 +50,7 @@ class ChatLoad:
     api_key: str | None = None
     timeout_s: float = 180.0  # per stream, end to end: a hang shows as an error here, never as a stuck test
     extra_body: dict = field(default_factory=dict)
+    headers: dict = field(default_factory=dict)  # sent with every request (e.g. x-kvserve-slo)
 
     @property
     def url(self) -> str:
@@ -64,7 +65,7 @@ async def run_streams(
     by default) have their first token (or ended), so a caller can inject a fault mid-stream."""
     outcomes = [StreamOutcome(i) for i in range(len(load.prompts))]
     first_tokens = asyncio.Semaphore(0)
-    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+    headers = dict(load.headers) | ({"Authorization": f"Bearer {load.api_key}"} if load.api_key else {})
     connector = aiohttp.TCPConnector(limit=0)
     needed = len(outcomes) if started_after is None else min(started_after, len(outcomes))
     async with aiohttp.ClientSession(connector=connector, headers=headers) as session:
