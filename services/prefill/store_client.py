@@ -46,6 +46,9 @@ class StoreClient:
         self.calls: store_client.StoreClient | None = None  # once connected
         self._ring = HashRing()
         self._refused: set[str] = set()  # stores whose contract differs (logged once)
+        # stores whose last call failed (dead, restarting, or cut off): passed over until
+        # heard from after it, so one death stalls one call per request in flight, not all of them
+        self._failed_at: dict[str, float] = {}
         self.hits = 0  # blocks fetched
         self.puts = 0  # blocks the stores did not have and now do
 
@@ -66,8 +69,8 @@ class StoreClient:
         self.stores.observe(heartbeat)
 
     def ring(self) -> HashRing:
-        """The ring over the stores alive now (rebuilt only when they change)."""
-        alive = sorted(hb.instance_id for hb in self.stores.alive(Role.STORE))
+        """The ring over the stores alive now and not passed over (rebuilt only when they change)."""
+        alive = sorted(hb.instance_id for hb in self.stores.alive(Role.STORE) if not self._passed_over(hb.instance_id))
         if alive != self._ring.members:
             self._ring = HashRing(alive)
         return self._ring
@@ -108,7 +111,7 @@ class StoreClient:
         for i, names in enumerate(owners):
             for name in names:
                 asks.setdefault(name, []).append(i)
-        replies = await asyncio.gather(*(self._call(self.calls.exists(name, [hashes[i] for i in idx]))
+        replies = await asyncio.gather(*(self._call(name, self.calls.exists(name, [hashes[i] for i in idx]))
                                          for name, idx in asks.items()))  # fmt: skip
         best: list[tuple[str, str] | None] = [None] * len(hashes)
         for (name, idx), tiers in zip(asks.items(), replies):
@@ -137,7 +140,7 @@ class StoreClient:
             ticket = self.host.transfers.expect(self.host.segment.name, [(o, nbytes) for o in offsets], STORE_TIMEOUT,
                                                 sender_host=self._host_of(name))  # fmt: skip
             try:
-                tiers = await self._call(self.calls.get(name, [hashes[i] for i in idx], nbytes, ticket, offsets))
+                tiers = await self._call(name, self.calls.get(name, [hashes[i] for i in idx], nbytes, ticket, offsets))
             finally:
                 self.host.transfers.close_ticket(ticket.token)
             if tiers is not None:
@@ -164,7 +167,7 @@ class StoreClient:
                                for name, idx in by_store.items()))  # fmt: skip
 
     async def _put(self, name: str, hashes: list[bytes], blocks: list[int]) -> None:
-        reply = await self._call(self.calls.put(name, hashes, self.host.block_nbytes,
+        reply = await self._call(name, self.calls.put(name, hashes, self.host.block_nbytes,
                                                 host_id=self.host.transfers.writer_host_id))  # fmt: skip
         if reply is None or not reply.missing:
             return
@@ -175,7 +178,7 @@ class StoreClient:
         except TransferError as e:
             self.log.warning("put to store %s failed: %s", name, e)
             return  # uncommitted: the store frees the slots when the ticket expires
-        num_stored = await self._call(self.calls.commit(name, reply.put_id))
+        num_stored = await self._call(name, self.calls.commit(name, reply.put_id))
         if num_stored is not None:
             self.puts += num_stored
 
@@ -198,10 +201,28 @@ class StoreClient:
         """A store's host id, from its heartbeat: whether its writes to us can come over TCP."""
         return next((hb.host_id for hb in self.stores.alive(Role.STORE) if hb.instance_id == name), None)
 
-    async def _call(self, call: Awaitable[T]) -> T | None:
-        """A store call's result, or None when it failed (logged): the store is an optimisation."""
+    async def _call(self, name: str, call: Awaitable[T]) -> T | None:
+        """A store call's result, or None when it failed (logged): the store is an optimisation.
+        A store that failed to answer is passed over until it is heard from again."""
+        asked_at = self.stores.clock()
         try:
             return await call
         except store_client.StoreError as e:
-            self.log.warning("%s (%s)", e, "refused" if e.refused else "failed")
+            if not e.refused:
+                first = not self._passed_over(name)
+                self._failed_at[name] = asked_at
+                if first:
+                    self.log.warning("%s (failed); passing store %s over until it is heard from again", e, name)
+                return None
+            self.log.warning("%s (refused)", e)
             return None
+
+    def _passed_over(self, name: str) -> bool:
+        failed_at = self._failed_at.get(name)
+        if failed_at is None:
+            return False
+        heard = self.stores.last_heard(name)
+        if heard is not None and heard[1] > failed_at:
+            del self._failed_at[name]
+            return False
+        return True
