@@ -63,6 +63,14 @@ class Row:
     recovery_s: float | None
     at_kill: StreamOutcome | None = None  # the request sent at the moment of the kill
     note: str = ""
+    reference: list[str] | None = None  # each prompt's greedy text from an undisturbed run
+
+    def equal(self, migrated: bool) -> tuple[int, int]:
+        """Completed streams (migrated or not) whose text equals the undisturbed run's: (equal, of)."""
+        if self.reference is None:
+            return 0, 0
+        chosen = [o for o in self.outcomes if o.completed and bool(o.served_by and o.served_by.get("migrations")) == migrated]
+        return sum(o.text == self.reference[o.index] for o in chosen), len(chosen)
 
 
 def prompts(n: int, salt: str) -> list[str]:
@@ -116,11 +124,23 @@ def idle(cluster: LocalCluster) -> None:
     cluster.wait_for(check, timeout=120)
 
 
+def chat_load(url: str, args, salt: str) -> ChatLoad:
+    return ChatLoad(url, MODEL, prompts(args.streams, salt), max_tokens=args.max_tokens, timeout_s=120, headers=RELAXED_SLO)
+
+
+async def undisturbed(cluster: LocalCluster, args, salt: str) -> list[str]:
+    """Each prompt's greedy text, with nothing killed (the reference a moved stream must equal)."""
+    idle(cluster)
+    outcomes = await run_streams(chat_load(cluster.gateway_url, args, salt))
+    if not all(o.completed for o in outcomes):
+        raise SystemExit(f"the undisturbed run failed: {tally(outcomes).line()}")
+    return [o.text for o in outcomes]
+
+
 async def kill_under_load(cluster: LocalCluster, shape: str, victim: str, after: int, args, salt: str, restarts: bool) -> Row:
     idle(cluster)
     cluster.wait_for_spares(timeout=120)  # as a cluster that has run a while has them
-    load = ChatLoad(cluster.gateway_url, MODEL, prompts(args.streams, salt), max_tokens=args.max_tokens, timeout_s=120,
-                    headers=RELAXED_SLO)  # fmt: skip
+    load = chat_load(cluster.gateway_url, args, salt)
     started = asyncio.Event()
     streams = asyncio.create_task(run_streams(load, started, started_after=after))
     await asyncio.wait_for(started.wait(), timeout=120)
@@ -146,10 +166,10 @@ async def kill_under_load(cluster: LocalCluster, shape: str, victim: str, after:
     return Row(shape, f"kill -9 {victim}" + ("" if restarts else " (no supervisor)"), outcomes, recovery_s, new, note)
 
 
-def start(shape: str, supervise: bool, log) -> LocalCluster:
+def start(shape: str, supervise: bool, log, args) -> LocalCluster:
     prefill, decode = SHAPES[shape]
     cluster = LocalCluster(
-        prefill=prefill, decode=decode, gateway_port=0, dtype="auto", env=ENV, log=log, supervise=supervise,
+        prefill=prefill, decode=decode, gateway_port=0, dtype=args.dtype, env=ENV, log=log, supervise=supervise,
         store_dir=tempfile.mkdtemp(prefix="kvserve-chaos-"),
     )  # fmt: skip
     cluster.start(timeout=300)
@@ -217,26 +237,29 @@ def report(rows: list[Row], args, started: datetime.datetime, took_s: float) -> 
     lines = [
         "# Chaos: faults under 40 concurrent streams",
         "",
-        f"- command: `python bench/chaos.py --shape {args.shape} --streams {args.streams} --max-tokens {args.max_tokens}`",
+        f"- command: `python bench/chaos.py --shape {args.shape} --dtype {args.dtype} --streams {args.streams} "
+        f"--max-tokens {args.max_tokens}`",
         f"- date: {started:%Y-%m-%d %H:%M} UTC (took {took_s:.0f} s)",
         f"- machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
         f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}",
-        "- clusters: `kvserve up` (default: one prefill and one decode worker) and `kvserve up --prefill 2 --decode 2` "
-        f"(supervised LocalCluster, dtype auto), {args.streams} greedy streaming chat requests of up to "
+        f"- clusters: {' and '.join(SHAPE_COMMANDS[shape] for shape in shapes_of(args))} "
+        f"(supervised LocalCluster, dtype {args.dtype}), {args.streams} greedy streaming chat requests of up to "
         f"{args.max_tokens} tokens per fault, each fault injected once the first tokens are out, and one more request of 8 tokens "
         "sent at the kill; every request with SLO targets of 60 s TTFT and 10 s TBT, so admission refuses none; "
         "every kill after the warm spares are ready",
         "",
         "| shape | fault | sent | completed | of which migrated | errored ([DONE] after an error event) | broken or hung | "
-        "longest client silence | a request sent at the kill | serving normally again after |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "longest client silence | a request sent at the kill | serving normally again after | "
+        "greedy text as undisturbed: migrated | not migrated |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         t = tally(row.outcomes)
         recovery = "n/a" if row.recovery_s is None else f"{row.recovery_s:.1f} s"
         lines.append(
             f"| {SHAPE_NAMES[row.shape]} | {row.fault} | {t.sent} | {t.completed} | {t.migrated} | {t.errored} | "
-            f"{t.broken} | {t.max_silence_s:.1f} s | {at_kill(row.at_kill)} | {recovery} |"
+            f"{t.broken} | {t.max_silence_s:.1f} s | {at_kill(row.at_kill)} | {recovery} | "
+            f"{fraction(*row.equal(True))} | {fraction(*row.equal(False))} |"
         )
     notes = [f"- {row.fault}: {row.note}" for row in rows if row.note]
     errors = sorted({(SHAPE_NAMES[row.shape] + ", " + row.fault, o.error[:120])
@@ -250,6 +273,16 @@ def report(rows: list[Row], args, started: datetime.datetime, took_s: float) -> 
 
 
 SHAPE_NAMES = {"default": "1+1", "two": "2+2"}
+SHAPE_COMMANDS = {"default": "`kvserve up` (the default: one prefill and one decode worker)",
+                  "two": "`kvserve up --prefill 2 --decode 2`"}  # fmt: skip
+
+
+def shapes_of(args) -> tuple[str, ...]:
+    return ("default", "two") if args.shape == "both" else (args.shape,)
+
+
+def fraction(equal: int, of: int) -> str:
+    return "n/a" if of == 0 else f"{equal}/{of}"
 
 
 def at_kill(outcome: StreamOutcome | None) -> str:
@@ -265,17 +298,21 @@ def run_shape(shape: str, args, log) -> list[Row]:
     rows = []
     victims = [("decode-0", args.streams), (f"prefill-{prefill - 1}", args.streams // 5),
                ("store-0", args.streams // 2), ("nats-server", args.streams)]  # fmt: skip
-    cluster = start(shape, supervise=True, log=log)
+    cluster = start(shape, supervise=True, log=log, args=args)
     try:
+        # the same prompts every time: a moved stream's text is compared with an undisturbed run's
+        reference = asyncio.run(undisturbed(cluster, args, shape))
         for victim, after in victims:
-            row = asyncio.run(kill_under_load(cluster, shape, victim, after, args, f"{shape} {victim}", restarts=True))
+            row = asyncio.run(kill_under_load(cluster, shape, victim, after, args, shape, restarts=True))
+            row.reference = reference
             rows.append(row)
             print(shape, row.fault, tally(row.outcomes).line(), f"at the kill {at_kill(row.at_kill)}",
-                  f"recovery {row.recovery_s}", flush=True)  # fmt: skip
+                  f"recovery {row.recovery_s}", "equal migrated", row.equal(True), "not", row.equal(False),
+                  flush=True)  # fmt: skip
     finally:
         cluster.stop()
     if decode > 1:
-        cluster = start(shape, supervise=False, log=log)
+        cluster = start(shape, supervise=False, log=log, args=args)
         try:
             row = asyncio.run(kill_under_load(cluster, shape, "decode-0", args.streams, args, "unsupervised", restarts=False))
             rows.append(row)
@@ -289,6 +326,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=("default", "two", "both"), default="both",
                         help="one worker per role (kvserve up's default), two per role, or both (default)")
+    parser.add_argument("--dtype", default="auto", help="the workers' dtype (default auto, as kvserve up)")
     parser.add_argument("--streams", type=int, default=40)
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "chaos.md")
@@ -298,7 +336,7 @@ def main() -> int:
     log = open(args.log or tempfile.mktemp(prefix="kvserve-chaos-", suffix=".log"), "w")
     print(f"cluster logs: {log.name}")
     rows = []
-    for shape in ("default", "two") if args.shape == "both" else (args.shape,):
+    for shape in shapes_of(args):
         rows += run_shape(shape, args, log)
     rows.append(kill_the_launcher(args))
     print(rows[-1].fault, tally(rows[-1].outcomes).line(), rows[-1].note, flush=True)

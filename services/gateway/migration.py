@@ -7,7 +7,8 @@ again as ``<id>-m<n>``, excluding every instance seen gone (until it restarts), 
 already delivered appended to its prompt and max_tokens reduced by them: the new
 prefill, mostly a prefix-cache hit, yields the next token and decoding goes on.
 The caller reads one stream whose chunk indexes carry on where the last attempt
-left off, so greedy output equals an undisturbed run. After ``max_attempts``
+left off, so greedy output equals an undisturbed run where the engine's numerics do not
+depend on the batch (float32; see the README for bfloat16). After ``max_attempts``
 the loss is raised. Knows nothing of HTTP or text.
 """
 
