@@ -61,7 +61,7 @@ class FakeCluster:
             self.submits.append(req)
             await msg.respond(schema.encode(Ack()))
             for c in self.attempts.pop(0)(req, self):
-                await self.nc.publish(subjects.tokens(req.request_id), schema.encode(c))
+                await self.nc.publish(subjects.tokens(req.request_id, c.instance_id), schema.encode(c))
 
         async def on_cancel(msg) -> None:
             self.cancels.put_nowait(schema.decode(msg.data, Cancel))
