@@ -21,8 +21,9 @@ A user is an identity (`Identity`): one service instance's own, or one role's.
   Give every instance whose id is fixed its own user instead (``kvserve nats-config
   --instance``).
 
-Subjects that name a role only stay shared by every identity of the role: heartbeats
-(``kvserve.heartbeat.<role>``), cancellations and roll calls.
+Heartbeats name their sender too (an instance's user speaks only for itself, and a
+receiver believes a heartbeat only from the subject of the instance it names);
+cancellations and roll calls are broadcasts every service shares.
 
 nats-server reads its users from a configuration file and each service its own user
 from a credentials file; both are 0600 in 0700 directories. A secret is never on a
@@ -39,6 +40,7 @@ import stat
 from base64 import urlsafe_b64encode
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from libs.common import subjects as s
@@ -140,8 +142,8 @@ def permissions(identity: Identity) -> Permissions:
         grants = dict(
             publish=(own(s.tokens_from, s.TOKENS_ALL), s.DECODE_RESERVE_ALL, s.DECODE_ADMIT_ALL, s.DECODE_RELEASE_ALL,
                      s.STORE_OPS_ALL, own(s.kv_events, s.KV_EVENTS_ALL)),
-            subscribe=(own(s.prefill_submit, s.PREFILL_SUBMIT_ALL), s.CANCEL, s.heartbeat(Role.DECODE),
-                       s.heartbeat(Role.STORE), own(s.kv_snapshot, s.KV_SNAPSHOT_ALL)),
+            subscribe=(own(s.prefill_submit, s.PREFILL_SUBMIT_ALL), s.CANCEL, s.heartbeats(Role.DECODE),
+                       s.heartbeats(Role.STORE), own(s.kv_snapshot, s.KV_SNAPSHOT_ALL)),
         )  # fmt: skip
     elif role == Role.DECODE:
         grants = dict(
@@ -162,7 +164,7 @@ def permissions(identity: Identity) -> Permissions:
     inbox = (inbox_prefix(role, instance_id) + ".>",) if role in REQUESTERS else ()
     replies = tuple(inbox_prefix(requester) + ".>" for requester in REQUESTERS)
     return Permissions(
-        publish=(s.heartbeat(role), s.ROLL_CALL) + grants["publish"] + replies,
+        publish=(own(partial(s.heartbeat, role), s.heartbeats(role)), s.ROLL_CALL) + grants["publish"] + replies,
         subscribe=(s.ROLL_CALL, own(s.metrics, s.METRICS_ALL)) + grants["subscribe"] + inbox,
     )
 

@@ -18,12 +18,24 @@ def _token(value: str) -> str:
 
 
 # --- cluster membership -------------------------------------------------------
-def heartbeat(role: str) -> str:
-    """Every instance publishes its Heartbeat here once a second."""
-    return f"{PREFIX}.heartbeat.{_token(role)}"
+def heartbeat(role: str, instance_id: str) -> str:
+    """An instance publishes its Heartbeat here once a second: the subject names its
+    sender, so NATS lets an instance speak only for itself (libs/common/nats_auth.py)."""
+    return f"{PREFIX}.heartbeat.{_token(role)}.{_token(instance_id)}"
 
 
-HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+def heartbeats(role: str) -> str:
+    """The heartbeats of every instance of ``role``."""
+    return f"{PREFIX}.heartbeat.{_token(role)}.*"
+
+
+def names_sender(subject: str, role: str, instance_id: str) -> bool:
+    """Whether a `heartbeat` subject names the role and instance a heartbeat says it is from:
+    a heartbeat that claims to be another's is not to be believed."""
+    return subject == f"{PREFIX}.heartbeat.{role}.{instance_id}"
+
+
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*.*"
 # A newly started service asks here (RollCall) and every instance answers at once with
 # its heartbeat, so no one has to wait up to a heartbeat interval to see its peers.
 ROLL_CALL = f"{PREFIX}.rollcall"

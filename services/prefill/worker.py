@@ -97,7 +97,7 @@ class PrefillWorker(Service):
         await self.reports.start(stack)
         await self.subscribe(subjects.prefill_submit(self.instance_id), PrefillRequest, self.on_submit)
         await self.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
-        await self.subscribe(subjects.heartbeat(Role.DECODE), Heartbeat, self.on_decode_heartbeat)
+        await self.subscribe_heartbeats(Role.DECODE, self.on_decode_heartbeat)
         if self.store is not None:
             await self.store.start(self.reports.cost)
         loop = self.spawn(self._prefill_loop(), essential=True)

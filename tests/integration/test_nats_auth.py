@@ -119,8 +119,8 @@ PUBLISHERS = [
     (subjects.decode_admit("decode-0"), {"prefill"}),
     (subjects.store_op("store-0", "put"), {"prefill"}),
     (subjects.kv_events("store-0"), {"prefill", "store"}),
-    (subjects.heartbeat("gateway"), {"gateway"}),
-    (subjects.heartbeat("store"), {"store"}),
+    (subjects.heartbeat("gateway", "gateway-0"), {"gateway"}),
+    (subjects.heartbeat("store", "store-0"), {"store"}),
     # a reply to a requester's inbox: the services that answer its requests, even across a NATS
     # restart (when nats-server has forgotten which replies they owe); reading it stays the owner's
     ("_INBOX.prefill.abc.1", {"gateway", "conductor", "prefill", "decode", "store"}),
@@ -283,7 +283,8 @@ INSTANCE_PUBLISHERS = [
     (subjects.kv_events("prefill-0"), {"prefill-0"}),
     (subjects.decode_reserve("decode-1"), {"prefill-0"}),
     (subjects.store_op("store-1", "put"), {"prefill-0"}),
-    (subjects.heartbeat("decode"), {"decode-0", "decode-1"}),  # a role's subject: every instance of it
+    (subjects.heartbeat("decode", "decode-0"), {"decode-0"}),
+    (subjects.heartbeat("decode", "decode-1"), {"decode-1"}),
 ]
 # (subject, the instances that may subscribe to it)
 INSTANCE_SUBSCRIBERS = [

@@ -77,7 +77,7 @@ class FakeCluster:
         while True:  # the fake workers' own clock, as a real worker's heartbeat loop
             for instance_id, role in list(self.alive.items()):
                 beat = Heartbeat(instance_id=instance_id, role=role, host_id="test", started_at=1.0)
-                await self.nc.publish(subjects.heartbeat(role), schema.encode(beat))
+                await self.nc.publish(subjects.heartbeat(role, instance_id), schema.encode(beat))
             await asyncio.sleep(BEAT)
 
     async def stop(self) -> None:

@@ -94,7 +94,7 @@ async def start_gateway(nats_server, nc, tiny_checkpoint):
     running: list[tuple[Gateway, asyncio.Task]] = []
 
     async def start(**overrides) -> str:
-        beats = await nc.subscribe(subjects.heartbeat("gateway"))
+        beats = await nc.subscribe(subjects.heartbeats("gateway"))
         settings = gateway_settings(nats_url=nats_server.url, model=str(tiny_checkpoint), **overrides)
         gateway = Gateway(settings)
         running.append((gateway, asyncio.create_task(gateway.run())))
