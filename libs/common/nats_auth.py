@@ -17,7 +17,8 @@ A user is an identity (`Identity`): one service instance's own, or one role's.
   subjects with ``*`` for the instance. It exists for deployments that cannot know their
   instance ids before they start (docker compose ``--scale`` and Kubernetes Deployments
   give each process a random id): there an instance of a role can read the other
-  instances' requests of that role and publish tokens and KV events under their names.
+  instances' requests of that role and publish tokens, KV events and heartbeats under
+  their names.
   Give every instance whose id is fixed its own user instead (``kvserve nats-config
   --instance``).
 

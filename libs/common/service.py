@@ -145,7 +145,8 @@ class Service:
             nats.connect(
                 self.settings.nats_url,
                 **credentials,
-                inbox_prefix=nats_auth.inbox_prefix(self.settings.role, self.instance_id),  # the replies its user may read
+                # the only replies its user may read
+                inbox_prefix=nats_auth.inbox_prefix(self.settings.role, self.instance_id),
                 name=self.instance_id,
                 max_reconnect_attempts=-1,  # forever, the first connect included
                 reconnect_time_wait=0.5,

@@ -119,7 +119,7 @@ class RequestRun:
         self.moved = moved  # a later attempt of a request whose worker was lost
         self.prefill_id: str | None = None
         self.decode_id: str | None = None  # the conductor's choice ...
-        self.placed_decode_id: str | None = None  # ... or the one the prefill worker then named (a hand-off may be retried)
+        self.placed_decode_id: str | None = None  # ... or the one its prefill worker named (a hand-off was retried)
         self.serving_decode_id: str | None = None  # ... and the one whose tokens came
         self.admission: AdmitReply | None = None  # what the conductor predicted
         self.ttft_s: float | None = None  # measured from admission to the first token

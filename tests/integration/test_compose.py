@@ -24,7 +24,8 @@ SERVICES = ("conductor", "store", "prefill", "decode", "gateway")
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 SECRETS = {"KVSERVE_API_KEY": "test-key", "KVSERVE_NATS_SECRET": "a-test-secret-of-32-characters.."}
 # Each service's NATS user: its role's, but the store's, whose instance id is fixed.
-NATS_USERS = {"conductor": "conductor", "store": "store-0", "prefill": "prefill", "decode": "decode", "gateway": "gateway"}
+NATS_USERS = {"conductor": "conductor", "store": "store-0", "prefill": "prefill", "decode": "decode",
+              "gateway": "gateway"}  # fmt: skip
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:

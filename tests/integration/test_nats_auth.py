@@ -48,9 +48,9 @@ class Client:
             self._error.set()
 
         credentials = nats_auth.load_credentials(server.credentials_file(self.user))
+        inbox = nats_auth.inbox_prefix(self.role, None if self.role == self.user else self.user)
         self.nc = await nats.connect(server.public_url, **credentials.connect_options(), error_cb=on_error,
-                                     inbox_prefix=nats_auth.inbox_prefix(self.role, None if self.role == self.user else self.user),
-                                     allow_reconnect=False)  # fmt: skip
+                                     inbox_prefix=inbox, allow_reconnect=False)  # fmt: skip
         return self
 
     def refused(self, subject: str) -> bool:

@@ -143,7 +143,8 @@ def test_an_instances_user_names_its_own_subjects_only():
     assert set(permissions["store-0"]["subscribe"]["allow"]) == {
         "kvserve.rollcall", "kvserve.metrics.store-0", "kvserve.store.store-0.*", "kvserve.kv.snapshot.store-0"}
     any_instance = {subjects.TOKENS_ALL, subjects.KV_EVENTS_ALL, subjects.KV_SNAPSHOT_ALL, subjects.METRICS_ALL,
-                    subjects.DECODE_RESERVE_ALL, subjects.STORE_OPS_ALL, "_INBOX.decode.>", "_INBOX.store.>"}  # fmt: skip
+                    subjects.DECODE_RESERVE_ALL, subjects.STORE_OPS_ALL, subjects.heartbeats("decode"),
+                    subjects.heartbeats("store"), "_INBOX.decode.>", "_INBOX.store.>"}  # fmt: skip
     for user in ("decode-0", "decode-1", "store-0"):
         allowed = permissions[user]["publish"]["allow"] + permissions[user]["subscribe"]["allow"]
         assert not any_instance & set(allowed), user
