@@ -28,6 +28,6 @@ RUN useradd --create-home --uid 10001 kvserve
 # owner and mode from here, so only the kvserve user reads or writes the secrets.
 RUN install -d -o kvserve -g kvserve -m 700 /etc/kvserve/auth /etc/kvserve/auth/nats-server \
     /etc/kvserve/auth/conductor /etc/kvserve/auth/store /etc/kvserve/auth/prefill \
-    /etc/kvserve/auth/decode /etc/kvserve/auth/gateway
+    /etc/kvserve/auth/decode /etc/kvserve/auth/gateway /etc/kvserve/auth/store-0
 USER kvserve
 WORKDIR /home/kvserve

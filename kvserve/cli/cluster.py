@@ -45,6 +45,7 @@ from libs.common.errors import KVServeError
 from libs.common.model.default_model import DEFAULT_MODEL_ID
 from libs.common.nats_server import NatsServer
 from libs.common.schema import Heartbeat
+from libs.common.settings import without_secrets
 from libs.common.vocabulary import Role
 from services.conductor.settings import DEFAULT_POLICY
 
@@ -242,7 +243,9 @@ class LocalCluster:
             self._runtime = tempfile.TemporaryDirectory(prefix="kvserve-cluster-")  # mode 0700
             if sys.platform.startswith("linux"):  # pidfds; elsewhere nothing kills the children either
                 self._reaper = Reaper(self.runtime_dir)
-            self._nats = NatsServer(host=self.nats_host, directory=self.runtime_dir)
+            instances = {f"{role}-{i}": role for role in ROLES for i in range(self.counts[role])}
+            # each instance its own NATS user: a restart keeps its id, so its credentials too
+            self._nats = NatsServer(host=self.nats_host, directory=self.runtime_dir, instances=instances)
             self._nats.preexec_fn = die_with_launcher()
             self._supervisor.call(self._nats.start)
             self._tell_reaper(watch=self._nats.pid)
@@ -410,13 +413,12 @@ class LocalCluster:
         self.dtype, self.quantization = model.dtype, model.quantization
 
     def _plan(self, role: str, instance_id: str) -> ServiceProcess:
-        env = dict(os.environ)
-        for inherited in ("KVSERVE_MODEL", "KVSERVE_API_KEY"):  # only what this cluster was given
-            env.pop(inherited, None)
+        env = without_secrets(os.environ)  # each gets only the secrets it uses, given below
+        env.pop("KVSERVE_MODEL", None)  # only what this cluster was given
         env.update(
             PYTHONUNBUFFERED="1",
-            KVSERVE_NATS_URL=self._nats.public_url,  # no secret: that is in the role's credentials file
-            KVSERVE_NATS_CREDENTIALS=str(self._nats.credentials_file(role)),
+            KVSERVE_NATS_URL=self._nats.public_url,  # no secret: that is in the instance's credentials file
+            KVSERVE_NATS_CREDENTIALS=str(self._nats.credentials_file(instance_id)),  # its own user
             KVSERVE_INSTANCE_ID=instance_id,
             KVSERVE_HOST_ID=socket.gethostname(),
             KVSERVE_DTYPE=self.dtype,
@@ -425,8 +427,8 @@ class LocalCluster:
         )
         if self.model is not None and self.model != DEFAULT_MODEL_ID:
             env["KVSERVE_MODEL"] = str(self.model_path)
-        if self.api_key is not None:
-            env["KVSERVE_API_KEY"] = self.api_key
+        if role == Role.GATEWAY and self.api_key is not None:
+            env["KVSERVE_API_KEY"] = self.api_key  # the gateway alone checks it
         if role == Role.GATEWAY:
             env.update(KVSERVE_GATEWAY_HOST=self.gateway_host, KVSERVE_GATEWAY_PORT=str(self.gateway_port))
         if role in (Role.PREFILL, Role.DECODE) and self._runtime is not None:
@@ -442,6 +444,8 @@ class LocalCluster:
         if self.metrics_port is not None:
             env["KVSERVE_METRICS_PORT"] = str(self.metrics_ports()[instance_id])
         env.update(self.extra_env)
+        if role != Role.GATEWAY:
+            env.pop("KVSERVE_API_KEY", None)  # not even from ``env``
         if role == Role.CONDUCTOR and self.policy is not None:
             env["KVSERVE_POLICY"] = self.policy
         if "OMP_NUM_THREADS" in self.extra_env and "KVSERVE_THREADS" not in self.extra_env:

@@ -62,6 +62,8 @@ class HeartbeatWatcher(threading.Thread):
             beat = schema.decode(msg.data, Heartbeat)
         except BadMessageError:
             return  # a peer speaking another protocol: it never counts as ready
+        if not subjects.names_sender(msg.subject, beat.role, beat.instance_id):
+            return  # in another instance's name: not to be believed
         self._on_heartbeat(beat)
 
     async def _disconnected(self) -> None:

@@ -1,4 +1,4 @@
-"""``kvserve nats-config``: nats-server's users and each role's credentials file, for a
+"""``kvserve nats-config``: nats-server's users and each user's credentials file, for a
 cluster run by something other than ``kvserve up`` (docker compose runs it first)."""
 
 import argparse
@@ -8,9 +8,11 @@ from libs.common.nats_auth import (
     CREDENTIALS,
     MIN_SECRET_LENGTH,
     SERVER_CONFIG,
-    USERS,
+    SERVICE_ROLES,
     NatsAuthError,
     derived_passwords,
+    instance_identities,
+    role_identities,
     write_auth_files,
 )
 from libs.common.settings import env_str
@@ -21,16 +23,21 @@ conductor, prefill, decode, store, plus observer and admin for tools) and only t
 subjects each role needs, and one credentials file per user:
 
   {"DIR/" + str(SERVER_CONFIG):<29}for nats-server -c
-  {"DIR/<user>/" + CREDENTIALS:<29}for KVSERVE_NATS_CREDENTIALS of that role's services
+  {"DIR/<user>/" + CREDENTIALS:<29}for KVSERVE_NATS_CREDENTIALS of that user's services
+
+A role's user may use the subjects of every instance of the role: it is for instances
+whose ids are drawn at start (docker compose --scale, a Kubernetes Deployment). An
+instance whose id is fixed (KVSERVE_INSTANCE_ID) can have a user of its own, named
+after it, that may use only that instance's subjects: --instance ROLE:ID.
 
 Passwords are derived from KVSERVE_NATS_SECRET (at least {MIN_SECRET_LENGTH} characters, read
 from the environment only), so writing again gives the same files. Folders are 0700,
-files 0600; give each service its own role's file only."""
+files 0600; give each service its own file only."""
 
 EPILOG = """\
 example:
   export KVSERVE_NATS_SECRET=$(openssl rand -hex 32)
-  kvserve nats-config /etc/kvserve/auth"""
+  kvserve nats-config /etc/kvserve/auth --instance store:store-0"""
 
 
 class NatsConfigError(KVServeError):
@@ -40,12 +47,14 @@ class NatsConfigError(KVServeError):
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser(
         "nats-config",
-        help="write nats-server's per-role users and each role's credentials file",
+        help="write nats-server's per-role (and per-instance) users and each user's credentials file",
         description=DESCRIPTION,
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("directory", metavar="DIR", help="where to write (created 0700 if missing)")
+    parser.add_argument("--instance", action="append", default=[], metavar="ROLE:ID", type=_instance,
+                        help="also a user of its own for instance ID of ROLE (repeatable)")  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -54,12 +63,22 @@ def run(args: argparse.Namespace) -> int:
     if not secret:
         raise NatsConfigError(f"set KVSERVE_NATS_SECRET (at least {MIN_SECRET_LENGTH} characters) in the environment")
     try:
-        files = write_auth_files(args.directory, derived_passwords(secret))
+        instances = dict(args.instance)
+        identities = role_identities() + [i for i in instance_identities(instances) if i.instance_id is not None]
+        files = write_auth_files(args.directory, identities, derived_passwords(secret, identities))
     except NatsAuthError as e:
         raise NatsConfigError(str(e)) from None
     except OSError as e:
         raise NatsConfigError(f"cannot write to {args.directory}: {e.strerror}") from None
     print(f"wrote {files.server_config}")
-    for user in USERS:
+    for user in files.users:
         print(f"wrote {files.credentials(user)}")
     return 0
+
+
+def _instance(text: str) -> tuple[str, str]:
+    """``ROLE:ID`` -> (ID, ROLE)."""
+    role, _, instance_id = text.partition(":")
+    if role not in SERVICE_ROLES or not instance_id:
+        raise argparse.ArgumentTypeError(f"{text!r}: ROLE:ID, ROLE one of {', '.join(SERVICE_ROLES)}")
+    return instance_id, role

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from kvserve.cli.supervisor import remove_segments_of
+from libs.common.settings import without_secrets
 
 STOP_WAIT_SECONDS = 10.0  # a clean stop: every process has exited, so the watchdog is done at once
 
@@ -41,6 +42,7 @@ class Reaper:
                 [sys.executable, "-m", "kvserve.cli.reaper", str(runtime_dir)],
                 stdin=read_end,
                 stdout=subprocess.DEVNULL,
+                env=without_secrets(os.environ),
                 start_new_session=True,  # no Ctrl-C or kill of the launcher's group reaches it
             )
         except BaseException:

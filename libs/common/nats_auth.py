@@ -1,5 +1,30 @@
-"""Who may say what on NATS: one user per kvserve role, the subjects it may publish and
-subscribe to, and the files that carry the secrets.
+"""Who may say what on NATS: the users, the subjects each may publish and subscribe
+to, and the files that carry the secrets.
+
+A user is an identity (`Identity`): one service instance's own, or one role's.
+
+- **An instance's own user** (``decode-0``) may use only the subjects that name that
+  instance: a decode worker subscribes to its own reserve, admit, release and prefill
+  subjects and publishes tokens only under its own name (``subjects.tokens(request,
+  itself)``); a prefill worker reads its own submissions and publishes its own tokens and
+  KV events; a store reads its own operations and publishes its own KV events; each reads
+  only its own metrics, snapshot and conductor-view requests and its own inbox
+  (``_INBOX.<role>.<instance>``). The gateway takes a request's tokens only from the
+  instances it is placed on (services/gateway/dispatch.py), so no instance can write into
+  a stream not its own. `kvserve up` starts every instance itself and gives each its own
+  user (a restarted instance keeps its id and its credentials).
+- **A role's user** (``decode``) may do what any instance of the role may: the same
+  subjects with ``*`` for the instance. It exists for deployments that cannot know their
+  instance ids before they start (docker compose ``--scale`` and Kubernetes Deployments
+  give each process a random id): there an instance of a role can read the other
+  instances' requests of that role and publish tokens, KV events and heartbeats under
+  their names.
+  Give every instance whose id is fixed its own user instead (``kvserve nats-config
+  --instance``).
+
+Heartbeats name their sender too (an instance's user speaks only for itself, and a
+receiver believes a heartbeat only from the subject of the instance it names);
+cancellations and roll calls are broadcasts every service shares.
 
 nats-server reads its users from a configuration file and each service its own user
 from a credentials file; both are 0600 in 0700 directories. A secret is never on a
@@ -14,7 +39,9 @@ import os
 import secrets
 import stat
 from base64 import urlsafe_b64encode
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from libs.common import subjects as s
@@ -26,7 +53,7 @@ SERVICE_ROLES = tuple(Role)
 # observer: watches heartbeats and reads metrics (`kvserve up`'s own watcher);
 # admin: every subject, for an operator's tools and tests, never given to a service.
 OBSERVER, ADMIN = "observer", "admin"
-USERS = SERVICE_ROLES + (OBSERVER, ADMIN)
+TOOLS = (OBSERVER, ADMIN)
 SERVER_CONFIG = Path("nats-server") / "nats.conf"  # under the auth directory
 CREDENTIALS = "credentials.json"  # under the auth directory, in a folder per user
 MIN_SECRET_LENGTH = 16
@@ -37,77 +64,110 @@ class NatsAuthError(ValueError):
 
 
 @dataclass(frozen=True)
+class Identity:
+    """A NATS user: one instance of a role (``instance_id``), or any instance of it (None)."""
+
+    role: str
+    instance_id: str | None = None
+
+    @property
+    def user(self) -> str:
+        return self.instance_id or self.role
+
+
+def role_identities() -> list[Identity]:
+    """A user per service role, then the tools' (observer, admin)."""
+    return [Identity(role) for role in SERVICE_ROLES + TOOLS]
+
+
+def instance_identities(instances: dict[str, str]) -> list[Identity]:
+    """A user per instance (``{instance id: role}``), then the tools'."""
+    for instance_id, role in instances.items():
+        if role not in SERVICE_ROLES:
+            raise NatsAuthError(f"{instance_id}: no such role {role!r}")
+        if instance_id in SERVICE_ROLES + TOOLS:
+            raise NatsAuthError(f"an instance cannot be called {instance_id!r}: that is a role's user")
+        try:
+            s.metrics(instance_id)  # one subject token
+        except ValueError as e:
+            raise NatsAuthError(f"instance id {e}") from None
+    return [Identity(role, instance_id) for instance_id, role in instances.items()] + [Identity(t) for t in TOOLS]
+
+
+@dataclass(frozen=True)
 class Permissions:
     publish: tuple[str, ...]
     subscribe: tuple[str, ...]
     responds: bool = True  # may answer the requests it receives (on their reply subjects only)
 
 
-def inbox_prefix(user: str) -> str:
-    """Where a user's request replies arrive: one prefix per user, so no role reads another's replies."""
-    return f"_INBOX.{user}"
+def inbox_prefix(role: str, instance_id: str | None = None) -> str:
+    """Where request replies arrive: one prefix per role and instance, so no role reads
+    another's replies, and no instance with a user of its own another instance's."""
+    return f"_INBOX.{role}" if instance_id is None else f"_INBOX.{role}.{instance_id}"
 
 
-# The users that send requests a service answers. A service may publish to their inboxes
+# The roles that send requests a service answers. A service may publish to their inboxes
 # outright, not only through allow_responses: nats-server forgets which replies a client
 # owes when it reconnects, so without this an answer computed across a NATS restart is
 # refused and its requester waits out its timeout. Reading an inbox stays its owner's alone.
 REQUESTERS = (Role.GATEWAY, Role.CONDUCTOR, Role.PREFILL, OBSERVER)
 
 
-def _service(role: Role, publish: tuple[str, ...], subscribe: tuple[str, ...], requests: bool) -> Permissions:
-    """What every service does (heartbeats, roll calls, metrics, replies) plus what ``role`` does."""
-    inbox = (inbox_prefix(role) + ".>",) if requests else ()
-    replies = tuple(inbox_prefix(user) + ".>" for user in REQUESTERS)
+def permissions(identity: Identity) -> Permissions:
+    """What ``identity`` may publish and subscribe to."""
+    role, instance_id = identity.role, identity.instance_id
+    if role == ADMIN:
+        return Permissions(publish=(">",), subscribe=(">",), responds=False)
+    if role == OBSERVER:
+        return Permissions(publish=(s.METRICS_ALL,), subscribe=(s.HEARTBEAT_ALL, inbox_prefix(OBSERVER) + ".>"),
+                           responds=False)  # fmt: skip
+
+    def own(subject: Callable[[str], str], of_any: str) -> str:
+        """The subject of this instance, or (a role's user) of any instance of the role."""
+        return subject(instance_id) if instance_id is not None else of_any
+
+    if role == Role.GATEWAY:  # the gateway alone admits and submits requests, cancels them and reads their tokens
+        grants = dict(
+            publish=(s.CONDUCTOR_ADMIT, s.CONDUCTOR_PROGRESS, s.PREFILL_SUBMIT_ALL, s.DECODE_PREFILL_ALL, s.CANCEL,
+                     s.METRICS_ALL, s.CONDUCTOR_VIEW_ALL),
+            subscribe=(s.HEARTBEAT_ALL, s.TOKENS_ALL),
+        )  # fmt: skip
+    elif role == Role.CONDUCTOR:
+        grants = dict(
+            publish=(s.KV_SNAPSHOT_ALL, s.CONDUCTOR_ADMITTED),
+            subscribe=(s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CONDUCTOR_PROGRESS, s.CONDUCTOR_ADMIT,
+                       own(s.conductor_view, s.CONDUCTOR_VIEW_ALL), s.CONDUCTOR_ADMITTED),
+        )  # fmt: skip
+    elif role == Role.PREFILL:  # prefill and decode workers alone publish tokens, each under its own name
+        grants = dict(
+            publish=(own(s.tokens_from, s.TOKENS_ALL), s.DECODE_RESERVE_ALL, s.DECODE_ADMIT_ALL, s.DECODE_RELEASE_ALL,
+                     s.STORE_OPS_ALL, own(s.kv_events, s.KV_EVENTS_ALL)),
+            subscribe=(own(s.prefill_submit, s.PREFILL_SUBMIT_ALL), s.CANCEL, s.heartbeats(Role.DECODE),
+                       s.heartbeats(Role.STORE), own(s.kv_snapshot, s.KV_SNAPSHOT_ALL)),
+        )  # fmt: skip
+    elif role == Role.DECODE:
+        grants = dict(
+            publish=(own(s.tokens_from, s.TOKENS_ALL),),
+            subscribe=(own(s.decode_reserve, s.DECODE_RESERVE_ALL), own(s.decode_admit, s.DECODE_ADMIT_ALL),
+                       own(s.decode_release, s.DECODE_RELEASE_ALL), own(s.decode_prefill, s.DECODE_PREFILL_ALL),
+                       s.CANCEL),
+        )  # fmt: skip
+    elif role == Role.STORE:
+        grants = dict(
+            publish=(own(s.kv_events, s.KV_EVENTS_ALL),),
+            subscribe=(own(s.store_ops, s.STORE_OPS_ALL), own(s.kv_snapshot, s.KV_SNAPSHOT_ALL)),
+        )
+    else:
+        raise NatsAuthError(f"no such role {role!r}")
+    # what every service does: heartbeats, roll calls, its metrics, replies to requesters,
+    # and (those that send requests) reading its own inbox
+    inbox = (inbox_prefix(role, instance_id) + ".>",) if role in REQUESTERS else ()
+    replies = tuple(inbox_prefix(requester) + ".>" for requester in REQUESTERS)
     return Permissions(
-        publish=(s.heartbeat(role), s.ROLL_CALL) + publish + replies,
-        subscribe=(s.ROLL_CALL, s.METRICS_ALL) + subscribe + inbox,
+        publish=(own(partial(s.heartbeat, role), s.heartbeats(role)), s.ROLL_CALL) + grants["publish"] + replies,
+        subscribe=(s.ROLL_CALL, own(s.metrics, s.METRICS_ALL)) + grants["subscribe"] + inbox,
     )
-
-
-PERMISSIONS: dict[str, Permissions] = {
-    # The gateway alone admits and submits requests, cancels them and reads their tokens.
-    Role.GATEWAY: _service(
-        Role.GATEWAY,
-        publish=(s.CONDUCTOR_ADMIT, s.CONDUCTOR_PROGRESS, s.PREFILL_SUBMIT_ALL, s.DECODE_PREFILL_ALL, s.CANCEL,
-                 s.METRICS_ALL, s.CONDUCTOR_VIEW_ALL),
-        subscribe=(s.HEARTBEAT_ALL, s.TOKENS_ALL),
-        requests=True,
-    ),  # fmt: skip
-    Role.CONDUCTOR: _service(
-        Role.CONDUCTOR,
-        publish=(s.KV_SNAPSHOT_ALL, s.CONDUCTOR_ADMITTED),
-        subscribe=(s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CONDUCTOR_PROGRESS, s.CONDUCTOR_ADMIT, s.CONDUCTOR_VIEW_ALL,
-                   s.CONDUCTOR_ADMITTED),
-        requests=True,
-    ),
-    # Prefill and decode workers alone publish tokens.
-    Role.PREFILL: _service(
-        Role.PREFILL,
-        publish=(s.TOKENS_ALL, s.DECODE_RESERVE_ALL, s.DECODE_ADMIT_ALL, s.DECODE_RELEASE_ALL, s.STORE_OPS_ALL,
-                 s.KV_EVENTS_ALL),
-        subscribe=(s.PREFILL_SUBMIT_ALL, s.CANCEL, s.heartbeat(Role.DECODE), s.heartbeat(Role.STORE), s.KV_SNAPSHOT_ALL),
-        requests=True,
-    ),  # fmt: skip
-    Role.DECODE: _service(
-        Role.DECODE,
-        publish=(s.TOKENS_ALL,),
-        subscribe=(s.DECODE_RESERVE_ALL, s.DECODE_ADMIT_ALL, s.DECODE_RELEASE_ALL, s.DECODE_PREFILL_ALL, s.CANCEL),
-        requests=False,
-    ),
-    Role.STORE: _service(
-        Role.STORE,
-        publish=(s.KV_EVENTS_ALL,),
-        subscribe=(s.STORE_OPS_ALL, s.KV_SNAPSHOT_ALL),
-        requests=False,
-    ),
-    OBSERVER: Permissions(
-        publish=(s.METRICS_ALL,),
-        subscribe=(s.HEARTBEAT_ALL, inbox_prefix(OBSERVER) + ".>"),
-        responds=False,
-    ),
-    ADMIN: Permissions(publish=(">",), subscribe=(">",), responds=False),
-}
 
 
 # --- credentials ------------------------------------------------------------------
@@ -158,35 +218,34 @@ def redact_url(url: str) -> str:
 
 
 # --- the files ----------------------------------------------------------------------
-def random_passwords() -> dict[str, str]:
-    return {user: secrets.token_urlsafe(24) for user in USERS}
+def random_passwords(identities: Iterable[Identity]) -> dict[str, str]:
+    return {identity.user: secrets.token_urlsafe(24) for identity in identities}
 
 
-def derived_passwords(secret: str) -> dict[str, str]:
+def derived_passwords(secret: str, identities: Iterable[Identity]) -> dict[str, str]:
     """Every user's password from one secret (HMAC-SHA256), so a deployment keeps one secret
     and gets the same files each time it writes them."""
     if len(secret) < MIN_SECRET_LENGTH:
         raise NatsAuthError(f"the NATS secret must be at least {MIN_SECRET_LENGTH} characters")
     key = secret.encode()
     return {
-        user: urlsafe_b64encode(hmac.new(key, f"kvserve-nats/{user}".encode(), hashlib.sha256).digest())
-        .decode()
-        .rstrip("=")
-        for user in USERS
-    }
+        identity.user: urlsafe_b64encode(hmac.new(key, f"kvserve-nats/{identity.user}".encode(), hashlib.sha256)
+                                         .digest()).decode().rstrip("=")
+        for identity in identities
+    }  # fmt: skip
 
 
-def server_config(passwords: dict[str, str]) -> str:
+def server_config(identities: Iterable[Identity], passwords: dict[str, str]) -> str:
     """nats-server's authorization block: every user with its password and permissions."""
     users = []
-    for user in USERS:
-        grants = PERMISSIONS[user]
-        permissions: dict = {"publish": {"allow": list(grants.publish)}, "subscribe": {"allow": list(grants.subscribe)}}
+    for identity in identities:
+        grants = permissions(identity)
+        allowed: dict = {"publish": {"allow": list(grants.publish)}, "subscribe": {"allow": list(grants.subscribe)}}
         if grants.responds:
-            permissions["allow_responses"] = True
-        users.append({"user": user, "password": passwords[user], "permissions": permissions})
+            allowed["allow_responses"] = True
+        users.append({"user": identity.user, "password": passwords[identity.user], "permissions": allowed})
     body = json.dumps({"authorization": {"users": users}}, indent=2)
-    return f"# kvserve's NATS users, one per role (see libs/common/nats_auth.py). Keep this file 0600.\n{body}\n"
+    return f"# kvserve's NATS users (see libs/common/nats_auth.py). Keep this file 0600.\n{body}\n"
 
 
 @dataclass(frozen=True)
@@ -194,24 +253,26 @@ class AuthFiles:
     """Where `write_auth_files` put nats-server's configuration and each user's credentials."""
 
     directory: Path
+    users: tuple[str, ...]
 
     @property
     def server_config(self) -> Path:
         return self.directory / SERVER_CONFIG
 
     def credentials(self, user: str) -> Path:
-        if user not in USERS:
-            raise KeyError(f"no NATS user {user!r}; there are {', '.join(USERS)}")
+        if user not in self.users:
+            raise KeyError(f"no NATS user {user!r}; there are {', '.join(self.users)}")
         return self.directory / user / CREDENTIALS
 
 
-def write_auth_files(directory: str | Path, passwords: dict[str, str]) -> AuthFiles:
+def write_auth_files(directory: str | Path, identities: Iterable[Identity], passwords: dict[str, str]) -> AuthFiles:
     """Write ``directory/nats-server/nats.conf`` and ``directory/<user>/credentials.json``
-    for every user: each folder 0700, each file 0600, whole or not at all."""
-    files = AuthFiles(Path(directory))
+    for every identity: each folder 0700, each file 0600, whole or not at all."""
+    identities = list(identities)
+    files = AuthFiles(Path(directory), tuple(identity.user for identity in identities))
     files.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new one private too
-    _write_private(files.server_config, server_config(passwords))
-    for user in USERS:
+    _write_private(files.server_config, server_config(identities, passwords))
+    for user in files.users:
         _write_private(files.credentials(user), json.dumps({"user": user, "password": passwords[user]}) + "\n")
     return files
 

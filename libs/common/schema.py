@@ -414,6 +414,10 @@ class TokenChunk(Message):
     num_cached_tokens: int = 0
     instance_id: InstanceId | None = None  # the worker that produced the chunk
     error: ErrorInfo | None = None
+    # From the prefill worker: the decode worker the request continues on (its lease's), which
+    # the gateway then takes tokens from. A chunk with only this (no tokens) announces a
+    # hand-off retried on another decode worker.
+    decode_id: InstanceId | None = None
 
 
 # --- store ----------------------------------------------------------------------

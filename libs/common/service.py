@@ -104,7 +104,7 @@ class Service:
         return problems
 
     async def _on_roll_call(self, request: schema.RollCall, msg: Msg) -> None:
-        await self.publish(subjects.heartbeat(self.settings.role), self.heartbeat())
+        await self.publish(subjects.heartbeat(self.settings.role, self.instance_id), self.heartbeat())
 
     def heartbeat(self) -> Heartbeat:
         s = self.settings
@@ -145,7 +145,8 @@ class Service:
             nats.connect(
                 self.settings.nats_url,
                 **credentials,
-                inbox_prefix=nats_auth.inbox_prefix(self.settings.role),  # the only replies its user may read
+                # the only replies its user may read
+                inbox_prefix=nats_auth.inbox_prefix(self.settings.role, self.instance_id),
                 name=self.instance_id,
                 max_reconnect_attempts=-1,  # forever, the first connect included
                 reconnect_time_wait=0.5,
@@ -182,13 +183,25 @@ class Service:
             self.log.info("closed the NATS connection; what it still held is lost (%s)", e)
 
     async def _heartbeat_loop(self) -> None:
-        subject = subjects.heartbeat(self.settings.role)
+        subject = subjects.heartbeat(self.settings.role, self.instance_id)
         while True:
             try:
                 await self.nc.publish(subject, schema.encode(self.heartbeat()))
             except Exception as e:  # never let a heartbeat failure end the loop
                 self.log.warning("heartbeat not sent: %s", e)
             await asyncio.sleep(self.settings.heartbeat_interval)
+
+    async def subscribe_heartbeats(self, role: str | None, handler: Handler) -> None:
+        """Handle the heartbeats of every instance of ``role`` (None: of every role), each only
+        if it came on its sender's own subject (one in another instance's name is dropped)."""
+
+        async def believed(beat: Heartbeat, msg: Msg) -> None:
+            if not subjects.names_sender(msg.subject, beat.role, beat.instance_id):
+                self.log.warning("dropped a heartbeat on %s that claims to be %s's", msg.subject, beat.instance_id)
+                return
+            await handler(beat, msg)
+
+        await self.subscribe(subjects.HEARTBEAT_ALL if role is None else subjects.heartbeats(role), Heartbeat, believed)
 
     async def subscribe(self, subject: str, kind: type[M], handler: Handler, queue: str = "") -> None:
         """Handle every ``kind`` message on ``subject`` in its own task; reply with

@@ -9,7 +9,7 @@ import os
 import secrets
 import socket
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -22,6 +22,15 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_CACHE_DIR = "~/.cache/kvserve"
 
 S = TypeVar("S")
+# Variables that hold a secret: a process started by kvserve gets one only if it uses it
+# (the API key: the gateway; the NATS secret: `kvserve nats-config`, never a service).
+SECRET_VARIABLES = ("KVSERVE_API_KEY", "KVSERVE_NATS_SECRET")
+
+
+def without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less SECRET_VARIABLES and the NATS credentials (each service is given its own)."""
+    dropped = SECRET_VARIABLES + ("KVSERVE_NATS_CREDENTIALS",)
+    return {name: value for name, value in env.items() if name not in dropped}
 
 
 def env_str(name: str, default: str) -> str:

@@ -18,12 +18,24 @@ def _token(value: str) -> str:
 
 
 # --- cluster membership -------------------------------------------------------
-def heartbeat(role: str) -> str:
-    """Every instance publishes its Heartbeat here once a second."""
-    return f"{PREFIX}.heartbeat.{_token(role)}"
+def heartbeat(role: str, instance_id: str) -> str:
+    """An instance publishes its Heartbeat here once a second: the subject names its
+    sender, so NATS lets an instance speak only for itself (libs/common/nats_auth.py)."""
+    return f"{PREFIX}.heartbeat.{_token(role)}.{_token(instance_id)}"
 
 
-HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*"
+def heartbeats(role: str) -> str:
+    """The heartbeats of every instance of ``role``."""
+    return f"{PREFIX}.heartbeat.{_token(role)}.*"
+
+
+def names_sender(subject: str, role: str, instance_id: str) -> bool:
+    """Whether a `heartbeat` subject names the role and instance a heartbeat says it is from:
+    a heartbeat that claims to be another's is not to be believed."""
+    return subject == f"{PREFIX}.heartbeat.{role}.{instance_id}"
+
+
+HEARTBEAT_ALL = f"{PREFIX}.heartbeat.*.*"
 # A newly started service asks here (RollCall) and every instance answers at once with
 # its heartbeat, so no one has to wait up to a heartbeat interval to see its peers.
 ROLL_CALL = f"{PREFIX}.rollcall"
@@ -104,9 +116,27 @@ def metrics(instance_id: str) -> str:
 CANCEL = f"{PREFIX}.cancel"  # broadcast: every worker drops the request
 
 
-def tokens(request_id: str) -> str:
-    """Workers -> gateway: the request's generated tokens, in TokenChunks."""
-    return f"{PREFIX}.tokens.{_token(request_id)}"
+def tokens(request_id: str, instance_id: str) -> str:
+    """Worker ``instance_id`` -> gateway: the request's generated tokens, in TokenChunks.
+    The subject names its publisher, so NATS lets an instance publish only its own (see
+    libs/common/nats_auth.py) and the gateway can tell which instance a chunk came from."""
+    return f"{PREFIX}.tokens.{_token(request_id)}.{_token(instance_id)}"
+
+
+def request_tokens(request_id: str) -> str:
+    """The gateway's subscription: the request's tokens from any instance (it keeps only the
+    placed instances' chunks, named by `token_publisher`)."""
+    return f"{PREFIX}.tokens.{_token(request_id)}.*"
+
+
+def tokens_from(instance_id: str) -> str:
+    """Every token subject one instance may publish on (its NATS permission)."""
+    return f"{PREFIX}.tokens.*.{_token(instance_id)}"
+
+
+def token_publisher(subject: str) -> str:
+    """The instance a `tokens` subject names as its publisher."""
+    return subject.rsplit(".", 1)[1]
 
 
 # --- patterns: one subject of every instance or request (wildcard subscriptions, NATS permissions)
@@ -119,4 +149,4 @@ DECODE_ADMIT_ALL = f"{PREFIX}.decode.*.admit"
 DECODE_PREFILL_ALL = f"{PREFIX}.decode.*.prefill"
 DECODE_RELEASE_ALL = f"{PREFIX}.decode.*.release"
 STORE_OPS_ALL = f"{PREFIX}.store.*.*"
-TOKENS_ALL = f"{PREFIX}.tokens.*"
+TOKENS_ALL = f"{PREFIX}.tokens.*.*"

@@ -65,7 +65,7 @@ class Conductor(Service):
     async def start(self, stack: AsyncExitStack) -> None:
         c = self.settings
         self.log.info("policy %s; SLO TTFT %.0f ms, TBT %.0f ms", c.policy, c.slo_ttft_s * 1e3, c.slo_tbt_s * 1e3)
-        await self.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self.on_heartbeat)
+        await self.subscribe_heartbeats(None, self.on_heartbeat)
         await self.subscribe(subjects.KV_EVENTS_ALL, KVEventBatch, self.on_kv_events)
         await self.subscribe(subjects.CONDUCTOR_PROGRESS, RequestProgress, self.on_progress)
         await self.subscribe(subjects.CONDUCTOR_ADMITTED, ConductorAdmission, self.on_peer_admission)

@@ -188,7 +188,8 @@ class DecodeWorker(Service):
             for seq in result.rejected:
                 await self._publish_error(seq, ErrorCode.NO_CAPACITY, "the sequence outgrew this worker's KV pool")
             for out in result.outputs:
-                await self.publish(subjects.tokens(out.request_id), token_chunk(out, self.instance_id))
+                chunk = token_chunk(out, self.instance_id)
+                await self.publish(subjects.tokens(out.request_id, self.instance_id), chunk)
             if result.rejected or result.preempted or any(out.finish_reason is not None for out in result.outputs):
                 await self._blocks_were_freed()
             elif result.outputs or result.computed:
@@ -196,7 +197,7 @@ class DecodeWorker(Service):
 
     async def _publish_error(self, seq: Sequence, code: ErrorCode, message: str) -> None:
         chunk = error_chunk(seq.request_id, seq.num_output_tokens, code, message, self.instance_id)
-        await self.publish(subjects.tokens(seq.request_id), chunk)
+        await self.publish(subjects.tokens(seq.request_id, self.instance_id), chunk)
 
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()

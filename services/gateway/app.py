@@ -13,7 +13,6 @@ from contextlib import AsyncExitStack
 import msgspec
 from nats.aio.msg import Msg
 
-from libs.common import subjects
 from libs.common.peers import PeerDirectory
 from libs.common.schema import GatewayBeat, Heartbeat
 from libs.common.service import Service
@@ -53,7 +52,7 @@ class Gateway(Service):
         if self._generations is None:
             model = await asyncio.to_thread(ServedModel.load, s.model, s.block_size, s.max_model_len)
             self._generations = Generations(self, s, self.peers, model)
-        await self.subscribe(subjects.HEARTBEAT_ALL, Heartbeat, self._on_heartbeat)
+        await self.subscribe_heartbeats(None, self._on_heartbeat)
         guard = ConnectionGuard(s.header_timeout, s.keepalive_timeout, s.max_connections)
         app = init_app(self, self.generations, guard)
         self.generations.observers.append(self.request_metrics.observe)  # told of every request once it is over

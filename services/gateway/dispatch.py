@@ -7,7 +7,10 @@ workers said the request finished, broadcasts a Cancel so no worker keeps
 running it. While it waits for tokens it watches the workers serving it (the
 prefill worker until the decode worker takes over, then the decode worker) and
 raises WorkerLostError as soon as one is gone, instead of waiting out the token
-timeout; `migration.py` moves the request on. The conductor
+timeout; `migration.py` moves the request on. It takes a token chunk only from an
+instance the request is placed on: the admission's prefill worker and its decode
+worker, or the one that prefill worker says it continues on (a token subject names
+its publisher, and NATS lets an instance publish only under its own name). The conductor
 hears of the request's first token and of its end (RequestProgress), to settle
 its predictions. Failures are raised as the gateway's domain errors; nothing
 here knows about HTTP.
@@ -116,7 +119,8 @@ class RequestRun:
         self.moved = moved  # a later attempt of a request whose worker was lost
         self.prefill_id: str | None = None
         self.decode_id: str | None = None  # the conductor's choice ...
-        self.serving_decode_id: str | None = None  # ... and the one whose tokens came (a hand-off may be retried)
+        self.placed_decode_id: str | None = None  # ... or the one its prefill worker named (a hand-off was retried)
+        self.serving_decode_id: str | None = None  # ... and the one whose tokens came
         self.admission: AdmitReply | None = None  # what the conductor predicted
         self.ttft_s: float | None = None  # measured from admission to the first token
         self.num_output_tokens = 0  # generated so far (the conductor settles its TBT prediction with it)
@@ -137,7 +141,7 @@ class RequestRun:
         try:
             await self._admit()
             # Subscribe before any work is sent, so not even the first token can be missed.
-            self._sub = await self.service.nc.subscribe(subjects.tokens(self.request_id))
+            self._sub = await self.service.nc.subscribe(subjects.request_tokens(self.request_id))
             self._reconnects = getattr(self.service, "reconnects", 0)
             await self._submit()
         except BaseException as e:
@@ -176,6 +180,7 @@ class RequestRun:
                 self._may_be_running = False
             raise _admission_error(reply)
         self.prefill_id, self.decode_id = reply.prefill_id, reply.decode_id
+        self.placed_decode_id = reply.decode_id
         self.admission, self._admitted_at, self._asked_at = reply, time.monotonic(), asked_at
         if self.watch is not None:
             self.watch.watch(self.decode_id, Role.DECODE)
@@ -222,11 +227,24 @@ class RequestRun:
         serving the request is gone, or when nothing arrives for ``token_timeout`` seconds."""
         assert self._sub is not None, "next_chunks outside `async with`"
         msg = await self._next_message()
+        publisher = subjects.token_publisher(msg.subject)
+        if publisher not in (self.prefill_id, self.placed_decode_id):
+            log.warning("dropped a token chunk for %s from %s: it is placed on %s and %s",
+                        self.request_id, publisher, self.prefill_id, self.placed_decode_id)  # fmt: skip
+            return []
         try:
             chunk = schema.decode(msg.data, TokenChunk)
         except BadMessageError as e:
             log.warning("dropped a message on %s: %s", msg.subject, e)
             return []
+        if chunk.decode_id is not None and publisher == self.prefill_id and chunk.decode_id != self.placed_decode_id:
+            log.info("%s continues on %s", self.request_id, chunk.decode_id)
+            if self.watch is not None and self.placed_decode_id != self.prefill_id:
+                self.watch.unwatch(self.placed_decode_id)
+                self.watch.watch(chunk.decode_id, Role.DECODE)
+            self.placed_decode_id = chunk.decode_id  # the prefill worker leased there: its tokens are ours
+        if not chunk.token_ids and chunk.finish_reason is None and chunk.error is None:
+            return []  # it only said where the request continues
         if chunk.error is not None:
             self._failure = f"error: {chunk.error.code}"
             where = f"instance {chunk.instance_id}" if chunk.instance_id else "a worker"
@@ -239,8 +257,8 @@ class RequestRun:
             self.ttft_s = time.monotonic() - self._admitted_at
             await self._progress(RequestProgress(request_id=self.request_id, kind="first_token", ttft_s=self.ttft_s))
         self.num_output_tokens = max(self.num_output_tokens, chunk.index + len(chunk.token_ids))
-        if chunk.index > 0 and chunk.instance_id and self.serving_decode_id is None:
-            self._decoding_on(chunk.instance_id)
+        if chunk.index > 0 and self.serving_decode_id is None:
+            self._decoding_on(publisher)
         return self._reorder.push(chunk)
 
     async def _next_message(self) -> Msg:
@@ -304,7 +322,7 @@ class RequestRun:
             try:
                 await sub.unsubscribe()
             except Exception as e:
-                log.warning("unsubscribe from %s failed: %s", subjects.tokens(self.request_id), e)
+                log.warning("unsubscribe from %s failed: %s", subjects.request_tokens(self.request_id), e)
 
 
     async def _progress(self, progress: RequestProgress) -> None:

@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from nats.aio.msg import Msg
 
-from libs.common import store_client, subjects
+from libs.common import store_client
 from libs.common.cost_model import CostModel
 from libs.common.engine_host import EngineHost
 from libs.common.hash_ring import HashRing
@@ -57,7 +57,7 @@ class StoreClient:
         if cost is not None:
             self.policy.cost = CostModel(cost)
         self.calls = store_client.StoreClient(self.service.nc, self.host.contract, STORE_TIMEOUT)
-        await self.service.subscribe(subjects.heartbeat(Role.STORE), Heartbeat, self.on_heartbeat)
+        await self.service.subscribe_heartbeats(Role.STORE, self.on_heartbeat)
 
     async def on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
         mismatch = heartbeat.contract and self.host.contract.mismatch(heartbeat.contract)

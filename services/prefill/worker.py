@@ -31,7 +31,7 @@ from libs.common.model.sequence import Sequence
 from libs.common.prefill_order import Work, plan
 from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
-from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest
+from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
 from libs.common.token_chunks import error_chunk, token_chunk
 from libs.common.vocabulary import ErrorCode, KVTier, Role
@@ -97,7 +97,7 @@ class PrefillWorker(Service):
         await self.reports.start(stack)
         await self.subscribe(subjects.prefill_submit(self.instance_id), PrefillRequest, self.on_submit)
         await self.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
-        await self.subscribe(subjects.heartbeat(Role.DECODE), Heartbeat, self.on_decode_heartbeat)
+        await self.subscribe_heartbeats(Role.DECODE, self.on_decode_heartbeat)
         if self.store is not None:
             await self.store.start(self.reports.cost)
         loop = self.spawn(self._prefill_loop(), essential=True)
@@ -283,7 +283,10 @@ class PrefillWorker(Service):
         seq, request_id = job.seq, job.request.request_id
         cancelled = request_id in self.cancelled
         if not cancelled:
-            await self.publish(subjects.tokens(request_id), token_chunk(out, self.instance_id))
+            chunk = token_chunk(out, self.instance_id)
+            if out.finish_reason is None and job.transfer is not None:
+                chunk.decode_id = job.transfer.decode_id  # the gateway takes the next tokens from it
+            await self.publish(subjects.tokens(request_id, self.instance_id), chunk)
         if out.finish_reason is not None or cancelled or request_id in self.cancelled:
             await self.handoff.release(job.transfer)
         else:
@@ -304,6 +307,10 @@ class PrefillWorker(Service):
         if request_id not in self.cancelled and self.decoders.alive(Role.DECODE, exclude={failed}):
             try:
                 job.transfer = await self._lease(job, exclude=frozenset({failed}))
+                # before the new decode worker can stream: the gateway takes its tokens from here on
+                moved = TokenChunk(request_id=request_id, index=1, instance_id=self.instance_id,
+                                   decode_id=job.transfer.decode_id)  # fmt: skip
+                await self.publish(subjects.tokens(request_id, self.instance_id), moved)
                 await self.handoff.complete(job.transfer, job.seq)
                 self.log.info("hand-off of %s retried on %s", request_id, job.transfer.decode_id)
                 return
@@ -311,14 +318,14 @@ class PrefillWorker(Service):
                 error = e
                 self.log.warning("retry of %s failed too: %s", request_id, e)
         chunk = error_chunk(request_id, 1, error.code, str(error), self.instance_id)
-        await self.publish(subjects.tokens(request_id), chunk)
+        await self.publish(subjects.tokens(request_id, self.instance_id), chunk)
 
     async def _fail(self, job: Job, error: ErrorInfo) -> None:
         self.log.warning("request %s failed: %s", job.request.request_id, error.message)
         if job.transfer is not None:
             await self.handoff.release(job.transfer)
         chunk = error_chunk(job.request.request_id, 0, error.code, error.message, self.instance_id)
-        await self.publish(subjects.tokens(job.request.request_id), chunk)
+        await self.publish(subjects.tokens(job.request.request_id, self.instance_id), chunk)
         await self._drop(job)
 
     async def _drop(self, job: Job) -> None:

@@ -25,10 +25,12 @@ CLUSTER_ENV = {
 STARTED: list[LocalCluster] = []
 
 
-def start_cluster(prefill: int = 1, decode: int = 1, env: dict | None = None, store_dir=None) -> LocalCluster:
+def start_cluster(prefill: int = 1, decode: int = 1, env: dict | None = None, store_dir=None,
+                  api_key: str | None = None) -> LocalCluster:  # fmt: skip
     cluster = LocalCluster(
         prefill=prefill, decode=decode, gateway_port=0, dtype="float32", env={**CLUSTER_ENV, **(env or {})}, log=None,
         store_dir=store_dir or tempfile.mkdtemp(prefix="kvserve-stores-"),  # no test sees another's disk tier
+        api_key=api_key,
     )
     STARTED.append(cluster)
     cluster.start(timeout=120)

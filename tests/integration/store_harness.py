@@ -109,7 +109,7 @@ class Caller:
     async def __aenter__(self) -> "Caller":
         self.nc = await nats.connect(self.nats_url)
         self.store = StoreClient(self.nc, self.contract, timeout=10.0)
-        await self.nc.subscribe(subjects.heartbeat("store"), cb=self._on_heartbeat)
+        await self.nc.subscribe(subjects.heartbeats("store"), cb=self._on_heartbeat)
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -1,8 +1,8 @@
 """docker-compose.yml and the Dockerfile, checked against the code they run (no
 Docker engine needed): commands name real service modules, every KVSERVE_*
 variable set is one the code reads, ports and the NATS URL line up, each service
-finds its own NATS credentials and no other role's, and nothing stops
-`docker compose up --scale`."""
+finds its own NATS credentials and no other's (the store, whose id is fixed, a user
+of its own), and nothing stops `docker compose up --scale`."""
 
 import importlib.util
 import json
@@ -23,6 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("conductor", "store", "prefill", "decode", "gateway")
 _VARIABLE = re.compile(r"\$\{(\w+)(?:(:?[-?])([^}]*))?\}")
 SECRETS = {"KVSERVE_API_KEY": "test-key", "KVSERVE_NATS_SECRET": "a-test-secret-of-32-characters.."}
+# Each service's NATS user: its role's, but the store's, whose instance id is fixed.
+NATS_USERS = {"conductor": "conductor", "store": "store-0", "prefill": "prefill", "decode": "decode",
+              "gateway": "gateway"}  # fmt: skip
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:
@@ -132,8 +135,9 @@ def test_every_service_reaches_nats_by_name_with_its_own_roles_credentials_only(
         assert (url.scheme, url.hostname, url.port, url.username, url.password) == ("nats", "nats", 4222, None, None)
         credentials = Path(env["KVSERVE_NATS_CREDENTIALS"])
         auth = {path: volume for path, volume in mounts(services[name]).items() if volume.startswith("nats-auth-")}
-        assert auth == {str(credentials.parent): f"nats-auth-{name}:ro"}  # its own, read-only; no other role's
-        assert job[f"nats-auth-{name}"] == str(credentials.parent)  # where nats-config writes that role's
+        user = NATS_USERS[name]
+        assert auth == {str(credentials.parent): f"nats-auth-{user}:ro"}  # its own, read-only; no other user's
+        assert job[f"nats-auth-{user}"] == str(credentials.parent)  # where nats-config writes that user's
         depends = services[name]["depends_on"]
         assert depends["nats-config"]["condition"] == "service_completed_successfully"
     assert services["nats"]["depends_on"]["nats-config"]["condition"] == "service_completed_successfully"
@@ -149,7 +153,7 @@ def test_nats_config_writes_what_nats_server_and_each_service_read(compose, tmp_
     assert command[:2] == ["kvserve", "nats-config"]
     root = Path(command[2])
     monkeypatch.setenv("KVSERVE_NATS_SECRET", environment(services["nats-config"])["KVSERVE_NATS_SECRET"])
-    assert kvserve(["nats-config", str(tmp_path)]) == 0
+    assert kvserve(["nats-config", str(tmp_path), *command[3:]]) == 0
     written = {volume: tmp_path / Path(path).relative_to(root) for path, volume in mounts(services["nats-config"]).items()}
 
     def read_through(service: dict, path: str) -> Path:
@@ -164,10 +168,12 @@ def test_nats_config_writes_what_nats_server_and_each_service_read(compose, tmp_
     assert checked.returncode == 0, checked.stdout + checked.stderr
     text = config.read_text()
     users = {u["user"]: u["password"] for u in json.loads(text[text.index("{") :])["authorization"]["users"]}
+    store_env = environment(services["store"])
     for name in SERVICES:
         path = read_through(services[name], environment(services[name])["KVSERVE_NATS_CREDENTIALS"])
         credentials = load_credentials(path)
-        assert credentials.user == name and credentials.password == users[name]
+        assert credentials.user == NATS_USERS[name] and credentials.password == users[NATS_USERS[name]]
+    assert store_env["KVSERVE_INSTANCE_ID"] == "store-0"  # the instance its user is named after
 
 
 def test_the_image_makes_the_credentials_mount_points_private_to_its_user(compose):

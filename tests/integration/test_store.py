@@ -127,7 +127,7 @@ async def test_two_stores_split_keys_and_events_plus_snapshots_reproduce_their_c
                 asyncio.ensure_future(snapshot(beat.instance_id))
 
         await caller.nc.subscribe(subjects.KV_EVENTS_ALL, cb=on_events)
-        await caller.nc.subscribe(subjects.heartbeat("store"), cb=on_beat)
+        await caller.nc.subscribe(subjects.heartbeats("store"), cb=on_beat)
         for name in names:
             await caller.wait_ready(name)
         ring = HashRing(names)

@@ -209,7 +209,7 @@ def test_kill_9_of_kvserve_up_leaves_no_process_segment_or_credential(tmp_path):
         environs = [_environ(pid) for pid in children]
         credentials = {Path(e["KVSERVE_NATS_CREDENTIALS"]) for e in environs if "KVSERVE_NATS_CREDENTIALS" in e}
         runtime = {Path(e["KVSERVE_CALIBRATION_FILE"]).parent for e in environs if "KVSERVE_CALIBRATION_FILE" in e}
-        assert len(credentials) == 5 and all(path.exists() for path in credentials)  # one per role
+        assert len(credentials) == 5 and all(path.exists() for path in credentials)  # one per instance
         assert len(runtime) == 1
         (runtime_dir,) = runtime
         assert runtime_dir.parent == tmp_path and runtime_dir.exists()

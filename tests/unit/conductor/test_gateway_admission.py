@@ -106,7 +106,7 @@ async def test_prefill_on_the_decode_worker_goes_to_its_prefill_subject(start_ga
         local.put_nowait(req)
         await msg.respond(schema.encode(Ack()))
         for c in hello_world(req):
-            await nc.publish(subjects.tokens(req.request_id), schema.encode(c))
+            await nc.publish(subjects.tokens(req.request_id, "decode-b"), schema.encode(c))  # it prefilled itself
 
     await nc.subscribe(subjects.decode_prefill("decode-b"), cb=on_local_prefill)
     await nc.flush()

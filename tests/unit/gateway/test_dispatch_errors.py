@@ -9,6 +9,7 @@ import types
 import nats.errors
 import pytest
 
+from libs.common import subjects
 from libs.common.sampling_params import SamplingParams
 from libs.common.schema import Ack, AdmitReply, BadMessageError, Cancel, ErrorReply
 from services.gateway.dispatch import RequestRun, WorkerLostError
@@ -106,11 +107,12 @@ async def test_an_unreachable_decode_worker_prefilling_the_request_is_no_decode(
 
 
 class OneMessage(FakeSubscription):
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, publisher: str = "p0") -> None:
         self.data = data
+        self.publisher = publisher
 
     async def next_msg(self, timeout: float) -> object:
-        return types.SimpleNamespace(data=self.data, subject="tokens")
+        return types.SimpleNamespace(data=self.data, subject=subjects.tokens("req", self.publisher))
 
 
 async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_suspect_only():

@@ -61,7 +61,7 @@ class FakeCluster:
             self.submits.append(req)
             await msg.respond(schema.encode(Ack()))
             for c in self.attempts.pop(0)(req, self):
-                await self.nc.publish(subjects.tokens(req.request_id), schema.encode(c))
+                await self.nc.publish(subjects.tokens(req.request_id, c.instance_id), schema.encode(c))
 
         async def on_cancel(msg) -> None:
             self.cancels.put_nowait(schema.decode(msg.data, Cancel))
@@ -77,7 +77,7 @@ class FakeCluster:
         while True:  # the fake workers' own clock, as a real worker's heartbeat loop
             for instance_id, role in list(self.alive.items()):
                 beat = Heartbeat(instance_id=instance_id, role=role, host_id="test", started_at=1.0)
-                await self.nc.publish(subjects.heartbeat(role), schema.encode(beat))
+                await self.nc.publish(subjects.heartbeat(role, instance_id), schema.encode(beat))
             await asyncio.sleep(BEAT)
 
     async def stop(self) -> None:

@@ -71,8 +71,9 @@ class FakeCluster:
             self.submits.put_nowait(req)
             await msg.respond(schema.encode(self.submit_ack))
             if isinstance(self.submit_ack, Ack):
-                for c in self.script(req):
-                    await self.nc.publish(subjects.tokens(req.request_id), schema.encode(c))
+                for c in self.script(req):  # a chunk, or (the instance publishing it, the chunk)
+                    publisher, c = c if isinstance(c, tuple) else (c.instance_id or "prefill-a", c)
+                    await self.nc.publish(subjects.tokens(req.request_id, publisher), schema.encode(c))
 
         async def on_cancel(msg) -> None:
             self.cancels.put_nowait(schema.decode(msg.data, Cancel))
@@ -93,7 +94,7 @@ async def start_gateway(nats_server, nc, tiny_checkpoint):
     running: list[tuple[Gateway, asyncio.Task]] = []
 
     async def start(**overrides) -> str:
-        beats = await nc.subscribe(subjects.heartbeat("gateway"))
+        beats = await nc.subscribe(subjects.heartbeats("gateway"))
         settings = gateway_settings(nats_url=nats_server.url, model=str(tiny_checkpoint), **overrides)
         gateway = Gateway(settings)
         running.append((gateway, asyncio.create_task(gateway.run())))
@@ -189,6 +190,34 @@ async def test_a_text_completion_without_streaming(start_gateway, cluster):
     assert (completion.choices[0].text, completion.choices[0].finish_reason) == ("Hello world", "stop")
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (3, 12)
     assert cluster.submits.get_nowait().prompt_token_ids == ids("Say")
+
+
+async def test_a_chunk_from_an_instance_the_request_is_not_placed_on_is_ignored(start_gateway, cluster):
+    """Admitted to (prefill-a, decode-b): another decode worker's chunk, even one that
+    names decode-b inside, never reaches the answer."""
+    cluster.script = lambda req: [
+        chunk(req, 1, ids("PWNED!"), "stop", instance_id="decode-x"),
+        ("decode-x", chunk(req, 1, ids("PWNED!"), "stop", instance_id="decode-b")),  # its subject is its own
+    ] + hello_world(req)
+    client = openai_client(await start_gateway())
+    answer = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)
+    assert (answer.choices[0].message.content, answer.usage.completion_tokens) == ("Hello world", 12)
+
+
+async def test_tokens_come_from_the_decode_worker_the_prefill_worker_names(start_gateway, cluster):
+    """The prefill worker leased on decode-b, then retried the hand-off on decode-c: from
+    then on decode-c's tokens are the answer's and decode-b's are not."""
+    cluster.script = lambda req: [
+        chunk(req, 0, ids("H"), instance_id="prefill-a", decode_id="decode-b"),
+        TokenChunk(request_id=req.request_id, index=1, instance_id="prefill-a", decode_id="decode-c"),
+        chunk(req, 1, ids("PWNED!"), "stop", instance_id="decode-b"),
+        chunk(req, 1, ids("ello world"), instance_id="decode-c"),
+        chunk(req, 11, [EOS], "stop", instance_id="decode-c"),
+    ]
+    client = openai_client(await start_gateway())
+    chunks = [c async for c in await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, stream=True)]
+    assert [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content] == ["H", "ello world"]
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 async def test_a_client_that_disconnects_mid_stream_cancels_the_request(start_gateway, cluster):

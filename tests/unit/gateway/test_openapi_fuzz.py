@@ -30,7 +30,7 @@ async def beat_forever(nc) -> None:  # noqa: F811 (the fixture's client)
     while True:
         for role in ("conductor", "prefill", "decode"):
             beat = Heartbeat(instance_id=f"{role}-fake", role=role, host_id="test")
-            await nc.publish(subjects.heartbeat(role), schema.encode(beat))
+            await nc.publish(subjects.heartbeat(role, beat.instance_id), schema.encode(beat))
         await asyncio.sleep(0.5)  # a heartbeat period, not a wait for anything
 
 

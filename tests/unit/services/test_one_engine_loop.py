@@ -47,7 +47,7 @@ async def stream(nc: nats.NATS, request_id: str) -> asyncio.Future:
         if chunk.finish_reason is not None and not done.done():
             done.set_result(chunks)
 
-    await nc.subscribe(subjects.tokens(request_id), cb=on_chunk)
+    await nc.subscribe(subjects.request_tokens(request_id), cb=on_chunk)
     return done
 
 
