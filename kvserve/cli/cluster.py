@@ -559,7 +559,7 @@ class LocalCluster:
             self._spares[role] = spare
 
     def _adopt_spare(self, inst: ServiceProcess) -> bool:
-        """Start ``inst`` as its role's warm spare, if one is ready; a new spare follows later."""
+        """Start ``inst`` as its role's warm spare, if it has one; a new spare follows later."""
         if not self.standby or inst.role not in STANDBY_ROLES:
             return False
         timer = threading.Timer(STANDBY_RESPAWN_SECONDS, self._respawn_spare_later, args=(inst.role,))
@@ -568,8 +568,9 @@ class LocalCluster:
         timer.start()
         with self._cond:
             spare = self._spares.get(inst.role)
-            if spare is None or spare.exit_code() is not None or not spare.standby_ready.is_set():
-                return False  # none, dead or still loading: start the instance the slow way
+            if spare is None or spare.exit_code() is not None:
+                return False  # none, or dead: start the instance the slow way
+            # one still loading is adopted too: it reads its assignment once loaded, ahead of a new process
             del self._spares[inst.role]
         prefix = self._console.prefix(inst.instance_id, inst.role)
         try:

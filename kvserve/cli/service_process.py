@@ -68,9 +68,9 @@ class ServiceProcess:
         self.reader.start()
 
     def adopt(self, spare: "ServiceProcess", write: Callable[[str], None]) -> None:
-        """Become ``spare``'s process: send it this instance's environment; from now on its
-        lines go to ``write`` and this instance's tail. ``spare`` must be ready and running."""
-        assert spare.is_standby and spare.proc is not None and spare.standby_ready.is_set()
+        """Become ``spare``'s process: send it this instance's environment (it reads it once its
+        model is loaded); from now on its lines go to ``write`` and this instance's tail."""
+        assert spare.is_standby and spare.proc is not None
         spare.tail, spare._write = self.tail, write
         spare.proc.stdin.write(json.dumps(self.env).encode() + b"\n")
         spare.proc.stdin.close()

@@ -97,10 +97,14 @@ class TransferEngine:
             self._local.add(segment.name)
 
     def segment(self, name: str) -> SharedSegment:
-        """A registered segment, or a peer's on this host (mapped once, then reused)."""
+        """A registered segment, or a peer's on this host (mapped once, then reused). Mapping
+        a new one first unmaps the peers' segments whose names are gone: their owners died or
+        stopped (a restarted worker's pool has a new name), and each mapping holds the dead
+        pool's memory for as long as it lasts."""
         with self._lock:
             segment = self._segments.get(name)
         if segment is None:
+            self.forget_gone()
             try:
                 segment = SharedSegment.attach(name)
             except (OSError, ValueError) as e:
@@ -108,6 +112,15 @@ class TransferEngine:
             with self._lock:
                 segment = self._segments.setdefault(name, segment)
         return segment
+
+    def forget_gone(self) -> list[str]:
+        """Unmap every peer's segment whose name no longer exists under /dev/shm; their names."""
+        with self._lock:
+            peers = [name for name in self._segments if name not in self._local]
+        gone = [name for name in peers if not (SHM_DIR / name).exists()]
+        for name in gone:
+            self.forget(name)
+        return gone
 
     def forget(self, name: str) -> None:
         """Drop a peer's mapping (e.g. when the peer left the cluster)."""

@@ -9,7 +9,7 @@ from concurrent.futures import Executor
 import torch
 
 from libs.common.schema import WriteTicket
-from libs.common.transfer.descriptors import Span, TransferError
+from libs.common.transfer.descriptors import Cause, Span, TransferError
 from libs.common.transfer.segment import SHM_DIR, SharedSegment
 from libs.common.transfer.transport import Transport
 from libs.common.transfer.writers import SerialWriter, Writer
@@ -44,7 +44,10 @@ class ShmWriter(SerialWriter):
         self.destination = destination
 
     def _copy(self, spans: list[Span]) -> None:
-        copy_spans(self.source.tensor, self.destination.tensor, spans)
+        destination = self.destination.tensor
+        if destination is None:  # unmapped: its owner is gone (TransferEngine.forget_gone)
+            raise TransferError(Cause.PEER_GONE, f"segment {self.destination.name} is gone")
+        copy_spans(self.source.tensor, destination, spans)
 
     def submit(self, spans: list[Span]) -> None:
         with self._lock:
