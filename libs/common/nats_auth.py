@@ -129,8 +129,8 @@ def permissions(identity: Identity) -> Permissions:
 
     if role == Role.GATEWAY:  # the gateway alone admits and submits requests, cancels them and reads their tokens
         grants = dict(
-            publish=(s.CONDUCTOR_ADMIT, s.CONDUCTOR_PROGRESS, s.PREFILL_SUBMIT_ALL, s.DECODE_PREFILL_ALL, s.CANCEL,
-                     s.METRICS_ALL, s.CONDUCTOR_VIEW_ALL),
+            publish=(s.CONDUCTOR_ADMIT, s.CONDUCTOR_PROGRESS, s.PREFILL_SUBMIT_ALL, s.DECODE_PREFILL_ALL,
+                     s.DECODE_RESEND_ALL, s.CANCEL, s.METRICS_ALL, s.CONDUCTOR_VIEW_ALL),
             subscribe=(s.HEARTBEAT_ALL, s.TOKENS_ALL),
         )  # fmt: skip
     elif role == Role.CONDUCTOR:
@@ -151,7 +151,7 @@ def permissions(identity: Identity) -> Permissions:
             publish=(own(s.tokens_from, s.TOKENS_ALL),),
             subscribe=(own(s.decode_reserve, s.DECODE_RESERVE_ALL), own(s.decode_admit, s.DECODE_ADMIT_ALL),
                        own(s.decode_release, s.DECODE_RELEASE_ALL), own(s.decode_prefill, s.DECODE_PREFILL_ALL),
-                       s.CANCEL),
+                       own(s.decode_resend, s.DECODE_RESEND_ALL), s.CANCEL),
         )  # fmt: skip
     elif role == Role.STORE:
         grants = dict(

@@ -371,6 +371,14 @@ class Ack(Message):
     """Taken, as asked."""
 
 
+class ResendRequest(Message):
+    """Gateway -> the decode worker a request is on: publish its generated tokens from
+    ``from_index`` again (a NATS outage lost some; the gateway holds those before it)."""
+
+    request_id: RequestId
+    from_index: int
+
+
 class ReserveRequest(Message):
     request_id: RequestId
     num_tokens: int  # tokens whose KV will be written into the lease

@@ -93,6 +93,12 @@ def decode_release(instance_id: str) -> str:
     return f"{PREFIX}.decode.{_token(instance_id)}.release"
 
 
+def decode_resend(instance_id: str) -> str:
+    """Gateway -> decode worker: publish a request's tokens again from an index, those a NATS
+    outage lost (request/reply ack)."""
+    return f"{PREFIX}.decode.{_token(instance_id)}.resend"
+
+
 # --- store --------------------------------------------------------------------
 STORE_OPS = ("exists", "get", "put", "commit", "remove", "stats")
 
@@ -148,5 +154,6 @@ DECODE_RESERVE_ALL = f"{PREFIX}.decode.*.reserve"
 DECODE_ADMIT_ALL = f"{PREFIX}.decode.*.admit"
 DECODE_PREFILL_ALL = f"{PREFIX}.decode.*.prefill"
 DECODE_RELEASE_ALL = f"{PREFIX}.decode.*.release"
+DECODE_RESEND_ALL = f"{PREFIX}.decode.*.resend"
 STORE_OPS_ALL = f"{PREFIX}.store.*.*"
 TOKENS_ALL = f"{PREFIX}.tokens.*.*"

@@ -24,6 +24,7 @@ class ErrorCode(StrEnum):
     NO_DECODE = "no_decode"
     NO_CAPACITY = "no_capacity"  # too few free KV blocks
     NO_LEASE = "no_lease"  # a hand-off for blocks the decode worker no longer reserves
+    UNKNOWN_REQUEST = "unknown_request"  # a resend for a request the decode worker neither holds nor just finished
     DECODE_UNAVAILABLE = "decode_unavailable"  # the chosen decode worker did not answer
     CONTRACT_MISMATCH = "contract_mismatch"  # the two sides disagree on the KV contract
     # the store

@@ -26,6 +26,7 @@ from libs.common.schema import (
     ReleaseRequest,
     ReserveReply,
     ReserveRequest,
+    ResendRequest,
 )
 from libs.common.service import Service
 from libs.common.token_chunks import error_chunk, token_chunk
@@ -33,6 +34,7 @@ from libs.common.vocabulary import ErrorCode
 from libs.common.worker_metrics import WorkerMetrics
 from services.decode.leases import LeaseTable
 from services.decode.local_prefill import LocalPrefill
+from services.decode.resend import FinishedStreams, resend_chunk
 from services.decode.settings import DecodeSettings
 
 
@@ -56,6 +58,7 @@ class DecodeWorker(Service):
                                             num_running=lambda: len(self.scheduler.running),
                                             num_waiting=lambda: len(self.scheduler.waiting))
         self.cancelled = RecentIds()
+        self.finished = FinishedStreams()  # what a resend after a NATS outage may still ask for
         self._work = asyncio.Event()
         self._blocks_freed = asyncio.Condition()
 
@@ -66,6 +69,7 @@ class DecodeWorker(Service):
         await self.subscribe(subjects.decode_reserve(me), ReserveRequest, self.on_reserve)
         await self.subscribe(subjects.decode_admit(me), HandoffRequest, self.on_handoff)
         await self.subscribe(subjects.decode_release(me), ReleaseRequest, self.on_release)
+        await self.subscribe(subjects.decode_resend(me), ResendRequest, self.on_resend)
         await self.subscribe(subjects.CANCEL, Cancel, self.on_cancel)
         loop = self.spawn(self._decode_loop(), essential=True)
         expiry = self.spawn(self._expire_leases(), essential=True)
@@ -120,6 +124,15 @@ class DecodeWorker(Service):
             num_cached_tokens=request.num_cached_tokens,
         )
         self.spawn(self.admit(seq, computed=True))
+        return Ack()
+
+    async def on_resend(self, request: ResendRequest, msg: Msg) -> Ack | ErrorReply:
+        """Publish a stream's tokens again from ``from_index`` (a NATS outage lost some)."""
+        chunk = await self.host.run(resend_chunk, request.request_id, request.from_index, self.scheduler.running,
+                                    self.finished, self.instance_id)  # fmt: skip
+        if chunk is None:
+            return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST, message=f"{request.request_id} is not on {self.instance_id}")
+        await self.publish(subjects.tokens(request.request_id, self.instance_id), chunk)
         return Ack()
 
     async def on_release(self, request: ReleaseRequest, msg: Msg) -> None:
@@ -190,6 +203,8 @@ class DecodeWorker(Service):
             for out in result.outputs:
                 chunk = token_chunk(out, self.instance_id)
                 await self.publish(subjects.tokens(out.request_id, self.instance_id), chunk)
+                if out.finish_reason is not None:
+                    self.finished.add(out.seq)
             if result.rejected or result.preempted or any(out.finish_reason is not None for out in result.outputs):
                 await self._blocks_were_freed()
             elif result.outputs or result.computed:

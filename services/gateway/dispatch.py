@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from libs.common import schema, subjects
 from libs.common.schema import (
     Ack,
+    ResendRequest,
     AdmitReply,
     AdmitRequest,
     BadMessageError,
@@ -58,6 +59,7 @@ CONTROL_TIMEOUT = 5.0  # seconds the conductor and a prefill worker have to answ
 ADMIT_ATTEMPT_TIMEOUT = 1.5
 MIN_WAIT = 0.001  # seconds: a wait on the token subject that is due now still takes what is there
 RECONNECT_CHECK = 0.5  # seconds: a silent token subject is checked this often for a NATS reconnect
+RESEND_TIMEOUT = 1.0  # seconds a decode worker has to publish a cut stream's tokens again
 _MISSING_ROLE_CODES = (ErrorCode.NO_PREFILL, ErrorCode.NO_DECODE, ErrorCode.NO_INSTANCES)
 # A prefill worker's hand-off found no decode worker answering (one died, or NATS was
 # down a moment): the request is worth another admission, which sees the cluster anew.
@@ -271,9 +273,14 @@ class RequestRun:
                 return await self._sub.next_msg(timeout=max(min(wait, RECONNECT_CHECK), MIN_WAIT))
             except nats.errors.TimeoutError:
                 pass
-            if getattr(self.service, "reconnects", 0) != self._reconnects:
+            reconnects = getattr(self.service, "reconnects", 0)
+            if reconnects != self._reconnects:
                 # NATS came back after an outage: tokens published meanwhile are lost, and
-                # this silence says the stream is stuck behind them. Continue it elsewhere.
+                # this silence says the stream is stuck behind them. Its decode worker sends
+                # them again if it still has them; else the stream continues elsewhere.
+                if await self._ask_resend():
+                    self._reconnects = reconnects
+                    continue
                 self._failure = "NATS reconnected"
                 raise WorkerLostError("the stream was cut by a NATS outage", None, "nats")
             gone = self.watch.gone() if self.watch is not None else None
@@ -284,6 +291,25 @@ class RequestRun:
             if time.monotonic() >= deadline:
                 self._failure = "timeout"
                 raise RequestTimeoutError(f"no token arrived for {self.token_timeout:g} seconds")
+
+    async def _ask_resend(self) -> bool:
+        """Ask the decode worker the request is on to publish its tokens again from the first
+        one not delivered; False if it cannot (not there yet, gone, or no longer has them)."""
+        decode_id = self.serving_decode_id or self.placed_decode_id or self.decode_id
+        if decode_id is None:
+            return False
+        ask = ResendRequest(request_id=self.request_id, from_index=self._reorder.next_index)
+        try:
+            reply = await self.service.request(subjects.decode_resend(decode_id), ask, Ack, timeout=RESEND_TIMEOUT)
+        except (nats.errors.Error, BadMessageError, TimeoutError) as e:
+            log.info("%s: %s could not send its tokens again (%s)", self.request_id, decode_id, e)
+            return False
+        if not isinstance(reply, Ack):
+            log.info("%s: %s could not send its tokens again (%s)", self.request_id, decode_id, reply.message)
+            return False
+        log.info("%s: a NATS outage cut its stream; %s sends it again from token %d", self.request_id, decode_id,
+                 ask.from_index)  # fmt: skip
+        return True
 
     def _started_at(self, instance_id: str | None) -> float | None:
         """The start time of the process admission chose under ``instance_id``, as watched."""

@@ -98,6 +98,7 @@ async def start_gateway(nats_server, nc, tiny_checkpoint):
         settings = gateway_settings(nats_url=nats_server.url, model=str(tiny_checkpoint), **overrides)
         gateway = Gateway(settings)
         running.append((gateway, asyncio.create_task(gateway.run())))
+        start.gateways.append(gateway)  # for a test to reach into
         while True:
             beat = schema.decode((await beats.next_msg(timeout=60)).data, Heartbeat)
             if beat.instance_id == settings.instance_id and beat.address:
@@ -105,6 +106,7 @@ async def start_gateway(nats_server, nc, tiny_checkpoint):
                 assert beat.address == gateway.address and beat.address.startswith("http://127.0.0.1:")
                 return beat.address
 
+    start.gateways = []
     yield start
     for gateway, task in running:
         gateway.stopping.set()
@@ -218,6 +220,40 @@ async def test_tokens_come_from_the_decode_worker_the_prefill_worker_names(start
     chunks = [c async for c in await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, stream=True)]
     assert [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content] == ["H", "ello world"]
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+async def test_a_stream_cut_by_a_nats_outage_is_sent_again_by_its_decode_worker(start_gateway, cluster, nc):
+    """After a reconnect the stream is silent where tokens were lost: the gateway asks the
+    decode worker it is on to send them again from the first one missing, and does not move it."""
+    resends: asyncio.Queue = asyncio.Queue()
+
+    async def on_resend(msg) -> None:
+        ask = schema.decode(msg.data, schema.ResendRequest)
+        resends.put_nowait(ask)
+        await msg.respond(schema.encode(Ack()))
+        tokens = ids("Hello world")[ask.from_index:] + [EOS]
+        again = TokenChunk(request_id=ask.request_id, index=ask.from_index, token_ids=tokens, finish_reason="stop",
+                           instance_id="decode-b")  # fmt: skip
+        await nc.publish(subjects.tokens(ask.request_id, "decode-b"), schema.encode(again))
+
+    await nc.subscribe(subjects.decode_resend("decode-b"), cb=on_resend)
+    url = await start_gateway()
+    (gateway,) = start_gateway.gateways
+    lost = asyncio.Event()
+
+    def script(req):  # tokens 0-4, then the outage: everything after is lost
+        gateway.reconnects += 1
+        lost.set()
+        return [chunk(req, 0, ids("H"), instance_id="prefill-a"), chunk(req, 1, ids("ello"), instance_id="decode-b")]
+
+    cluster.script = script
+    client = openai_client(url)
+    answer = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)
+    assert lost.is_set()
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("Hello world", "stop")
+    ask = resends.get_nowait()
+    assert ask.from_index == 5  # "Hello" arrived: sent again from " world"
+    assert cluster.admits.qsize() == 1  # not admitted again: no migration
 
 
 async def test_a_client_that_disconnects_mid_stream_cancels_the_request(start_gateway, cluster):

@@ -137,6 +137,7 @@ def test_an_instances_user_names_its_own_subjects_only():
     assert set(decode["subscribe"]["allow"]) == {
         "kvserve.rollcall", "kvserve.metrics.decode-0", "kvserve.decode.decode-0.reserve",
         "kvserve.decode.decode-0.admit", "kvserve.decode.decode-0.release", "kvserve.decode.decode-0.prefill",
+        "kvserve.decode.decode-0.resend",
         "kvserve.cancel",
     }  # fmt: skip
     assert "kvserve.kv.events.store-0" in permissions["store-0"]["publish"]["allow"]
