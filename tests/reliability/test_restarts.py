@@ -107,6 +107,7 @@ def test_a_decode_kill_under_load_leaves_admissions_learned_corrections_within_t
                            store_dir=tempfile.mkdtemp(prefix="kvserve-restarts-"))  # fmt: skip
     STARTED.append(cluster)
     cluster.start(timeout=180)
+    cluster.wait_for_spares(timeout=120)  # the restart is the spare's, not a load racing the first one's
     try:
         async def scenario():
             started = asyncio.Event()
