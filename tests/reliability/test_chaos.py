@@ -40,6 +40,7 @@ def supervised():
     )  # fmt: skip
     STARTED.append(cluster)
     cluster.start(timeout=180)
+    cluster.wait_for_spares(timeout=120)  # as a cluster that has run a while has them
     yield cluster
     pids = set(cluster.pids.values())
     cluster.stop()
