@@ -365,6 +365,9 @@ class PrefillRequest(Message):
     sampling: SamplingParams
     decode_id: InstanceId  # on a decode worker's own prefill subject: itself
     ttft_budget_s: float | None = None  # its first token is due this long after the worker takes it; None: best effort
+    # the prompt's last tokens that an earlier attempt generated (a migrated request): the
+    # penalties count them as generated, so they are rebuilt as an undisturbed run has them
+    num_prior_output_tokens: int = 0
 
 
 class Ack(Message):
@@ -394,6 +397,7 @@ class HandoffRequest(Message):
     num_cached_tokens: int
     sampling: SamplingParams
     block_ids: list[BlockId]
+    num_prior_output_tokens: int = 0  # as in PrefillRequest
 
 
 class ReleaseRequest(Message):
@@ -405,10 +409,19 @@ class Cancel(Message):
     reason: str = "cancelled"
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log-probability and its likeliest alternatives'."""
+
+    logprob: float
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+
+
 class TokenChunk(Message):
     request_id: RequestId
     index: int  # position of token_ids[0] among the generated tokens
     token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

@@ -51,7 +51,8 @@ class DecodeWorker(Service):
         # the batch: changed on the engine thread only (through host.run); heartbeats read it
         self.local_prefill = LocalPrefill(self, settings.model.calibrate)  # cost model; prefills the conductor sends here
         self.scheduler = Scheduler(self.engine.cache, token_stop(self.eos_ids, self.engine.max_model_len),
-                                   settings.max_batch_size, self.local_prefill.prefill_time)  # fmt: skip
+                                   settings.max_batch_size, self.local_prefill.prefill_time,
+                                   eos_token_ids=self.eos_ids)  # fmt: skip
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
                                             num_running=lambda: len(self.scheduler.running),
                                             num_waiting=lambda: len(self.scheduler.waiting))
@@ -118,6 +119,7 @@ class DecodeWorker(Service):
             block_table=lease.block_ids,
             num_computed_tokens=len(request.token_ids) - 1,  # every token but the first generated one
             num_cached_tokens=request.num_cached_tokens,
+            num_prior_output_tokens=request.num_prior_output_tokens,
         )
         self.spawn(self.admit(seq, computed=True))
         return Ack()

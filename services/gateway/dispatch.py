@@ -202,6 +202,7 @@ class RequestRun:
             prompt_token_ids=p.prompt_token_ids,
             sampling=p.sampling,
             decode_id=self.decode_id,
+            num_prior_output_tokens=p.num_prior_output_tokens,
             ttft_budget_s=None if target is None else max(0.0, target - (time.monotonic() - self._asked_at)),
         )
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL

@@ -4,8 +4,10 @@ Each attempt is a `dispatch.RequestRun` with its own request id. When a worker
 serving an attempt is gone (WorkerLostError), the attempt is cancelled
 everywhere (its blocks on the survivors are freed) and the request is admitted
 again as ``<id>-m<n>``, excluding every instance seen gone (until it restarts), with the tokens
-already delivered appended to its prompt and max_tokens reduced by them: the new
-prefill, mostly a prefix-cache hit, yields the next token and decoding goes on.
+already delivered appended to its prompt, max_tokens and min_tokens reduced by
+them and their number carried (``num_prior_output_tokens``: the workers' penalties
+count them as generated, and seeded draws go on from them): the new prefill,
+mostly a prefix-cache hit, yields the next token and decoding goes on.
 The caller reads one stream whose chunk indexes carry on where the last attempt
 left off, so greedy output equals an undisturbed run. After ``max_attempts``
 the loss is raised. Knows nothing of HTTP or text.
@@ -217,6 +219,8 @@ class MigratingRun:
         request_id = f"{p.request_id}-m{self._num_attempts - 1}"
         if not self._delivered:
             return PreparedRequest(request_id, p.prompt_token_ids, p.sampling, p.block_hashes)
+        done = len(self._delivered)
         prompt = p.prompt_token_ids + self._delivered
-        sampling = msgspec.structs.replace(p.sampling, max_tokens=p.sampling.max_tokens - len(self._delivered))
-        return PreparedRequest(request_id, prompt, sampling, await self._block_hashes(prompt))
+        sampling = msgspec.structs.replace(p.sampling, max_tokens=p.sampling.max_tokens - done,
+                                           min_tokens=max(0, p.sampling.min_tokens - done))  # fmt: skip
+        return PreparedRequest(request_id, prompt, sampling, await self._block_hashes(prompt), done)

@@ -75,7 +75,8 @@ class PrefillWorker(Service):
             metrics=self.metrics, decodes=False,
         )  # fmt: skip
         self.engine = self.host.engine
-        self.finish_rule = token_stop(set(self.host.loaded.tokenizer.eos_token_ids), self.engine.max_model_len)
+        self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
+        self.finish_rule = token_stop(self.eos_ids, self.engine.max_model_len)
         self.in_flight: dict[str, Job] = {}  # taken, not yet finished
         self.ready: dict[str, Job] = {}  # prepared: the steps choose their chunks from these
         self._work = asyncio.Event()  # a job became ready
@@ -105,11 +106,12 @@ class PrefillWorker(Service):
 
     async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
         try:
-            request.sampling.validate()
+            request.sampling.validate(self.engine.model.config.vocab_size)
             self.engine.check_prompt(len(request.prompt_token_ids))
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
-        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
+        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
+                                   request.num_prior_output_tokens)  # fmt: skip
         now = asyncio.get_running_loop().time()
         deadline = None if request.ttft_budget_s is None else now + request.ttft_budget_s
         job = Job(request, seq, now, deadline)
@@ -277,7 +279,7 @@ class PrefillWorker(Service):
         if logits is None:
             return []
         done = [job for job, _ in chunk if job.tokens_left == 0]
-        return list(zip(done, sample_tokens([job.seq for job in done], logits, self.finish_rule)))
+        return list(zip(done, sample_tokens([job.seq for job in done], logits, self.finish_rule, self.eos_ids)))
 
     async def _finish(self, job: Job, out: TokenOutput) -> None:
         seq, request_id = job.seq, job.request.request_id

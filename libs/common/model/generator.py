@@ -18,6 +18,7 @@ from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import StopChecker
 from libs.common.model.tokenizer import Tokenizer
 from libs.common.sampling_params import SamplingParams
+from libs.common.schema import TokenLogprobs
 from libs.common.vocabulary import FinishReason
 
 
@@ -27,6 +28,7 @@ class StepOutput:
     token_id: int
     text: str  # newly visible text
     finish_reason: FinishReason | None
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass
@@ -43,7 +45,7 @@ class Generator:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_size: int = 64) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(engine.cache, self._stop, max_batch_size)
+        self.scheduler = Scheduler(engine.cache, self._stop, max_batch_size, eos_token_ids=tokenizer.eos_token_ids)
         self._stops: dict[str, StopChecker] = {}
         self._deltas: dict[str, str] = {}  # the text each request's latest token made visible
         self._ids = itertools.count()
@@ -57,7 +59,7 @@ class Generator:
         return self.scheduler.has_work
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
-        params.validate()
+        params.validate(self.engine.model.config.vocab_size)
         self.engine.check_prompt(len(prompt_ids))
         seq = Sequence.from_prompt(request_id or f"req-{next(self._ids)}", prompt_ids, params)
         self._stops[seq.request_id] = StopChecker(
@@ -78,7 +80,7 @@ class Generator:
             cache = self.engine.cache
             raise OutOfKVBlocksError(cache.blocks_needed(result.rejected[0].num_tokens), cache.num_free_blocks)
         return [
-            StepOutput(out.request_id, out.token_id, self._deltas.pop(out.request_id), out.finish_reason)
+            StepOutput(out.request_id, out.token_id, self._deltas.pop(out.request_id), out.finish_reason, out.logprobs)
             for out in result.outputs
         ]
 

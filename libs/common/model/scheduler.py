@@ -24,10 +24,11 @@ import torch
 
 from libs.common.model.engine import Engine
 from libs.common.model.kv_cache import KVCacheManager
-from libs.common.model.sampling import sample
+from libs.common.model.sampling import sample_sequences
 from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
 from libs.common.prefill_order import Work, plan
+from libs.common.schema import TokenLogprobs
 from libs.common.vocabulary import FinishReason
 
 # Whether the token just appended to a sequence ends it, and why.
@@ -46,20 +47,23 @@ class TokenOutput:
     token_id: int
     index: int  # position of this token among the sequence's generated tokens
     finish_reason: FinishReason | None
+    logprobs: TokenLogprobs | None = None  # when its request asked for them
 
     @property
     def request_id(self) -> str:
         return self.seq.request_id
 
 
-def sample_tokens(seqs: list[Sequence], logits: torch.Tensor, stop: Stop) -> list[TokenOutput]:
+def sample_tokens(
+    seqs: list[Sequence], logits: torch.Tensor, stop: Stop, eos_token_ids: Collection[int]
+) -> list[TokenOutput]:
     """Sample one token per sequence from ``logits`` ([B, V]), append it, and say
-    whether it ends the sequence. The one sampling path of every engine loop."""
-    tokens = sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
+    whether it ends the sequence. The one sampling path of every engine loop
+    (``eos_token_ids``: what min_tokens keeps a sequence from drawing)."""
     outputs = []
-    for seq, token in zip(seqs, tokens):
-        seq.append_token(token)
-        outputs.append(TokenOutput(seq, token, seq.num_output_tokens - 1, stop(seq)))
+    for seq, sampled in zip(seqs, sample_sequences(logits, seqs, eos_token_ids)):
+        seq.append_token(sampled.token_id)
+        outputs.append(TokenOutput(seq, sampled.token_id, seq.num_output_tokens - 1, stop(seq), sampled.logprobs))
     return outputs
 
 
@@ -104,9 +108,11 @@ class StepFailed(Exception):
 
 class Scheduler:
     def __init__(self, cache: KVCacheManager, stop: Stop, max_batch_size: int = 64,
-                 prefill_time: Callable[[Sequence], float] | None = None) -> None:  # fmt: skip
+                 prefill_time: Callable[[Sequence], float] | None = None,
+                 eos_token_ids: Collection[int] = ()) -> None:  # fmt: skip
         self.cache = cache
         self.stop = stop
+        self.eos_token_ids = eos_token_ids  # masked while a sequence is short of its min_tokens
         self.max_batch_size = max_batch_size
         # predicted seconds of prefill a sequence has left (ordering sequences added with a Due)
         self.prefill_time = prefill_time or (lambda seq: 1e-3 * (seq.num_tokens - seq.num_computed_tokens))
@@ -180,7 +186,7 @@ class Scheduler:
     def update(self, batch: Batch, logits: torch.Tensor) -> list[TokenOutput]:
         """Sample the step's tokens; prefilled sequences join the running batch,
         finished ones leave it and free their blocks."""
-        outputs = sample_tokens(batch.seqs, logits, self.stop)
+        outputs = sample_tokens(batch.seqs, logits, self.stop, self.eos_token_ids)
         for out in outputs:
             if batch.is_prefill:
                 self.running.append(out.seq)
