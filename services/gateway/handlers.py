@@ -35,6 +35,7 @@ from services.gateway.errors import (
     to_http,
 )
 from services.gateway.generation import Generation, Generations
+from services.gateway.logprobs import LogprobsBodies
 from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import (
     GenerateRequest,
@@ -78,15 +79,17 @@ class Handlers:
         slo = _slo_override(request)
         session_id = _session_id(request, parsed)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        bodies = ResponseBodies(response_id, self.generations.model.model_id, parsed.is_chat, parsed.include_usage)
+        model = self.generations.model
+        bodies = ResponseBodies(response_id, model.model_id, parsed.is_chat, parsed.include_usage)
+        logprobs = LogprobsBodies(model.tokenizer, parsed.is_chat) if parsed.logprobs is not None else None
         stream: web.StreamResponse | None = None
         try:
             async with self.generations.generate(parsed, response_id, slo, session_id) as generation:
                 headers = {"x-request-id": response_id, **_explanation_headers(generation.run)}
                 if not parsed.stream:
-                    return await _complete(generation, bodies, headers)
+                    return await _complete(generation, bodies, headers, logprobs)
                 stream = await sse.open_stream(request, headers)
-                await _write_events(stream, generation, bodies)
+                await _write_events(stream, generation, bodies, logprobs)
                 return stream
         except ConnectionResetError:
             if stream is None:
@@ -162,13 +165,17 @@ class Handlers:
 
 
 # --- writing a generation --------------------------------------------------------------
-async def _complete(generation: Generation, bodies: ResponseBodies, headers: dict[str, str]) -> web.Response:
-    pieces, finish_reason = [], None
+async def _complete(generation: Generation, bodies: ResponseBodies, headers: dict[str, str],
+                    logprobs: LogprobsBodies | None) -> web.Response:  # fmt: skip
+    pieces, finish_reason, token_ids, token_logprobs = [], None, [], []
     async with aclosing(generation.deltas()) as deltas:
         async for delta in deltas:
             pieces.append(delta.text)
             finish_reason = delta.finish_reason
-    body = bodies.completion("".join(pieces), finish_reason, generation.usage())
+            token_ids += delta.token_ids
+            token_logprobs += delta.logprobs or []
+    lp_body = logprobs.body(token_ids, token_logprobs) if logprobs is not None else None
+    body = bodies.completion("".join(pieces), finish_reason, generation.usage(), lp_body)
     body["kvserve"] = generation.served_by()  # the headers name the first instances; a migration moves it
     if generation.run.ttft_s is not None:
         headers["x-kvserve-actual-ttft-ms"] = f"{generation.run.ttft_s * 1e3:.1f}"
@@ -231,8 +238,10 @@ def _explanation_headers(run: MigratingRun) -> dict[str, str]:
     return headers
 
 
-async def _write_events(stream: web.StreamResponse, generation: Generation, bodies: ResponseBodies) -> None:
-    """Write the request's chunks as they come. A failure after the first byte
+async def _write_events(stream: web.StreamResponse, generation: Generation, bodies: ResponseBodies,
+                        logprobs: LogprobsBodies | None = None) -> None:  # fmt: skip
+    """Write the request's chunks as they come (each with the logprobs of the tokens it
+    came with, when asked for). A failure after the first byte
     (the status line has gone out) releases the text not shown yet, then becomes
     an error event and a last chunk with finish_reason "error"; whatever happens
     short of a lost client, the stream ends with [DONE]."""
@@ -242,11 +251,15 @@ async def _write_events(stream: web.StreamResponse, generation: Generation, bodi
             await stream.write(sse.event(bodies.role_chunk()))
         async with aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
+                lp_body = None
+                if logprobs is not None and delta.logprobs:
+                    lp_body = logprobs.body(delta.token_ids, delta.logprobs)
                 if delta.finish_reason is not None:  # the last text rides with the finish, even when empty
                     finish_written = True
-                    await stream.write(sse.event(_last_chunk(bodies, delta.finish_reason, generation, delta.text)))
-                elif delta.text:
-                    await stream.write(sse.event(bodies.text_chunk(delta.text)))
+                    last = _last_chunk(bodies, delta.finish_reason, generation, delta.text, lp_body)
+                    await stream.write(sse.event(last))
+                elif delta.text or lp_body is not None:
+                    await stream.write(sse.event(bodies.text_chunk(delta.text, lp_body)))
     except ConnectionResetError:
         raise  # the client is gone: nothing more to write
     except Exception as e:
@@ -265,9 +278,10 @@ async def _write_events(stream: web.StreamResponse, generation: Generation, bodi
     await stream.write_eof()
 
 
-def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation, text: str = "") -> dict[str, Any]:
+def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation, text: str = "",
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
     """The chunk with the last text and the finish reason, saying which instances served the request."""
-    return {**bodies.finish_chunk(finish_reason, text), "kvserve": generation.served_by()}
+    return {**bodies.finish_chunk(finish_reason, text, logprobs), "kvserve": generation.served_by()}
 
 
 def _header(request: web.Request, name: str) -> str | None:

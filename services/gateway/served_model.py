@@ -86,13 +86,20 @@ class ServedModel:
             temperature=request.temperature,
             top_p=request.top_p,
             top_k=request.top_k,
+            min_p=request.min_p,
             seed=request.seed,
             stop=list(request.stop),
             stop_token_ids=list(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
+            min_tokens=request.min_tokens,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=dict(request.logit_bias),
+            logprobs=request.logprobs,
         )
         try:
-            sampling.validate()
+            sampling.validate(self.vocab_size)
         except InvalidRequestError as e:
             raise InvalidParameterError(str(e), _param_named_in(str(e))) from e
         return PreparedRequest(request_id, ids, sampling, block_hashes(ids, self.block_size, self._extra))
