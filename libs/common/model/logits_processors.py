@@ -101,10 +101,9 @@ def _penalize(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def _count_rows(rows: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
     """How often each token id occurs in each row: [len(rows), vocab] float."""
-    counts = torch.zeros(len(rows), vocab, device=device)
     ids = torch.tensor(list(chain.from_iterable(rows)), dtype=torch.long, device=device)
-    if ids.numel():
-        lengths = torch.tensor([len(r) for r in rows], device=device)
-        row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-        counts.index_put_((row_of, ids), torch.ones_like(ids, dtype=counts.dtype), accumulate=True)
-    return counts
+    lengths = torch.tensor([len(r) for r in rows], device=device)
+    row_of = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
+    # one bincount over (row, id) pairs numbered row * vocab + id
+    counts = torch.bincount(row_of * vocab + ids, minlength=len(rows) * vocab)  # [b * V]
+    return counts.view(len(rows), vocab).float()
