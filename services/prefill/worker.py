@@ -25,11 +25,12 @@ from nats.aio.msg import Msg
 from libs.common import failpoints, subjects
 from libs.common.cost_model import CostModel, uncalibrated_coefficients
 from libs.common.engine_host import EngineHost
-from libs.common.errors import KVServeError, OutOfKVBlocksError
+from libs.common.errors import InvalidRequestError, KVServeError, OutOfKVBlocksError
 from libs.common.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.common.model.sequence import Sequence
 from libs.common.prefill_order import Work, plan
 from libs.common.recent import RecentIds
+from libs.common.sampling_params import CLUSTER_MAX_N
 from libs.common.peers import PeerDirectory
 from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest
 from libs.common.service import Service
@@ -108,6 +109,8 @@ class PrefillWorker(Service):
         try:
             request.sampling.validate(self.engine.model.config.vocab_size)
             self.engine.check_prompt(len(request.prompt_token_ids))
+            if request.sampling.n > CLUSTER_MAX_N:
+                raise InvalidRequestError(f"n must be at most {CLUSTER_MAX_N} on a cluster, got {request.sampling.n}")
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,

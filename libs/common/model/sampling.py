@@ -25,6 +25,9 @@ from libs.common.schema import TokenLogprobs
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads nearby seeds apart
 _MASK63 = (1 << 63) - 1
+# A request's sequences draw apart: choice c's indices start c * _CHOICE on (mod 2^32: torch's
+# CPU generator keeps a seed's low 32 bits); for n up to 128 any two start over 2e7 indices apart.
+_CHOICE = 0x9E3779B1
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Sampled:
 def sample_sequences(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> list[Sampled]:
     """One token per sequence from ``logits`` ([B, V]), by its request's controls."""
     params = [seq.params for seq in seqs]
-    indices = [seq.num_generated for seq in seqs]
+    indices = [seq.num_generated + seq.choice * _CHOICE for seq in seqs]
     if not any(p.changes_logits for p in params):
         return [Sampled(token) for token in sample(logits, params, indices)]
     processed = apply_controls(logits.float(), seqs, eos_token_ids)  # [B, V]
@@ -46,7 +49,8 @@ def sample_sequences(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
     """One token per row of ``logits`` ([B, V]); ``output_indices[i]`` is how many
-    tokens row i's sequence has generated before this one."""
+    tokens row i's sequence has generated before this one (and, for a request's other
+    sequences, which one it is)."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, index) in enumerate(zip(params, output_indices)):

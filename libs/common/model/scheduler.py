@@ -144,12 +144,12 @@ class Scheduler:
         self.running.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Finish a sequence where it stands and free its blocks; None if it is not here."""
-        for seq in [*self.waiting, *self.running]:
-            if seq.request_id == request_id:
-                self.finish(seq, FinishReason.ABORT)
-                return seq
-        return None
+        """Finish a request's sequences where they stand and free their blocks; the first
+        of them, or None if none is here."""
+        found = [seq for seq in [*self.waiting, *self.running] if seq.request_id == request_id]
+        for seq in found:
+            self.finish(seq, FinishReason.ABORT)
+        return found[0] if found else None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
@@ -229,7 +229,7 @@ class Scheduler:
                 if not self._can_ever_fit(seq):
                     continue
                 cache.match_prefix(seq)
-                headroom = (len(self.running) + len(admitted)) * cache.block_size
+                headroom = (len(self.running) + len(admitted)) * cache.block_size + self._fork_room(seq)
                 left = seq.num_tokens - seq.num_computed_tokens
                 if left > budget or not cache.can_allocate(seq, seq.num_tokens + headroom):
                     self._reset(seq)  # it would be a second partial one, or it does not fit now
@@ -249,7 +249,7 @@ class Scheduler:
                     continue
                 cache.match_prefix(seq)
                 # leave one block of headroom per running sequence for its next decode steps
-                headroom = (len(self.running) + len(admitted)) * cache.block_size
+                headroom = (len(self.running) + len(admitted)) * cache.block_size + self._fork_room(seq)
                 if not cache.can_allocate(seq, seq.num_tokens + headroom):
                     self._reset(seq)  # gives back the prefix blocks just matched
                     break
@@ -285,6 +285,11 @@ class Scheduler:
             preempted.append(victim)
         return []
 
+    def _fork_room(self, seq: Sequence) -> int:
+        """Tokens of room the other sequences of a request for n > 1 take when they fork
+        after its prefill (`fan_out`): a copy of its last, partly filled block each."""
+        return (seq.params.n - 1) * self.cache.block_size if seq.num_output_tokens == 0 else 0
+
     def _can_ever_fit(self, seq: Sequence) -> bool:
         return self.cache.blocks_needed(seq.num_tokens) <= self.cache.num_blocks
 
@@ -310,12 +315,34 @@ def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
         logits = None
         if batch.seqs:
             logits = engine.prefill(batch.seqs) if batch.is_prefill else engine.decode_step(batch.seqs)
+        if logits is not None and batch.is_prefill:
+            logits = fan_out(engine, batch, logits)
+            ran = batch.seqs + ([batch.chunk[0]] if batch.chunk is not None else [])
     except Exception as e:
         for seq in ran:  # their KV is in an unknown state
             scheduler.finish(seq, FinishReason.ABORT)
         raise StepFailed(ran, e) from e
     outputs = scheduler.update(batch, logits) if logits is not None else []
     return StepResult(outputs, batch.preempted, batch.rejected, computed=True)
+
+
+def fan_out(engine: Engine, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+    """A request that asks for n sequences is prefilled once; after its prefill, its
+    n - 1 other sequences fork from it, sharing its prompt's KV blocks, and join the
+    step with a copy of its logits row (each samples its own first token). Returns
+    the step's logits, one row per sequence of ``batch.seqs`` as it now is."""
+    rows, seqs = [], []
+    for row, seq in enumerate(list(batch.seqs)):
+        rows.append(row)
+        seqs.append(seq)
+        if seq.params.n > 1 and seq.choice == 0 and seq.num_output_tokens == 0:  # prefilled for the first time
+            for choice in range(1, seq.params.n):
+                seqs.append(engine.fork(seq, choice))
+                rows.append(row)
+    if len(seqs) == len(batch.seqs):
+        return logits
+    batch.seqs = seqs
+    return logits[torch.tensor(rows, device=logits.device)]
 
 
 @torch.inference_mode()

@@ -21,6 +21,7 @@ class Sequence:
     # the prompt's last tokens that an earlier attempt at this request generated (it moved
     # after its worker died): penalties count them as generated, and seeds go on from them
     num_prior_output_tokens: int = 0
+    choice: int = 0  # which of the request's params.n sequences this is (0 for the first, or the only one)
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
