@@ -317,7 +317,7 @@ def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
             logits = engine.prefill(batch.seqs) if batch.is_prefill else engine.decode_step(batch.seqs)
         if logits is not None and batch.is_prefill:
             logits = fan_out(engine, batch, logits)
-            ran = batch.seqs + ([batch.chunk[0]] if batch.chunk is not None else [])
+            ran = batch.seqs + ([batch.chunk[0]] if batch.chunk is not None else [])  # with the forked ones
     except Exception as e:
         for seq in ran:  # their KV is in an unknown state
             scheduler.finish(seq, FinishReason.ABORT)
@@ -331,14 +331,20 @@ def fan_out(engine: Engine, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
     n - 1 other sequences fork from it, sharing its prompt's KV blocks, and join the
     step with a copy of its logits row (each samples its own first token). Returns
     the step's logits, one row per sequence of ``batch.seqs`` as it now is."""
-    rows, seqs = [], []
-    for row, seq in enumerate(list(batch.seqs)):
-        rows.append(row)
-        seqs.append(seq)
-        if seq.params.n > 1 and seq.choice == 0 and seq.num_output_tokens == 0:  # prefilled for the first time
-            for choice in range(1, seq.params.n):
-                seqs.append(engine.fork(seq, choice))
-                rows.append(row)
+    rows, seqs, forks = [], [], []
+    try:
+        for row, seq in enumerate(batch.seqs):
+            rows.append(row)
+            seqs.append(seq)
+            if seq.params.n > 1 and seq.choice == 0 and seq.num_output_tokens == 0:  # prefilled for the first time
+                for choice in range(1, seq.params.n):
+                    forks.append(engine.fork(seq, choice))
+                    seqs.append(forks[-1])
+                    rows.append(row)
+    except Exception:
+        for fork in forks:  # nothing else knows of them yet
+            engine.cache.free(fork)
+        raise
     if len(seqs) == len(batch.seqs):
         return logits
     batch.seqs = seqs
