@@ -19,7 +19,8 @@ from libs.common.service import Service
 from services.gateway.dispatch import RequestRun, SLOOverride
 from services.gateway.errors import ModelNotServedError
 from services.gateway.migration import MigratingRun
-from services.gateway.openai_protocol import GenerateRequest, Usage
+from services.gateway.openai_protocol import GenerateRequest
+from services.gateway.response_bodies import Usage
 from services.gateway.served_model import PreparedRequest, ServedModel
 from services.gateway.settings import GatewaySettings
 from services.gateway.text_stream import Delta, TextStream, stream_deltas

@@ -37,15 +37,9 @@ from services.gateway.errors import (
 from services.gateway.generation import Generation, Generations
 from services.gateway.logprobs import LogprobsBodies
 from services.gateway.migration import MigratingRun
-from services.gateway.openai_protocol import (
-    GenerateRequest,
-    ResponseBodies,
-    model_card,
-    model_list,
-    parse_chat_request,
-    parse_completion_request,
-)
+from services.gateway.openai_protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from services.gateway.request_limits import content_codings, decode_body, decode_content
+from services.gateway.response_bodies import ResponseBodies, model_card, model_list
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 

@@ -3,7 +3,7 @@ and exact bytes, its logprob, its alternatives, and the completions API's offset
 
 from libs.common.schema import TokenLogprobs
 from services.gateway.logprobs import LogprobsBodies
-from services.gateway.openai_protocol import ResponseBodies, Usage
+from services.gateway.response_bodies import ResponseBodies, Usage
 
 # the tiny checkpoint's byte tokenizer: id = byte, 257 = </s>
 E_ACUTE = list("é".encode())  # two tokens, each half of the character

@@ -5,13 +5,8 @@ import pytest
 
 from services.gateway import sse
 from services.gateway.errors import InvalidParameterError
-from services.gateway.openai_protocol import (
-    GenerateRequest,
-    ResponseBodies,
-    Usage,
-    parse_chat_request,
-    parse_completion_request,
-)
+from services.gateway.openai_protocol import GenerateRequest, parse_chat_request, parse_completion_request
+from services.gateway.response_bodies import ResponseBodies, Usage
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
