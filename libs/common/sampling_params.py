@@ -6,9 +6,7 @@ import msgspec
 
 from libs.common.errors import InvalidRequestError
 
-# What the cluster's workers serve: n > 1 runs in one process (the engine's scheduler forks a
-# request's sequences after its prefill) but a prefill worker hands off one sequence.
-CLUSTER_MAX_N = 1
+MAX_N = 128  # sequences per request (OpenAI's bound)
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 300  # entries in logit_bias
 LOGIT_BIAS_LIMIT = 100.0  # |bias| (OpenAI's bounds)
@@ -50,8 +48,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first parameter out of range (with
         ``vocab_size``, a logit_bias token id outside the vocabulary too)."""
-        if self.n < 1:
-            raise InvalidRequestError(f"n must be at least 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError(f"n must be in [1, {MAX_N}], got {self.n}")
         if self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:

@@ -398,6 +398,9 @@ class HandoffRequest(Message):
     sampling: SamplingParams
     block_ids: list[BlockId]
     num_prior_output_tokens: int = 0  # as in PrefillRequest
+    # n > 1: every sequence's first token, by choice (token_ids ends with the first's); the
+    # decode worker forks the others from the prompt's blocks and drops those they finish
+    first_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class ReleaseRequest(Message):
@@ -422,6 +425,7 @@ class TokenChunk(Message):
     index: int  # position of token_ids[0] among the generated tokens
     token_ids: list[int] = msgspec.field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
+    choice: int = 0  # which of the request's n sequences (an error chunk ends them all)
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

@@ -14,10 +14,9 @@ from nats.aio.msg import Msg
 
 from libs.common import subjects
 from libs.common.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
-from libs.common.errors import InvalidRequestError, KVServeError
+from libs.common.errors import KVServeError
 from libs.common.model.scheduler import Due
 from libs.common.model.sequence import Sequence
-from libs.common.sampling_params import CLUSTER_MAX_N
 from libs.common.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
 from libs.common.vocabulary import ErrorCode
 
@@ -40,8 +39,6 @@ class LocalPrefill:
         try:
             request.sampling.validate(engine.model.config.vocab_size)
             engine.check_prompt(len(request.prompt_token_ids))
-            if request.sampling.n > CLUSTER_MAX_N:
-                raise InvalidRequestError(f"n must be at most {CLUSTER_MAX_N} on a cluster, got {request.sampling.n}")
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,

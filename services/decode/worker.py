@@ -121,8 +121,45 @@ class DecodeWorker(Service):
             num_cached_tokens=request.num_cached_tokens,
             num_prior_output_tokens=request.num_prior_output_tokens,
         )
-        self.spawn(self.admit(seq, computed=True))
+        if request.first_token_ids:
+            self.spawn(self.admit_choices(seq, request.first_token_ids))
+        else:
+            self.spawn(self.admit(seq, computed=True))
         return Ack()
+
+    async def admit_choices(self, seq: Sequence, first_token_ids: list[int]) -> None:
+        """A request for n sequences, handed over: ``seq`` is its first, on the prompt's
+        blocks; the others fork from them (sharing the full blocks, copying the last),
+        each with its own first token. Those their first token finished (the prefill
+        worker said so) are dropped; the rest join the batch."""
+        try:
+            choices = await self.host.run(self._fork_choices, seq, first_token_ids)
+        except OutOfKVBlocksError as e:
+            await self._publish_error(seq, ErrorCode.NO_CAPACITY, f"no room for the request's other sequences: {e}")
+            await self._blocks_were_freed()
+            return
+        for choice in choices:
+            await self.admit(choice, computed=True)
+
+    def _fork_choices(self, seq: Sequence, first_token_ids: list[int]) -> list[Sequence]:
+        """Engine thread: the sequences of `admit_choices` that go on."""
+        seq.token_ids.pop()  # the prompt alone: what the blocks hold, and where the others fork
+        choices = [seq]
+        try:
+            for c in range(1, len(first_token_ids)):
+                choices.append(self.engine.fork(seq, c))
+        except OutOfKVBlocksError:
+            for choice in choices:
+                self.engine.cache.free(choice)
+            raise
+        going_on = []
+        for choice, token_id in zip(choices, first_token_ids):
+            choice.append_token(token_id)
+            if self.scheduler.stop(choice) is None:
+                going_on.append(choice)
+            else:
+                self.engine.cache.free(choice)
+        return going_on
 
     async def on_release(self, request: ReleaseRequest, msg: Msg) -> None:
         lease = self.leases.take(request.request_id)

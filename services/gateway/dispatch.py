@@ -122,7 +122,7 @@ class RequestRun:
         self.num_output_tokens = 0  # generated so far (the conductor settles its TBT prediction with it)
         self._admitted_at: float | None = None
         self._asked_at = 0.0  # when the admission was asked for: the TTFT target counts from there
-        self._reorder = ChunkReorderer()
+        self._reorders = [ChunkReorderer() for _ in range(prepared.sampling.n)]  # one per choice
         self._sub = None
         self._may_be_running = False  # some service may hold the request: cancel it on the way out
         self._failure: str | None = None  # why the token stream failed, for the Cancel
@@ -130,8 +130,8 @@ class RequestRun:
 
     @property
     def finished(self) -> bool:
-        """The workers said the request is done."""
-        return self._reorder.finished
+        """The workers said the request is done (every one of its sequences)."""
+        return all(reorder.finished for reorder in self._reorders)
 
     async def __aenter__(self) -> "RequestRun":
         try:
@@ -236,13 +236,19 @@ class RequestRun:
                 raise WorkerLostError(f"{where} failed: {chunk.error.message}", self.decode_id, Role.DECODE,
                                       self._started_at(self.decode_id), until_heard=True)  # fmt: skip
             raise _worker_error(chunk.error, where)
+        if not 0 <= chunk.choice < len(self._reorders):
+            log.warning("dropped a chunk of %s for choice %d of %d", self.request_id, chunk.choice, len(self._reorders))
+            return []
         if chunk.index == 0 and self.ttft_s is None and self._admitted_at is not None:
             self.ttft_s = time.monotonic() - self._admitted_at
             await self._progress(RequestProgress(request_id=self.request_id, kind="first_token", ttft_s=self.ttft_s))
-        self.num_output_tokens = max(self.num_output_tokens, chunk.index + len(chunk.token_ids))
+        reorder = self._reorders[chunk.choice]
+        before = reorder.next_index
+        ready = reorder.push(chunk)
+        self.num_output_tokens += reorder.next_index - before
         if chunk.index > 0 and chunk.instance_id and self.serving_decode_id is None:
             self._decoding_on(chunk.instance_id)
-        return self._reorder.push(chunk)
+        return ready
 
     async def _next_message(self) -> Msg:
         """The next message on the token subject. Wakes up when a watched worker

@@ -9,7 +9,8 @@ them and their number carried (``num_prior_output_tokens``: the workers' penalti
 count them as generated, and seeded draws go on from them): the new prefill,
 mostly a prefix-cache hit, yields the next token and decoding goes on.
 The caller reads one stream whose chunk indexes carry on where the last attempt
-left off, so greedy output equals an undisturbed run. After ``max_attempts``
+left off, so greedy output equals an undisturbed run. A request for n > 1
+sequences moves only until its first token: after that its loss is raised. After ``max_attempts``
 the loss is raised. Knows nothing of HTTP or text.
 """
 
@@ -74,6 +75,7 @@ class MigratingRun:
         self._heard_at = heard_at  # when an instance was last heard
         self._silent_for = silent_for  # seconds since any instance of a role was heard; None: never
         self._delivered: list[int] = []  # generated tokens handed to the caller, over every attempt
+        self._streamed = False  # n > 1: some sequence's tokens were handed to the caller
         self._offset = 0  # tokens delivered before the current attempt started
         self._started_at = 0.0
         self.taken_at: float | None = None  # time.monotonic() when a worker first took it (admitted and submitted)
@@ -141,6 +143,9 @@ class MigratingRun:
         return [self._continued(chunk) for chunk in chunks]
 
     def _continued(self, chunk: TokenChunk) -> TokenChunk:
+        if self.prepared.sampling.n > 1:  # not moved once it has streamed (`_lost`)
+            self._streamed = self._streamed or bool(chunk.token_ids)
+            return chunk
         self._delivered.extend(chunk.token_ids)
         if self._offset == 0:
             return chunk
@@ -202,6 +207,11 @@ class MigratingRun:
         if (i := error.instance_id) is not None:  # None: a NATS outage cut the stream, every worker may still serve
             started = error.started_at if error.started_at is not None else self._process_start(i)
             self._gone[i] = (started, self._heard_at(i) if error.until_heard else None)
+        if self._streamed:  # n > 1: its sequences went their own ways, and are not moved
+            log.warning("%s: %s; a request for %d sequences is not moved", self.request_id, error,
+                        self.prepared.sampling.n)  # fmt: skip
+            raise WorkerLostError(f"{error}; a request for several sequences is not moved", error.instance_id,
+                                  error.role) from error  # fmt: skip
         if self._num_attempts >= self.max_attempts:
             log.warning("%s: %s; no attempt left (%d made)", self.request_id, error, self._num_attempts)
             message = f"{error}; the request was given up after {self._num_attempts} attempts"

@@ -29,6 +29,7 @@ class GenerateRequest:
     """One chat or text completion request, checked for types and shape only."""
 
     model: str
+    n: int = 1  # sequences to generate, each a choice of the answer
     messages: Messages | None = None  # chat
     prompt: str | list[int] | None = None  # completions: text or token ids
     max_tokens: int | None = None  # None: the endpoint's default
@@ -83,11 +84,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     model = _required(body, "model")
     if not isinstance(model, str):
         raise _type_error("model", "a string", model)
-    n = body.get("n")
-    if n is not None and not _is_int(n):
-        raise _type_error("n", "an integer", n)
-    if n is not None and n != 1:
-        raise InvalidParameterError(f"Invalid 'n': only n=1 is supported, got {_show(n)}", "n")
+    n = _int(body, "n")
     stream = bool(_bool(body, "stream"))
     include_usage = False
     stream_options = body.get("stream_options")
@@ -105,6 +102,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     repetition_penalty = _float(body, "repetition_penalty")
     return dict(
         model=model,
+        n=1 if n is None else n,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=None if top_k in (None, 0, -1) else top_k,  # vLLM: 0 and -1 mean "no top-k cut"

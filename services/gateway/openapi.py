@@ -74,7 +74,8 @@ def _request(endpoint_fields: dict[str, Schema], required: list[str], model_id: 
             "additionalProperties": _number("logit_bias"),
             "description": "Token id (of the model's vocabulary) -> bias added to its logit before sampling.",
         }),
-        "n": _nullable({**_integer("n"), "description": "Only 1 is supported."}),
+        "n": _nullable({**_integer("n"), "description": "Choices to generate: the prompt is prefilled once and "
+                        "its KV blocks shared by them; usage counts the prompt once."}),
         "stream": {"type": ["boolean", "null"]},
         "stream_options": _nullable({
             "type": "object",

@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from libs.common.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from libs.common.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 from services.gateway.errors import BodyTooLargeError, InvalidParameterError, UnsupportedEncodingError
 
 MAX_BODY_BYTES = 1024**2  # a request body, after its Content-Encoding is undone
@@ -46,7 +46,7 @@ class Range:
 RANGES: dict[str, Range] = {
     "max_tokens": Range(1, INT32_MAX),
     "max_completion_tokens": Range(1, INT32_MAX),
-    "n": Range(1, 1),
+    "n": Range(1, MAX_N),
     "temperature": Range(0.0, 100.0),
     "top_p": Range(0.0, 1.0, exclusive_minimum=True),
     "top_k": Range(-1, INT32_MAX),  # vLLM: -1 and 0 mean "no top-k cut"

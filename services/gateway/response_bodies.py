@@ -36,32 +36,34 @@ class ResponseBodies:
         return {"id": self.id, "object": object_, "created": self.created, "model": self.model,
                 "system_fingerprint": None}  # fmt: skip
 
-    def _chunk(self, choice: dict[str, Any], logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _chunk(
+        self, choice: dict[str, Any], logprobs: dict[str, Any] | None = None, index: int = 0
+    ) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
-        body["choices"] = [{"index": 0, **choice, "logprobs": logprobs}]
+        body["choices"] = [{"index": index, **choice, "logprobs": logprobs}]
         if self.include_usage:  # OpenAI: every chunk has "usage": null, the last one the numbers
             body["usage"] = None
         return body
 
-    def role_chunk(self) -> dict[str, Any]:
-        """The chat stream's first chunk: the assistant's role, no text yet."""
-        return self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+    def role_chunk(self, index: int = 0) -> dict[str, Any]:
+        """The chat stream's first chunk of a choice: the assistant's role, no text yet."""
+        return self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None}, index=index)
 
-    def text_chunk(self, text: str, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Text (and, when asked for, the ``logprobs`` of the tokens it came with)."""
+    def text_chunk(self, text: str, logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+        """Text of choice ``index`` (and, when asked for, the ``logprobs`` of the tokens it came with)."""
         if self.is_chat:
-            return self._chunk({"delta": {"content": text}, "finish_reason": None}, logprobs)
-        return self._chunk({"text": text, "finish_reason": None}, logprobs)
+            return self._chunk({"delta": {"content": text}, "finish_reason": None}, logprobs, index)
+        return self._chunk({"text": text, "finish_reason": None}, logprobs, index)
 
     def finish_chunk(
-        self, finish_reason: str, text: str = "", logprobs: dict[str, Any] | None = None
+        self, finish_reason: str, text: str = "", logprobs: dict[str, Any] | None = None, index: int = 0
     ) -> dict[str, Any]:
-        """The chunk that ends the answer: its last text, "" when the last tokens have
+        """The chunk that ends a choice: its last text, "" when the last tokens have
         none (an end-of-sequence token under ignore_eos), with the finish reason, as
         vLLM sends it; so every answer whose usage counts tokens has a content chunk."""
         if self.is_chat:
-            return self._chunk({"delta": {"content": text}, "finish_reason": finish_reason}, logprobs)
-        return self._chunk({"text": text, "finish_reason": finish_reason}, logprobs)
+            return self._chunk({"delta": {"content": text}, "finish_reason": finish_reason}, logprobs, index)
+        return self._chunk({"text": text, "finish_reason": finish_reason}, logprobs, index)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         body = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
@@ -71,17 +73,32 @@ class ResponseBodies:
 
     def completion(self, text: str, finish_reason: str, usage: Usage,
                    logprobs: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-        """The whole answer of a request that did not stream."""
-        if self.is_chat:
-            body = self._head("chat.completion")
-            message = {"role": "assistant", "content": text, "refusal": None}
-            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-        else:
-            body = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-        body["choices"] = [choice]
+        """The whole answer of a request that did not stream (one choice)."""
+        return self.completion_of([Choice(text, finish_reason, logprobs)], usage)
+
+    def completion_of(self, choices: list["Choice"], usage: Usage) -> dict[str, Any]:
+        """The whole answer of a request that did not stream, its choices in index order."""
+        body = self._head("chat.completion" if self.is_chat else "text_completion")
+        body["choices"] = []
+        for index, c in enumerate(choices):
+            if self.is_chat:
+                message = {"role": "assistant", "content": c.text, "refusal": None}
+                body["choices"].append({"index": index, "message": message, "logprobs": c.logprobs,
+                                        "finish_reason": c.finish_reason})  # fmt: skip
+            else:
+                body["choices"].append({"index": index, "text": c.text, "logprobs": c.logprobs,
+                                        "finish_reason": c.finish_reason})  # fmt: skip
         body["usage"] = usage.body()
         return body
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One whole choice of an answer."""
+
+    text: str
+    finish_reason: str
+    logprobs: dict[str, Any] | None = None
 
 
 def model_card(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:

@@ -82,6 +82,7 @@ class ServedModel:
             error = PromptTooLongError(num_prompt, self.max_model_len, max_tokens)
             raise InvalidParameterError(str(error), "max_tokens") from error
         sampling = SamplingParams(
+            n=request.n,
             max_tokens=max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,

@@ -24,6 +24,7 @@ class Delta:
     stopped_early: bool = False  # finished here while the workers still run: cancel them
     token_ids: list[int] = field(default_factory=list)  # the tokens it accounts for (each counted in usage)
     logprobs: list[TokenLogprobs] | None = None  # theirs, when the request asked for them
+    choice: int = 0  # which of the request's sequences it is the text of
 
 
 class TextStream:
@@ -123,13 +124,18 @@ class TokenSource(Protocol):
     async def cancel(self, reason: str) -> None: ...
 
 
-async def stream_deltas(source: TokenSource, text: TextStream) -> AsyncIterator[Delta]:
-    """The request's text deltas, up to and including the one with the finish reason."""
+async def stream_deltas(source: TokenSource, texts: list[TextStream]) -> AsyncIterator[Delta]:
+    """The request's text deltas, one TextStream per sequence (choice), up to and
+    including the one with the finish reason of the last to finish."""
     while True:
         for chunk in await source.next_chunks():
-            delta = text.feed(chunk)
-            if delta.stopped_early:  # a stop string: the workers would go on to max_tokens
+            text = texts[chunk.choice]
+            if text.finish_reason is not None:
+                continue  # a stop string ended this one here while the workers went on
+            delta = replace(text.feed(chunk), choice=chunk.choice)
+            done = all(t.finish_reason is not None for t in texts)
+            if delta.stopped_early and done:  # a stop string: the workers would go on to max_tokens
                 await source.cancel("stop")
             yield delta
-            if delta.finish_reason is not None:
+            if done:
                 return

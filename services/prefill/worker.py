@@ -18,19 +18,19 @@ import statistics
 import time
 from collections import deque
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from nats.aio.msg import Msg
 
 from libs.common import failpoints, subjects
 from libs.common.cost_model import CostModel, uncalibrated_coefficients
 from libs.common.engine_host import EngineHost
-from libs.common.errors import InvalidRequestError, KVServeError, OutOfKVBlocksError
+from libs.common.errors import KVServeError, OutOfKVBlocksError
 from libs.common.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.common.model.sequence import Sequence
 from libs.common.prefill_order import Work, plan
 from libs.common.recent import RecentIds
-from libs.common.sampling_params import CLUSTER_MAX_N
 from libs.common.peers import PeerDirectory
 from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest
 from libs.common.service import Service
@@ -109,8 +109,6 @@ class PrefillWorker(Service):
         try:
             request.sampling.validate(self.engine.model.config.vocab_size)
             self.engine.check_prompt(len(request.prompt_token_ids))
-            if request.sampling.n > CLUSTER_MAX_N:
-                raise InvalidRequestError(f"n must be at most {CLUSTER_MAX_N} on a cluster, got {request.sampling.n}")
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
@@ -155,9 +153,9 @@ class PrefillWorker(Service):
                     await self._fail(job, ErrorInfo(code=ErrorCode.INTERNAL, message=f"prefill failed: {e}"))
                 continue
             self._observe_step(chunk, time.perf_counter() - started)
-            for job, out in finished:
+            for job, outs in finished:
                 self.ready.pop(job.request.request_id, None)
-                self.spawn(self._finish(job, out))
+                self.spawn(self._finish(job, outs))
 
     def _next_chunk(self, now: float) -> list[tuple[Job, int]]:
         """The next step: up to ``max_chunk_tokens`` prompt tokens, from the ready jobs in
@@ -266,10 +264,11 @@ class PrefillWorker(Service):
             seq.block_hashes = []
             raise
 
-    def _compute(self, chunk: list[tuple[Job, int]]) -> list[tuple[Job, TokenOutput]]:
+    def _compute(self, chunk: list[tuple[Job, int]]) -> list[tuple[Job, list[TokenOutput]]]:
         """Engine thread: compute one step, shipping each layer of the prompts it
         completes to their decode worker as soon as it is computed; sample their first
-        tokens."""
+        tokens (a request for n sequences: n of them, from its prompt's logits; only
+        the decode worker holds the other sequences' KV)."""
         by_seq = {id(job.seq): job for job, _ in chunk}
 
         def ship(layer: int, done: list[Sequence]) -> None:
@@ -282,26 +281,36 @@ class PrefillWorker(Service):
         if logits is None:
             return []
         done = [job for job, _ in chunk if job.tokens_left == 0]
-        return list(zip(done, sample_tokens([job.seq for job in done], logits, self.finish_rule, self.eos_ids)))
+        seqs, rows = [], []
+        for row, job in enumerate(done):
+            choices = [job.seq] + [replace(job.seq, token_ids=list(job.seq.token_ids), block_table=[],
+                                           block_hashes=[], choice=c) for c in range(1, job.seq.params.n)]  # fmt: skip
+            seqs += choices
+            rows += [row] * len(choices)
+        if len(seqs) > len(done):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        outs = sample_tokens(seqs, logits, self.finish_rule, self.eos_ids)
+        return [(job, [out for out in outs if out.seq.request_id == job.request.request_id]) for job in done]
 
-    async def _finish(self, job: Job, out: TokenOutput) -> None:
+    async def _finish(self, job: Job, outs: list[TokenOutput]) -> None:
         seq, request_id = job.seq, job.request.request_id
         cancelled = request_id in self.cancelled
         if not cancelled:
-            await self.publish(subjects.tokens(request_id), token_chunk(out, self.instance_id))
-        if out.finish_reason is not None or cancelled or request_id in self.cancelled:
+            for out in outs:
+                await self.publish(subjects.tokens(request_id), token_chunk(out, self.instance_id))
+        if all(out.finish_reason is not None for out in outs) or cancelled or request_id in self.cancelled:
             await self.handoff.release(job.transfer)
         else:
-            await self._hand_over(job)
+            await self._hand_over(job, [out.token_id for out in outs] if len(outs) > 1 else [])
         if self.store is not None:
             await self.store.write_back(seq)  # holds the blocks until the store has the bytes
         await self._drop(job)
 
-    async def _hand_over(self, job: Job) -> None:
+    async def _hand_over(self, job: Job, first_token_ids: list[int]) -> None:
         """Finish the hand-off; if it fails, retry once on another decode worker."""
         request_id = job.request.request_id
         try:
-            await self.handoff.complete(job.transfer, job.seq)
+            await self.handoff.complete(job.transfer, job.seq, first_token_ids)
             return
         except HandoffError as e:
             failed, error = job.transfer.decode_id, e
@@ -309,7 +318,7 @@ class PrefillWorker(Service):
         if request_id not in self.cancelled and self.decoders.alive(Role.DECODE, exclude={failed}):
             try:
                 job.transfer = await self._lease(job, exclude=frozenset({failed}))
-                await self.handoff.complete(job.transfer, job.seq)
+                await self.handoff.complete(job.transfer, job.seq, first_token_ids)
                 self.log.info("hand-off of %s retried on %s", request_id, job.transfer.decode_id)
                 return
             except HandoffError as e:

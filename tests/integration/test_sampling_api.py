@@ -85,3 +85,34 @@ def test_completion_logprobs_in_the_completions_shape(openai_client):
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
     for token, logprob, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
         assert len(top) == 2 and top[token] == pytest.approx(logprob) and logprob == pytest.approx(max(top.values()))
+
+
+def test_n_choices_come_from_one_prefill_streamed_and_whole(openai_client, smollm):
+    request = dict(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=5, n=4,
+                   extra_body={"ignore_eos": True})  # fmt: skip
+    whole = openai_client.chat.completions.create(**request)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    texts = [c.message.content for c in whole.choices]
+    assert len(set(texts)) > 1  # each sequence draws its own tokens
+    alone = openai_client.chat.completions.create(**{**request, "n": 1})
+    assert texts[0] == alone.choices[0].message.content  # the first draws as a request for one
+    assert whole.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counted once
+    assert whole.usage.completion_tokens == 4 * 8
+
+    pieces, finishes = ["", "", "", ""], {}
+    for chunk in openai_client.chat.completions.create(**request, stream=True):
+        for choice in chunk.choices:
+            pieces[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert pieces == texts and finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
+
+
+def test_n_greedy_choices_are_the_engines_one_answer(openai_client, smollm):
+    out = openai_client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                           temperature=0, n=3, logprobs=1)  # fmt: skip
+    reference = in_process(smollm, smollm.tokenizer.encode("The capital of France is"),
+                           SamplingParams(max_tokens=8, temperature=0))  # fmt: skip
+    text = "".join(o.text for o in reference)
+    assert [c.text for c in out.choices] == [text] * 3
+    assert out.choices[2].logprobs.tokens == out.choices[0].logprobs.tokens

@@ -93,14 +93,14 @@ class FakeSource:
 
 async def test_stream_deltas_cancels_the_workers_on_a_stop_string(served_model):
     source = FakeSource([[], [chunk(0, "Hel")], [chunk(3, "lo."), chunk(6, "never read")]])
-    deltas = [d async for d in stream_deltas(source, stream(served_model, stop=["."]))]
+    deltas = [d async for d in stream_deltas(source, [stream(served_model, stop=["."])])]
     assert [shown(d) for d in deltas] == [Delta("Hel"), Delta("lo", "stop", stopped_early=True)]
     assert source.cancels == ["stop"]
 
 
 async def test_stream_deltas_sends_no_cancel_when_the_workers_finished(served_model):
     source = FakeSource([[chunk(0, "ok", finish="stop", extra=[EOS])]])
-    deltas = [d async for d in stream_deltas(source, stream(served_model))]
+    deltas = [d async for d in stream_deltas(source, [stream(served_model)])]
     assert [shown(d) for d in deltas] == [Delta("ok", "stop")]
     assert source.cancels == []
 

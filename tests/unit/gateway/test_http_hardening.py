@@ -71,7 +71,7 @@ async def test_json_nested_2000_deep_is_400(client, path):
 @pytest.mark.parametrize("field, value", [
     ("tool_choice", "auto"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("response_format", {"type": "json_object"}),
-    ("n", 2), ("best_of", 2), ("not_a_field", 1),
+    ("best_of", 2), ("not_a_field", 1),
 ])  # fmt: skip
 async def test_unsupported_fields_are_400_naming_the_field(client, field, value):
     response = await client.post("/v1/chat/completions", json={**CHAT, field: value})

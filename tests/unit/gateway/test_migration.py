@@ -191,7 +191,7 @@ async def test_the_text_of_a_migrated_stream_counts_from_the_original_prompt(ser
     )  # fmt: skip
     text = TextStream(served_model.tokenizer, ORIGINAL.sampling, served_model.max_model_len, len(PROMPT))
     async with cluster.run() as run:
-        deltas = [d async for d in stream_deltas(run, text)]
+        deltas = [d async for d in stream_deltas(run, [text])]
     assert "".join(d.text for d in deltas) == "Hello worl" and deltas[-1].finish_reason == "length"
     assert (text.num_prompt_tokens, text.num_completion_tokens, text.num_cached_tokens) == (5, 10, 4)
     assert cluster.attempts[1].cancels == ["stop"]  # max_tokens reached here: the workers are told to stop

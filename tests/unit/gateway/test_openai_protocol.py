@@ -88,7 +88,7 @@ BAD_CHAT = [
     ({**CHAT, "top_p": [1]}, "top_p"),
     ({**CHAT, "top_k": 1.5}, "top_k"),
     ({**CHAT, "seed": "x"}, "seed"),
-    ({**CHAT, "n": 2}, "n"),
+    ({**CHAT, "n": 0}, "n"),
     ({**CHAT, "stream": "yes"}, "stream"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ({**CHAT, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
