@@ -365,6 +365,9 @@ class PrefillRequest(Message):
     sampling: SamplingParams
     decode_id: InstanceId  # on a decode worker's own prefill subject: itself
     ttft_budget_s: float | None = None  # its first token is due this long after the worker takes it; None: best effort
+    # the prompt's last tokens that an earlier attempt generated (a migrated request): the
+    # penalties count them as generated, so they are rebuilt as an undisturbed run has them
+    num_prior_output_tokens: int = 0
 
 
 class Ack(Message):
@@ -402,6 +405,10 @@ class HandoffRequest(Message):
     num_cached_tokens: int
     sampling: SamplingParams
     block_ids: list[BlockId]
+    num_prior_output_tokens: int = 0  # as in PrefillRequest
+    # n > 1: every sequence's first token, by choice (token_ids ends with the first's); the
+    # decode worker forks the others from the prompt's blocks and drops those they finish
+    first_token_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class ReleaseRequest(Message):
@@ -413,10 +420,20 @@ class Cancel(Message):
     reason: str = "cancelled"
 
 
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log-probability and its likeliest alternatives'."""
+
+    logprob: float
+    top_ids: list[int] = msgspec.field(default_factory=list)
+    top_logprobs: list[float] = msgspec.field(default_factory=list)
+
+
 class TokenChunk(Message):
     request_id: RequestId
     index: int  # position of token_ids[0] among the generated tokens
     token_ids: list[int] = msgspec.field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked for them
+    choice: int = 0  # which of the request's n sequences (an error chunk ends them all)
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

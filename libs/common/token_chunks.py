@@ -14,6 +14,8 @@ def token_chunk(out: TokenOutput, instance_id: str) -> TokenChunk:
         request_id=out.request_id,
         index=out.index,
         token_ids=[out.token_id],
+        logprobs=None if out.logprobs is None else [out.logprobs],
+        choice=out.seq.choice,
         finish_reason=out.finish_reason,
         num_prompt_tokens=out.seq.num_prompt_tokens if first else 0,
         num_cached_tokens=out.seq.num_cached_tokens if first else 0,

@@ -37,11 +37,12 @@ class LocalPrefill:
     async def on_prefill(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
         engine = self.worker.engine
         try:
-            request.sampling.validate()
+            request.sampling.validate(engine.model.config.vocab_size)
             engine.check_prompt(len(request.prompt_token_ids))
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
-        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
+        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
+                                   request.num_prior_output_tokens)  # fmt: skip
         if not engine.cache.can_allocate(seq, seq.num_tokens + engine.block_size):
             return ErrorReply(code=ErrorCode.NO_CAPACITY, message=f"{self.worker.instance_id} has no free KV blocks")
         now = time.monotonic()  # the scheduler's clock

@@ -36,6 +36,8 @@ class FinishedStreams:
 
     def add(self, seq: Sequence) -> None:
         assert seq.finish_reason is not None
+        if seq.choice or seq.params.n > 1:
+            return  # a request for n > 1 sequences is not sent again
         self._streams[seq.request_id] = _Finished(tuple(seq.output_token_ids), seq.finish_reason,
                                                   seq.num_prompt_tokens, self._clock())  # fmt: skip
         self._streams.move_to_end(seq.request_id)
@@ -55,7 +57,7 @@ def resend_chunk(request_id: str, from_index: int, running: list[Sequence], fini
                  instance_id: str) -> TokenChunk | None:  # fmt: skip
     """One chunk with the tokens from ``from_index`` on (and the finish reason, if it has
     finished); None if the request is neither running here nor recently finished."""
-    seq = next((s for s in running if s.request_id == request_id), None)
+    seq = next((s for s in running if s.request_id == request_id and s.choice == 0), None)  # n = 1 only
     if seq is not None:
         tokens, reason, num_prompt = list(seq.output_token_ids), None, seq.num_prompt_tokens
     elif (done := finished.get(request_id)) is not None:

@@ -53,7 +53,8 @@ class DecodeWorker(Service):
         # the batch: changed on the engine thread only (through host.run); heartbeats read it
         self.local_prefill = LocalPrefill(self, settings.model.calibrate)  # cost model; prefills the conductor sends here
         self.scheduler = Scheduler(self.engine.cache, token_stop(self.eos_ids, self.engine.max_model_len),
-                                   settings.max_batch_size, self.local_prefill.prefill_time)  # fmt: skip
+                                   settings.max_batch_size, self.local_prefill.prefill_time,
+                                   eos_token_ids=self.eos_ids)  # fmt: skip
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
                                             num_running=lambda: len(self.scheduler.running),
                                             num_waiting=lambda: len(self.scheduler.waiting))
@@ -122,8 +123,12 @@ class DecodeWorker(Service):
             block_table=lease.block_ids,
             num_computed_tokens=len(request.token_ids) - 1,  # every token but the first generated one
             num_cached_tokens=request.num_cached_tokens,
+            num_prior_output_tokens=request.num_prior_output_tokens,
         )
-        self.spawn(self.admit(seq, computed=True))
+        if request.first_token_ids:
+            self.spawn(self.admit_choices(seq, request.first_token_ids))
+        else:
+            self.spawn(self.admit(seq, computed=True))
         return Ack()
 
     async def on_resend(self, request: ResendRequest, msg: Msg) -> Ack | ErrorReply:
@@ -134,6 +139,40 @@ class DecodeWorker(Service):
             return ErrorReply(code=ErrorCode.UNKNOWN_REQUEST, message=f"{request.request_id} is not on {self.instance_id}")
         await self.publish(subjects.tokens(request.request_id, self.instance_id), chunk)
         return Ack()
+
+    async def admit_choices(self, seq: Sequence, first_token_ids: list[int]) -> None:
+        """A request for n sequences, handed over: ``seq`` is its first, on the prompt's
+        blocks; the others fork from them (sharing the full blocks, copying the last),
+        each with its own first token. Those their first token finished (the prefill
+        worker said so) are dropped; the rest join the batch."""
+        try:
+            choices = await self.host.run(self._fork_choices, seq, first_token_ids)
+        except OutOfKVBlocksError as e:
+            await self._publish_error(seq, ErrorCode.NO_CAPACITY, f"no room for the request's other sequences: {e}")
+            await self._blocks_were_freed()
+            return
+        for choice in choices:
+            await self.admit(choice, computed=True)
+
+    def _fork_choices(self, seq: Sequence, first_token_ids: list[int]) -> list[Sequence]:
+        """Engine thread: the sequences of `admit_choices` that go on."""
+        seq.token_ids.pop()  # the prompt alone: what the blocks hold, and where the others fork
+        choices = [seq]
+        try:
+            for c in range(1, len(first_token_ids)):
+                choices.append(self.engine.fork(seq, c))
+        except OutOfKVBlocksError:
+            for choice in choices:
+                self.engine.cache.free(choice)
+            raise
+        going_on = []
+        for choice, token_id in zip(choices, first_token_ids):
+            choice.append_token(token_id)
+            if self.scheduler.stop(choice) is None:
+                going_on.append(choice)
+            else:
+                self.engine.cache.free(choice)
+        return going_on
 
     async def on_release(self, request: ReleaseRequest, msg: Msg) -> None:
         lease = self.leases.take(request.request_id)

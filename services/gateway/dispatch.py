@@ -128,7 +128,7 @@ class RequestRun:
         self.num_output_tokens = 0  # generated so far (the conductor settles its TBT prediction with it)
         self._admitted_at: float | None = None
         self._asked_at = 0.0  # when the admission was asked for: the TTFT target counts from there
-        self._reorder = ChunkReorderer()
+        self._reorders = [ChunkReorderer() for _ in range(prepared.sampling.n)]  # one per choice
         self._sub = None
         self._may_be_running = False  # some service may hold the request: cancel it on the way out
         self._failure: str | None = None  # why the token stream failed, for the Cancel
@@ -136,8 +136,8 @@ class RequestRun:
 
     @property
     def finished(self) -> bool:
-        """The workers said the request is done."""
-        return self._reorder.finished
+        """The workers said the request is done (every one of its sequences)."""
+        return all(reorder.finished for reorder in self._reorders)
 
     async def __aenter__(self) -> "RequestRun":
         try:
@@ -209,6 +209,7 @@ class RequestRun:
             prompt_token_ids=p.prompt_token_ids,
             sampling=p.sampling,
             decode_id=self.decode_id,
+            num_prior_output_tokens=p.num_prior_output_tokens,
             ttft_budget_s=None if target is None else max(0.0, target - (time.monotonic() - self._asked_at)),
         )
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
@@ -255,13 +256,19 @@ class RequestRun:
                 raise WorkerLostError(f"{where} failed: {chunk.error.message}", self.decode_id, Role.DECODE,
                                       self._started_at(self.decode_id), until_heard=True)  # fmt: skip
             raise _worker_error(chunk.error, where)
+        if not 0 <= chunk.choice < len(self._reorders):
+            log.warning("dropped a chunk of %s for choice %d of %d", self.request_id, chunk.choice, len(self._reorders))
+            return []
         if chunk.index == 0 and self.ttft_s is None and self._admitted_at is not None:
             self.ttft_s = time.monotonic() - self._admitted_at
             await self._progress(RequestProgress(request_id=self.request_id, kind="first_token", ttft_s=self.ttft_s))
-        self.num_output_tokens = max(self.num_output_tokens, chunk.index + len(chunk.token_ids))
+        reorder = self._reorders[chunk.choice]
+        before = reorder.next_index
+        ready = reorder.push(chunk)
+        self.num_output_tokens += reorder.next_index - before
         if chunk.index > 0 and self.serving_decode_id is None:
             self._decoding_on(publisher)
-        return self._reorder.push(chunk)
+        return ready
 
     async def _next_message(self) -> Msg:
         """The next message on the token subject. Wakes up when a watched worker
@@ -296,9 +303,9 @@ class RequestRun:
         """Ask the decode worker the request is on to publish its tokens again from the first
         one not delivered; False if it cannot (not there yet, gone, or no longer has them)."""
         decode_id = self.serving_decode_id or self.placed_decode_id or self.decode_id
-        if decode_id is None:
+        if decode_id is None or len(self._reorders) != 1:  # n > 1: its choices are not sent again
             return False
-        ask = ResendRequest(request_id=self.request_id, from_index=self._reorder.next_index)
+        ask = ResendRequest(request_id=self.request_id, from_index=self._reorders[0].next_index)
         try:
             reply = await self.service.request(subjects.decode_resend(decode_id), ask, Ack, timeout=RESEND_TIMEOUT)
         except (nats.errors.Error, BadMessageError, TimeoutError) as e:

@@ -19,7 +19,8 @@ from libs.common.service import Service
 from services.gateway.dispatch import RequestRun, SLOOverride
 from services.gateway.errors import ModelNotServedError
 from services.gateway.migration import MigratingRun
-from services.gateway.openai_protocol import GenerateRequest, Usage
+from services.gateway.openai_protocol import GenerateRequest
+from services.gateway.response_bodies import Usage
 from services.gateway.served_model import PreparedRequest, ServedModel
 from services.gateway.settings import GatewaySettings
 from services.gateway.text_stream import Delta, TextStream, stream_deltas
@@ -34,16 +35,23 @@ class Generation:
     text it has produced so far."""
 
     run: MigratingRun
-    text: TextStream
+    texts: list[TextStream]  # one per sequence (choice) the request asked for
     slo: SLOOverride | None = None  # the request's own targets, where it set them
     started_at: float = 0.0  # time.monotonic() when it was first admitted ...
     ended_at: float | None = None  # ... and when it was over
 
+    @property
+    def text(self) -> TextStream:
+        """The first sequence's text (the only one, unless n > 1)."""
+        return self.texts[0]
+
     def deltas(self) -> AsyncIterator[Delta]:
-        return stream_deltas(self.run, self.text)
+        return stream_deltas(self.run, self.texts)
 
     def usage(self) -> Usage:
-        return Usage(self.text.num_prompt_tokens, self.text.num_completion_tokens, self.text.num_cached_tokens)
+        """The prompt once, the tokens of every sequence."""
+        completion = sum(t.num_completion_tokens for t in self.texts)
+        return Usage(self.text.num_prompt_tokens, completion, self.text.num_cached_tokens)
 
     def served_by(self) -> dict[str, Any]:
         """Which instances served it and how often it moved, for its last chunk or body."""
@@ -73,7 +81,8 @@ class Generations:
         if request.model != model.model_id:
             raise ModelNotServedError(request.model)
         prepared = await model.prepare(request, request_id)
-        text = TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
+        texts = [TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
+                 for _ in range(prepared.sampling.n)]  # fmt: skip
         silence = LOST_AFTER_HEARTBEATS * s.heartbeat_interval
 
         def attempt(p: PreparedRequest, exclude: frozenset[str]) -> RequestRun:
@@ -86,7 +95,7 @@ class Generations:
         try:
             async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at,
                                     self._heard_at, self.peers.silent_for) as run:  # fmt: skip
-                generation = Generation(run, text, slo, started_at)
+                generation = Generation(run, texts, slo, started_at)
                 yield generation
         finally:
             self.num_in_flight -= 1

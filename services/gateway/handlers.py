@@ -35,16 +35,11 @@ from services.gateway.errors import (
     to_http,
 )
 from services.gateway.generation import Generation, Generations
+from services.gateway.logprobs import LogprobsBodies
 from services.gateway.migration import MigratingRun
-from services.gateway.openai_protocol import (
-    GenerateRequest,
-    ResponseBodies,
-    model_card,
-    model_list,
-    parse_chat_request,
-    parse_completion_request,
-)
+from services.gateway.openai_protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from services.gateway.request_limits import content_codings, decode_body, decode_content
+from services.gateway.response_bodies import Choice, ResponseBodies, model_card, model_list
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -78,15 +73,19 @@ class Handlers:
         slo = _slo_override(request)
         session_id = _session_id(request, parsed)
         response_id = f"{id_prefix}-{uuid.uuid4().hex}"
-        bodies = ResponseBodies(response_id, self.generations.model.model_id, parsed.is_chat, parsed.include_usage)
+        model = self.generations.model
+        bodies = ResponseBodies(response_id, model.model_id, parsed.is_chat, parsed.include_usage)
+        logprobs = None  # one per choice, when asked for
+        if parsed.logprobs is not None:
+            logprobs = [LogprobsBodies(model.tokenizer, parsed.is_chat) for _ in range(parsed.n)]
         stream: web.StreamResponse | None = None
         try:
             async with self.generations.generate(parsed, response_id, slo, session_id) as generation:
                 headers = {"x-request-id": response_id, **_explanation_headers(generation.run)}
                 if not parsed.stream:
-                    return await _complete(generation, bodies, headers)
+                    return await _complete(generation, bodies, headers, logprobs)
                 stream = await sse.open_stream(request, headers)
-                await _write_events(stream, generation, bodies)
+                await _write_events(stream, generation, bodies, logprobs)
                 return stream
         except ConnectionResetError:
             if stream is None:
@@ -162,13 +161,24 @@ class Handlers:
 
 
 # --- writing a generation --------------------------------------------------------------
-async def _complete(generation: Generation, bodies: ResponseBodies, headers: dict[str, str]) -> web.Response:
-    pieces, finish_reason = [], None
+async def _complete(generation: Generation, bodies: ResponseBodies, headers: dict[str, str],
+                    logprobs: list[LogprobsBodies] | None) -> web.Response:  # fmt: skip
+    n = len(generation.texts)
+    pieces: list[list[str]] = [[] for _ in range(n)]
+    finish_reasons: list[str | None] = [None] * n
+    token_ids: list[list[int]] = [[] for _ in range(n)]
+    token_logprobs: list[list] = [[] for _ in range(n)]
     async with aclosing(generation.deltas()) as deltas:
         async for delta in deltas:
-            pieces.append(delta.text)
-            finish_reason = delta.finish_reason
-    body = bodies.completion("".join(pieces), finish_reason, generation.usage())
+            c = delta.choice
+            pieces[c].append(delta.text)
+            finish_reasons[c] = delta.finish_reason or finish_reasons[c]
+            token_ids[c] += delta.token_ids
+            token_logprobs[c] += delta.logprobs or []
+    choices = [Choice("".join(pieces[c]), finish_reasons[c],
+                      logprobs[c].body(token_ids[c], token_logprobs[c]) if logprobs is not None else None)
+               for c in range(n)]  # fmt: skip
+    body = bodies.completion_of(choices, generation.usage())
     body["kvserve"] = generation.served_by()  # the headers name the first instances; a migration moves it
     if generation.run.ttft_s is not None:
         headers["x-kvserve-actual-ttft-ms"] = f"{generation.run.ttft_s * 1e3:.1f}"
@@ -231,22 +241,30 @@ def _explanation_headers(run: MigratingRun) -> dict[str, str]:
     return headers
 
 
-async def _write_events(stream: web.StreamResponse, generation: Generation, bodies: ResponseBodies) -> None:
-    """Write the request's chunks as they come. A failure after the first byte
+async def _write_events(stream: web.StreamResponse, generation: Generation, bodies: ResponseBodies,
+                        logprobs: list[LogprobsBodies] | None = None) -> None:  # fmt: skip
+    """Write the request's chunks as they come, each with its choice's index (and the
+    logprobs of the tokens it came with, when asked for). A failure after the first byte
     (the status line has gone out) releases the text not shown yet, then becomes
     an error event and a last chunk with finish_reason "error"; whatever happens
     short of a lost client, the stream ends with [DONE]."""
-    finish_written = False
+    finish_written = [False] * len(generation.texts)
     try:
         if bodies.is_chat:
-            await stream.write(sse.event(bodies.role_chunk()))
+            for index in range(len(generation.texts)):
+                await stream.write(sse.event(bodies.role_chunk(index)))
         async with aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
+                c = delta.choice
+                lp_body = None
+                if logprobs is not None and delta.logprobs:
+                    lp_body = logprobs[c].body(delta.token_ids, delta.logprobs)
                 if delta.finish_reason is not None:  # the last text rides with the finish, even when empty
-                    finish_written = True
-                    await stream.write(sse.event(_last_chunk(bodies, delta.finish_reason, generation, delta.text)))
-                elif delta.text:
-                    await stream.write(sse.event(bodies.text_chunk(delta.text)))
+                    finish_written[c] = True
+                    last = _last_chunk(bodies, delta.finish_reason, generation, delta.text, lp_body, c)
+                    await stream.write(sse.event(last))
+                elif delta.text or lp_body is not None:
+                    await stream.write(sse.event(bodies.text_chunk(delta.text, lp_body, c)))
     except ConnectionResetError:
         raise  # the client is gone: nothing more to write
     except Exception as e:
@@ -254,20 +272,23 @@ async def _write_events(stream: web.StreamResponse, generation: Generation, bodi
             log.warning("%s failed mid-stream: %s", bodies.id, e)
         else:
             log.exception("%s failed mid-stream", bodies.id)
-        if generation.text.finish_reason is None and (rest := generation.text.fail().text):
-            await stream.write(sse.event(bodies.text_chunk(rest)))
+        for c, text in enumerate(generation.texts):
+            if text.finish_reason is None and (rest := text.fail().text):
+                await stream.write(sse.event(bodies.text_chunk(rest, index=c)))
         await stream.write(sse.event(to_http(e).body))
-        if not finish_written:
-            await stream.write(sse.event(_last_chunk(bodies, "error", generation)))
+        for c, written in enumerate(finish_written):
+            if not written:
+                await stream.write(sse.event(_last_chunk(bodies, "error", generation, index=c)))
     if bodies.include_usage:
         await stream.write(sse.event(bodies.usage_chunk(generation.usage())))
     await stream.write(sse.DONE)
     await stream.write_eof()
 
 
-def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation, text: str = "") -> dict[str, Any]:
-    """The chunk with the last text and the finish reason, saying which instances served the request."""
-    return {**bodies.finish_chunk(finish_reason, text), "kvserve": generation.served_by()}
+def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation, text: str = "",
+                logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:  # fmt: skip
+    """The chunk with a choice's last text and its finish reason, saying which instances served the request."""
+    return {**bodies.finish_chunk(finish_reason, text, logprobs, index), "kvserve": generation.served_by()}
 
 
 def _header(request: web.Request, name: str) -> str | None:

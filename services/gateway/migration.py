@@ -4,11 +4,14 @@ Each attempt is a `dispatch.RequestRun` with its own request id. When a worker
 serving an attempt is gone (WorkerLostError), the attempt is cancelled
 everywhere (its blocks on the survivors are freed) and the request is admitted
 again as ``<id>-m<n>``, excluding every instance seen gone (until it restarts), with the tokens
-already delivered appended to its prompt and max_tokens reduced by them: the new
-prefill, mostly a prefix-cache hit, yields the next token and decoding goes on.
+already delivered appended to its prompt, max_tokens and min_tokens reduced by
+them and their number carried (``num_prior_output_tokens``: the workers' penalties
+count them as generated, and seeded draws go on from them): the new prefill,
+mostly a prefix-cache hit, yields the next token and decoding goes on.
 The caller reads one stream whose chunk indexes carry on where the last attempt
 left off, so greedy output equals an undisturbed run where the engine's numerics do not
-depend on the batch (float32; see the README for bfloat16). After ``max_attempts``
+depend on the batch (float32; see the README for bfloat16). A request for n > 1
+sequences moves only until its first token: after that its loss is raised. After ``max_attempts``
 the loss is raised. Knows nothing of HTTP or text.
 """
 
@@ -73,6 +76,7 @@ class MigratingRun:
         self._heard_at = heard_at  # when an instance was last heard
         self._silent_for = silent_for  # seconds since any instance of a role was heard; None: never
         self._delivered: list[int] = []  # generated tokens handed to the caller, over every attempt
+        self._streamed = False  # n > 1: some sequence's tokens were handed to the caller
         self._offset = 0  # tokens delivered before the current attempt started
         self._started_at = 0.0
         self.taken_at: float | None = None  # time.monotonic() when a worker first took it (admitted and submitted)
@@ -140,6 +144,9 @@ class MigratingRun:
         return [self._continued(chunk) for chunk in chunks]
 
     def _continued(self, chunk: TokenChunk) -> TokenChunk:
+        if self.prepared.sampling.n > 1:  # not moved once it has streamed (`_lost`)
+            self._streamed = self._streamed or bool(chunk.token_ids)
+            return chunk
         self._delivered.extend(chunk.token_ids)
         if self._offset == 0:
             return chunk
@@ -201,6 +208,11 @@ class MigratingRun:
         if (i := error.instance_id) is not None:  # None: a NATS outage cut the stream, every worker may still serve
             started = error.started_at if error.started_at is not None else self._process_start(i)
             self._gone[i] = (started, self._heard_at(i) if error.until_heard else None)
+        if self._streamed:  # n > 1: its sequences went their own ways, and are not moved
+            log.warning("%s: %s; a request for %d sequences is not moved", self.request_id, error,
+                        self.prepared.sampling.n)  # fmt: skip
+            raise WorkerLostError(f"{error}; a request for several sequences is not moved", error.instance_id,
+                                  error.role) from error  # fmt: skip
         if self._num_attempts >= self.max_attempts:
             log.warning("%s: %s; no attempt left (%d made)", self.request_id, error, self._num_attempts)
             message = f"{error}; the request was given up after {self._num_attempts} attempts"
@@ -218,6 +230,8 @@ class MigratingRun:
         request_id = f"{p.request_id}-m{self._num_attempts - 1}"
         if not self._delivered:
             return PreparedRequest(request_id, p.prompt_token_ids, p.sampling, p.block_hashes)
+        done = len(self._delivered)
         prompt = p.prompt_token_ids + self._delivered
-        sampling = msgspec.structs.replace(p.sampling, max_tokens=p.sampling.max_tokens - len(self._delivered))
-        return PreparedRequest(request_id, prompt, sampling, await self._block_hashes(prompt))
+        sampling = msgspec.structs.replace(p.sampling, max_tokens=p.sampling.max_tokens - done,
+                                           min_tokens=max(0, p.sampling.min_tokens - done))  # fmt: skip
+        return PreparedRequest(request_id, prompt, sampling, await self._block_hashes(prompt), done)

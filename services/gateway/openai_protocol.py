@@ -1,14 +1,11 @@
-"""The OpenAI wire format: request bodies in, response and chunk bodies out.
-
-Parsing turns a decoded request body (`request_limits.decode_body`) into a
-`GenerateRequest` or raises InvalidParameterError naming the offending field,
-within the limits `request_limits` sets; it knows nothing of the model or the
-cluster. The builders make the exact JSON OpenAI sends.
+"""The OpenAI wire format, requests: a decoded request body
+(`request_limits.decode_body`) becomes a `GenerateRequest`, or InvalidParameterError
+naming the offending field, within the limits `request_limits` sets; it knows
+nothing of the model or the cluster. The bodies sent back are `response_bodies.py`'s.
 """
 
-import time
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from services.gateway.errors import InvalidParameterError
@@ -16,6 +13,7 @@ from services.gateway.request_limits import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     IGNORED_FIELDS,
+    MAX_LOGIT_BIAS,
     RANGES,
     STREAM_OPTIONS,
     UNSUPPORTED_UNLESS,
@@ -31,16 +29,24 @@ class GenerateRequest:
     """One chat or text completion request, checked for types and shape only."""
 
     model: str
+    n: int = 1  # sequences to generate, each a choice of the answer
     messages: Messages | None = None  # chat
     prompt: str | list[int] | None = None  # completions: text or token ids
     max_tokens: int | None = None  # None: the endpoint's default
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int | None = None
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
+    logprobs: int | None = None  # None: no logprobs; n: the sampled token's and the n likeliest
     stream: bool = False
     include_usage: bool = False
     user: str | None = None  # OpenAI's end-user id: kvserve keeps a user's turns near their KV (session affinity)
@@ -56,13 +62,21 @@ def parse_chat_request(body: Any) -> GenerateRequest:
     max_tokens = _int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")
-    return GenerateRequest(messages=messages, max_tokens=max_tokens, **_common(body))
+    # OpenAI's chat logprobs: a switch, and how many alternatives (which need the switch on)
+    top_logprobs = _int(body, "top_logprobs")
+    logprobs = None
+    if _bool(body, "logprobs"):
+        logprobs = top_logprobs or 0
+    elif top_logprobs:
+        raise InvalidParameterError("Invalid 'top_logprobs': 'logprobs' must be true to use it.", "top_logprobs")
+    return GenerateRequest(messages=messages, max_tokens=max_tokens, logprobs=logprobs, **_common(body))
 
 
 def parse_completion_request(body: Any) -> GenerateRequest:
     body = _object(body, COMPLETION_FIELDS)
     prompt = _prompt(_required(body, "prompt"))
-    return GenerateRequest(prompt=prompt, max_tokens=_int(body, "max_tokens"), **_common(body))
+    logprobs = _int(body, "logprobs")  # the completions API's: how many alternatives per token
+    return GenerateRequest(prompt=prompt, max_tokens=_int(body, "max_tokens"), logprobs=logprobs, **_common(body))
 
 
 def _common(body: dict[str, Any]) -> dict[str, Any]:
@@ -70,11 +84,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
     model = _required(body, "model")
     if not isinstance(model, str):
         raise _type_error("model", "a string", model)
-    n = body.get("n")
-    if n is not None and not _is_int(n):
-        raise _type_error("n", "an integer", n)
-    if n is not None and n != 1:
-        raise InvalidParameterError(f"Invalid 'n': only n=1 is supported, got {_show(n)}", "n")
+    n = _int(body, "n")
     stream = bool(_bool(body, "stream"))
     include_usage = False
     stream_options = body.get("stream_options")
@@ -89,15 +99,23 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         include_usage = bool(stream_options.get("include_usage"))
     top_k = _int(body, "top_k")
     temperature, top_p = _float(body, "temperature"), _float(body, "top_p")
+    repetition_penalty = _float(body, "repetition_penalty")
     return dict(
         model=model,
+        n=1 if n is None else n,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=None if top_k in (None, 0, -1) else top_k,  # vLLM: 0 and -1 mean "no top-k cut"
+        min_p=_float(body, "min_p") or 0.0,
         seed=_int(body, "seed"),
         stop=_stop(body.get("stop")),
         stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
         ignore_eos=bool(_bool(body, "ignore_eos")),
+        min_tokens=_int(body, "min_tokens") or 0,
+        presence_penalty=_float(body, "presence_penalty") or 0.0,
+        frequency_penalty=_float(body, "frequency_penalty") or 0.0,
+        repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
+        logit_bias=_logit_bias(body.get("logit_bias")),
         stream=stream,
         include_usage=include_usage,
         user=body.get("user") or None,  # type-checked with the ignored fields
@@ -156,6 +174,29 @@ def _prompt(value: Any) -> str | list[int]:
     if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
         raise InvalidParameterError("batched prompts are not supported: send one prompt per request", "prompt")
     raise _type_error("prompt", "a string or an array of token ids", value)
+
+
+def _logit_bias(value: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: token ids (as the object's keys) to a bias in [-100, 100]; whether
+    each id is in the model's vocabulary is the served model's to say."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _type_error("logit_bias", "an object", value)
+    if len(value) > MAX_LOGIT_BIAS:
+        message = f"Invalid 'logit_bias': at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(value)}."
+        raise InvalidParameterError(message, "logit_bias")
+    biases = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) not in RANGES["prompt"]:
+            raise InvalidParameterError(f"Invalid 'logit_bias': {_show(key)} is not a token id.", "logit_bias")
+        if not isinstance(bias, (int, float)) or isinstance(bias, bool):
+            raise _type_error(f"logit_bias.{key}", "a number", bias)
+        if bias not in RANGES["logit_bias"]:
+            message = f"Invalid 'logit_bias.{key}': expected a number in {RANGES['logit_bias']}, but got {_show(bias)}."
+            raise InvalidParameterError(message, f"logit_bias.{key}")
+        biases[int(key)] = float(bias)
+    return biases
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -275,89 +316,3 @@ _JSON_TYPES = {
 def _type_error(param: str, expected: str, value: Any) -> InvalidParameterError:
     got = "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
     return InvalidParameterError(f"Invalid type for '{param}': expected {expected}, but got {got} instead.", param)
-
-
-# --- response bodies -----------------------------------------------------------------
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
-
-
-class ResponseBodies:
-    """Every body one request's response is made of, chat or text completion."""
-
-    def __init__(self, response_id: str, model: str, is_chat: bool, include_usage: bool = False,
-                 created: int | None = None) -> None:  # fmt: skip
-        self.id = response_id
-        self.model = model
-        self.is_chat = is_chat
-        self.include_usage = include_usage
-        self.created = int(time.time()) if created is None else created
-
-    def _head(self, object_: str) -> dict[str, Any]:
-        return {"id": self.id, "object": object_, "created": self.created, "model": self.model,
-                "system_fingerprint": None}  # fmt: skip
-
-    def _chunk(self, choice: dict[str, Any]) -> dict[str, Any]:
-        body = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
-        body["choices"] = [{"index": 0, **choice, "logprobs": None}]
-        if self.include_usage:  # OpenAI: every chunk has "usage": null, the last one the numbers
-            body["usage"] = None
-        return body
-
-    def role_chunk(self) -> dict[str, Any]:
-        """The chat stream's first chunk: the assistant's role, no text yet."""
-        return self._chunk({"delta": {"role": "assistant", "content": ""}, "finish_reason": None})
-
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        if self.is_chat:
-            return self._chunk({"delta": {"content": text}, "finish_reason": None})
-        return self._chunk({"text": text, "finish_reason": None})
-
-    def finish_chunk(self, finish_reason: str, text: str = "") -> dict[str, Any]:
-        """The chunk that ends the answer: its last text, "" when the last tokens have
-        none (an end-of-sequence token under ignore_eos), with the finish reason, as
-        vLLM sends it; so every answer whose usage counts tokens has a content chunk."""
-        if self.is_chat:
-            return self._chunk({"delta": {"content": text}, "finish_reason": finish_reason})
-        return self._chunk({"text": text, "finish_reason": finish_reason})
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        body = self._head("chat.completion.chunk" if self.is_chat else "text_completion")
-        body["choices"] = []
-        body["usage"] = usage.body()
-        return body
-
-    def completion(self, text: str, finish_reason: str, usage: Usage) -> dict[str, Any]:
-        """The whole answer of a request that did not stream."""
-        if self.is_chat:
-            body = self._head("chat.completion")
-            message = {"role": "assistant", "content": text, "refusal": None}
-            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-        else:
-            body = self._head("text_completion")
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        body["choices"] = [choice]
-        body["usage"] = usage.body()
-        return body
-
-
-def model_card(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
-    """One entry of GET /v1/models (``max_model_len`` is vLLM's extension)."""
-    return {
-        "id": model_id, "object": "model", "created": created, "owned_by": "kvserve", "max_model_len": max_model_len
-    }
-
-
-def model_list(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:
-    return {"object": "list", "data": [model_card(model_id, created, max_model_len)]}

@@ -11,6 +11,7 @@ import msgspec
 
 from services.gateway.request_limits import (
     IGNORED_FIELDS,
+    MAX_LOGIT_BIAS,
     RANGES,
     STREAM_OPTIONS,
     UNSUPPORTED_UNLESS,
@@ -37,7 +38,10 @@ def _integer(field: str) -> Schema:
 def _number(field: str) -> Schema:
     valid = RANGES[field]
     lower = "exclusiveMinimum" if valid.exclusive_minimum else "minimum"
-    return {"type": "number", lower: valid.minimum, "maximum": valid.maximum}
+    schema = {"type": "number", lower: valid.minimum}
+    if valid.maximum is not None:
+        schema["maximum"] = valid.maximum
+    return schema
 
 
 def _request(endpoint_fields: dict[str, Schema], required: list[str], model_id: str) -> Schema:
@@ -53,7 +57,25 @@ def _request(endpoint_fields: dict[str, Schema], required: list[str], model_id: 
         "stop": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]},
         "stop_token_ids": _nullable({"type": "array", "items": _integer("stop_token_ids")}),
         "ignore_eos": {"type": ["boolean", "null"]},
-        "n": _nullable({**_integer("n"), "description": "Only 1 is supported."}),
+        "min_p": _nullable({**_number("min_p"), "description": "vLLM's extension: drop tokens less likely than "
+                            "min_p times the likeliest, at the request's temperature."}),
+        "min_tokens": _nullable({**_integer("min_tokens"), "description": "vLLM's extension: end-of-sequence and "
+                                 "stop tokens (and stop strings) end nothing before this many tokens; at most "
+                                 "max_tokens."}),
+        "presence_penalty": _nullable({**_number("presence_penalty"), "description": "Subtracted once from the "
+                                       "logit of every token generated so far."}),
+        "frequency_penalty": _nullable({**_number("frequency_penalty"), "description": "Subtracted from a "
+                                        "token's logit once per time it was generated so far."}),
+        "repetition_penalty": _nullable({**_number("repetition_penalty"), "description": "vLLM's extension: a "
+                                         "token seen in the prompt or generated has a positive logit divided by "
+                                         "it, a negative one multiplied by it."}),
+        "logit_bias": _nullable({
+            "type": "object", "maxProperties": MAX_LOGIT_BIAS, "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "additionalProperties": _number("logit_bias"),
+            "description": "Token id (of the model's vocabulary) -> bias added to its logit before sampling.",
+        }),
+        "n": _nullable({**_integer("n"), "description": "Choices to generate: the prompt is prefilled once and "
+                        "its KV blocks shared by them; usage counts the prompt once."}),
         "stream": {"type": ["boolean", "null"]},
         "stream_options": _nullable({
             "type": "object",
@@ -120,6 +142,35 @@ def _schemas(model_id: str) -> dict[str, Schema]:
             },
         }
 
+    token_bytes = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}
+    logprob = {"type": "number", "description": "-9999.0 for a token a control masked."}
+    top_entry = {
+        "type": "object",
+        "required": ["token", "logprob", "bytes"],
+        "properties": {"token": {"type": "string"}, "logprob": logprob, "bytes": token_bytes},
+    }
+    chat_logprobs = {
+        "type": "object",
+        "required": ["content"],
+        "properties": {
+            "content": {"type": "array", "items": {
+                "type": "object",
+                "required": ["token", "logprob", "bytes", "top_logprobs"],
+                "properties": {**top_entry["properties"], "top_logprobs": {"type": "array", "items": top_entry}},
+            }},
+            "refusal": {"type": "null"},
+        },
+    }  # fmt: skip
+    completion_logprobs = {
+        "type": "object",
+        "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+        "properties": {
+            "tokens": {"type": "array", "items": {"type": "string"}},
+            "token_logprobs": {"type": "array", "items": logprob},
+            "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": logprob}},
+            "text_offset": {"type": "array", "items": {"type": "integer"}},
+        },
+    }
     chat_choice = {
         "type": "object",
         "required": ["index", "message", "finish_reason"],
@@ -129,14 +180,17 @@ def _schemas(model_id: str) -> dict[str, Schema]:
                 "type": "object",
                 "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}},
             },
+            "logprobs": {"anyOf": [_ref("ChatLogprobs"), {"type": "null"}]},
             "finish_reason": finish_reason,
         },
     }
     text_choice = {
         "type": "object",
         "required": ["index", "text", "finish_reason"],
-        "properties": {"index": {"type": "integer"}, "text": {"type": "string"}, "finish_reason": finish_reason},
-    }
+        "properties": {"index": {"type": "integer"}, "text": {"type": "string"},
+                       "logprobs": {"anyOf": [_ref("CompletionLogprobs"), {"type": "null"}]},
+                       "finish_reason": finish_reason},
+    }  # fmt: skip
     model_card = {
         "type": "object",
         "required": ["id", "object", "created", "owned_by"],
@@ -153,11 +207,27 @@ def _schemas(model_id: str) -> dict[str, Schema]:
             {
                 "messages": {"type": "array", "items": message, "minItems": 1},
                 "max_completion_tokens": _nullable(_integer("max_completion_tokens")),
+                "logprobs": {"type": ["boolean", "null"], "description": "Return each generated token's logprob "
+                             "(read after logit bias, min_tokens and penalties, before temperature, top-k, top-p "
+                             "and min-p)."},
+                "top_logprobs": _nullable({**_integer("top_logprobs"), "description": "With logprobs: true, "
+                                           "also this many likeliest tokens per position."}),
             },
             ["model", "messages"],
             model_id,
         ),
-        "CompletionRequest": _request({"prompt": prompt}, ["model", "prompt"], model_id),
+        "CompletionRequest": _request(
+            {
+                "prompt": prompt,
+                "logprobs": _nullable({**_integer("logprobs"), "description": "Return each generated token's "
+                                       "logprob and this many likeliest tokens per position (vLLM's maximum, "
+                                       "20; read as for chat)."}),
+            },
+            ["model", "prompt"],
+            model_id,
+        ),
+        "ChatLogprobs": chat_logprobs,
+        "CompletionLogprobs": completion_logprobs,
         "ChatCompletion": completion_object("chat.completion", chat_choice),
         "Completion": completion_object("text_completion", text_choice),
         "Usage": usage,

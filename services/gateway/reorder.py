@@ -53,7 +53,8 @@ def _trim(chunk: TokenChunk, next_index: int) -> TokenChunk | None:
     tokens = chunk.token_ids[skip:]
     if not tokens and chunk.finish_reason is None:
         return None
-    return msgspec.structs.replace(chunk, index=next_index, token_ids=tokens)
+    logprobs = None if chunk.logprobs is None else chunk.logprobs[skip:]
+    return msgspec.structs.replace(chunk, index=next_index, token_ids=tokens, logprobs=logprobs)
 
 
 def _covers_more(new: TokenChunk, old: TokenChunk) -> bool:

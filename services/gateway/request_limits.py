@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from libs.common.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N
 from services.gateway.errors import BodyTooLargeError, InvalidParameterError, UnsupportedEncodingError
 
 MAX_BODY_BYTES = 1024**2  # a request body, after its Content-Encoding is undone
@@ -24,17 +25,20 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch's generators and msgpac
 
 @dataclass(frozen=True)
 class Range:
-    """The values a numeric field may take: [minimum, maximum], or (minimum, maximum]."""
+    """The values a numeric field may take: [minimum, maximum], or (minimum, maximum];
+    no maximum: any number above the minimum (JSON has no infinity)."""
 
     minimum: int | float
-    maximum: int | float
+    maximum: int | float | None
     exclusive_minimum: bool = False
 
     def __contains__(self, value: int | float) -> bool:
         above = value > self.minimum if self.exclusive_minimum else value >= self.minimum
-        return above and value <= self.maximum  # exact for any int: no float conversion
+        return above and (self.maximum is None or value <= self.maximum)  # exact for any int: no float conversion
 
     def __str__(self) -> str:
+        if self.maximum is None:
+            return f"{'(' if self.exclusive_minimum else '['}{self.minimum}, ∞)"
         return f"{'(' if self.exclusive_minimum else '['}{self.minimum}, {self.maximum}]"
 
 
@@ -42,22 +46,31 @@ class Range:
 RANGES: dict[str, Range] = {
     "max_tokens": Range(1, INT32_MAX),
     "max_completion_tokens": Range(1, INT32_MAX),
-    "n": Range(1, 1),
+    "n": Range(1, MAX_N),
     "temperature": Range(0.0, 100.0),
     "top_p": Range(0.0, 1.0, exclusive_minimum=True),
     "top_k": Range(-1, INT32_MAX),  # vLLM: -1 and 0 mean "no top-k cut"
     "seed": Range(INT64_MIN, INT64_MAX),
     "stop_token_ids": Range(0, INT32_MAX),
     "prompt": Range(0, INT32_MAX),  # token ids
+    "presence_penalty": Range(-2.0, 2.0),
+    "frequency_penalty": Range(-2.0, 2.0),
+    "repetition_penalty": Range(0.0, None, exclusive_minimum=True),  # vLLM: any number above 0
+    "min_p": Range(0.0, 1.0),
+    "min_tokens": Range(0, INT32_MAX),  # and at most max_tokens
+    "logit_bias": Range(-100.0, 100.0),  # each bias; the keys are token ids of the model's vocabulary
+    "top_logprobs": Range(0, MAX_LOGPROBS),  # chat
+    "logprobs": Range(0, MAX_LOGPROBS),  # completions (OpenAI's maximum is 5, vLLM's 20)
 }
 
 # The fields each endpoint reads. Any other field is refused, as OpenAI refuses an
 # unrecognized argument, so a client never gets an answer that ignored what it asked.
 SHARED_FIELDS = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "n",
     "stream", "stream_options",
 })  # fmt: skip
-CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens"}
+CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = SHARED_FIELDS | {"prompt"}
 # Accepted (type-checked) and ignored: they ask nothing of the answer itself.
 IGNORED_FIELDS: dict[str, type] = {
@@ -66,14 +79,6 @@ IGNORED_FIELDS: dict[str, type] = {
 }  # fmt: skip
 # Features kvserve does not implement: accepted only as null or the value that turns them off.
 UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "repetition_penalty": (1,),
-    "min_p": (0,),
-    "min_tokens": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),

@@ -72,7 +72,7 @@ class RequestMetrics:
             self.itl.observe(later - earlier)
         self.prompt_tokens.inc(text.num_prompt_tokens)
         self.cached_tokens.inc(text.num_cached_tokens)
-        self.generation_tokens.inc(text.num_completion_tokens)
+        self.generation_tokens.inc(generation.usage().completion_tokens)  # every sequence's, for n > 1
         self.migrations.inc(run.migrations)
         if reason == ERROR:
             self.errors.inc()

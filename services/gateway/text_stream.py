@@ -7,14 +7,14 @@ Knows nothing of NATS or HTTP.
 """
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from libs.common.vocabulary import FinishReason
 from libs.common.model.stopping import StopChecker
 from libs.common.model.tokenizer import Tokenizer
 from libs.common.sampling_params import SamplingParams
-from libs.common.schema import TokenChunk
+from libs.common.schema import TokenChunk, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,9 @@ class Delta:
     text: str  # new text that is safe to show (may be empty)
     finish_reason: str | None = None  # set on the last delta
     stopped_early: bool = False  # finished here while the workers still run: cancel them
+    token_ids: list[int] = field(default_factory=list)  # the tokens it accounts for (each counted in usage)
+    logprobs: list[TokenLogprobs] | None = None  # theirs, when the request asked for them
+    choice: int = 0  # which of the request's sequences it is the text of
 
 
 class TextStream:
@@ -68,13 +71,16 @@ class TextStream:
             if self._checker.finish_reason is not None:
                 self._cut_by_stop_string = self._checker.finish_reason == FinishReason.STOP and not is_stop_token
                 break
+        used = len(pieces)
+        tokens = {"token_ids": chunk.token_ids[:used],
+                  "logprobs": None if chunk.logprobs is None else chunk.logprobs[:used]}  # fmt: skip
         if self._checker.finish_reason is not None:
-            return self._finish(self._checker.finish_reason.value, stopped_early=chunk.finish_reason is None)
+            return replace(self._finish(self._checker.finish_reason.value, chunk.finish_reason is None), **tokens)
         if chunk.finish_reason is not None:  # the worker ended it
-            return self._finish(chunk.finish_reason)
+            return replace(self._finish(chunk.finish_reason), **tokens)
         text = "".join(pieces)
         self._num_shown += len(text)
-        return Delta(text)
+        return Delta(text, **tokens)
 
     def fail(self) -> Delta:
         """The request failed: release the text not shown yet, with the finish reason "error"."""
@@ -118,13 +124,18 @@ class TokenSource(Protocol):
     async def cancel(self, reason: str) -> None: ...
 
 
-async def stream_deltas(source: TokenSource, text: TextStream) -> AsyncIterator[Delta]:
-    """The request's text deltas, up to and including the one with the finish reason."""
+async def stream_deltas(source: TokenSource, texts: list[TextStream]) -> AsyncIterator[Delta]:
+    """The request's text deltas, one TextStream per sequence (choice), up to and
+    including the one with the finish reason of the last to finish."""
     while True:
         for chunk in await source.next_chunks():
-            delta = text.feed(chunk)
-            if delta.stopped_early:  # a stop string: the workers would go on to max_tokens
+            text = texts[chunk.choice]
+            if text.finish_reason is not None:
+                continue  # a stop string ended this one here while the workers went on
+            delta = replace(text.feed(chunk), choice=chunk.choice)
+            done = all(t.finish_reason is not None for t in texts)
+            if delta.stopped_early and done:  # a stop string: the workers would go on to max_tokens
                 await source.cancel("stop")
             yield delta
-            if delta.finish_reason is not None:
+            if done:
                 return

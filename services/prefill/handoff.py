@@ -155,15 +155,16 @@ class Handoff:
     def _prompt_blocks(self, seq: Sequence) -> list[int]:
         return seq.block_table[: self.host.engine.cache.blocks_needed(seq.num_prompt_tokens)]
 
-    async def complete(self, transfer: Transfer, seq: Sequence) -> None:
-        """Wait for the last byte, then hand the request over; release everything on failure."""
+    async def complete(self, transfer: Transfer, seq: Sequence, first_token_ids: list[int] = ()) -> None:
+        """Wait for the last byte, then hand the request over (for n > 1 with every
+        sequence's first token); release everything on failure."""
         try:
             if transfer.writer is None:  # not streamed layer by layer: ship whole blocks now
                 await self.start_streaming(transfer)
                 transfer.writer.submit(self.block_spans(transfer, seq))
             await self.host.transfers.finish(transfer.writer)
             transfer.state = State.WRITTEN
-            await self._hand_over(transfer, seq)
+            await self._hand_over(transfer, seq, list(first_token_ids))
             transfer.state = State.HANDED_OVER
         except TransferError as e:
             await self.release(transfer)
@@ -172,7 +173,7 @@ class Handoff:
             await self.release(transfer)
             raise
 
-    async def _hand_over(self, transfer: Transfer, seq: Sequence) -> None:
+    async def _hand_over(self, transfer: Transfer, seq: Sequence, first_token_ids: list[int]) -> None:
         handoff = HandoffRequest(
             request_id=transfer.request.request_id,
             token_ids=seq.token_ids,
@@ -180,6 +181,8 @@ class Handoff:
             num_cached_tokens=seq.num_cached_tokens,
             sampling=transfer.request.sampling,
             block_ids=transfer.lease.block_ids,
+            num_prior_output_tokens=seq.num_prior_output_tokens,
+            first_token_ids=first_token_ids,
         )
         try:
             ack = await self._ask_while_alive(transfer.decode_id, subjects.decode_admit(transfer.decode_id), handoff,

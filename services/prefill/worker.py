@@ -18,8 +18,9 @@ import statistics
 import time
 from collections import deque
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+import torch
 from nats.aio.msg import Msg
 
 from libs.common import failpoints, subjects
@@ -75,7 +76,8 @@ class PrefillWorker(Service):
             metrics=self.metrics, decodes=False,
         )  # fmt: skip
         self.engine = self.host.engine
-        self.finish_rule = token_stop(set(self.host.loaded.tokenizer.eos_token_ids), self.engine.max_model_len)
+        self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
+        self.finish_rule = token_stop(self.eos_ids, self.engine.max_model_len)
         self.in_flight: dict[str, Job] = {}  # taken, not yet finished
         self.ready: dict[str, Job] = {}  # prepared: the steps choose their chunks from these
         self._work = asyncio.Event()  # a job became ready
@@ -105,11 +107,12 @@ class PrefillWorker(Service):
 
     async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
         try:
-            request.sampling.validate()
+            request.sampling.validate(self.engine.model.config.vocab_size)
             self.engine.check_prompt(len(request.prompt_token_ids))
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
-        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
+        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
+                                   request.num_prior_output_tokens)  # fmt: skip
         now = asyncio.get_running_loop().time()
         deadline = None if request.ttft_budget_s is None else now + request.ttft_budget_s
         job = Job(request, seq, now, deadline)
@@ -150,9 +153,9 @@ class PrefillWorker(Service):
                     await self._fail(job, ErrorInfo(code=ErrorCode.INTERNAL, message=f"prefill failed: {e}"))
                 continue
             self._observe_step(chunk, time.perf_counter() - started)
-            for job, out in finished:
+            for job, outs in finished:
                 self.ready.pop(job.request.request_id, None)
-                self.spawn(self._finish(job, out))
+                self.spawn(self._finish(job, outs))
 
     def _next_chunk(self, now: float) -> list[tuple[Job, int]]:
         """The next step: up to ``max_chunk_tokens`` prompt tokens, from the ready jobs in
@@ -261,10 +264,11 @@ class PrefillWorker(Service):
             seq.block_hashes = []
             raise
 
-    def _compute(self, chunk: list[tuple[Job, int]]) -> list[tuple[Job, TokenOutput]]:
+    def _compute(self, chunk: list[tuple[Job, int]]) -> list[tuple[Job, list[TokenOutput]]]:
         """Engine thread: compute one step, shipping each layer of the prompts it
         completes to their decode worker as soon as it is computed; sample their first
-        tokens."""
+        tokens (a request for n sequences: n of them, from its prompt's logits; only
+        the decode worker holds the other sequences' KV)."""
         by_seq = {id(job.seq): job for job, _ in chunk}
 
         def ship(layer: int, done: list[Sequence]) -> None:
@@ -277,29 +281,39 @@ class PrefillWorker(Service):
         if logits is None:
             return []
         done = [job for job, _ in chunk if job.tokens_left == 0]
-        return list(zip(done, sample_tokens([job.seq for job in done], logits, self.finish_rule)))
+        seqs, rows = [], []
+        for row, job in enumerate(done):
+            choices = [job.seq] + [replace(job.seq, token_ids=list(job.seq.token_ids), block_table=[],
+                                           block_hashes=[], choice=c) for c in range(1, job.seq.params.n)]  # fmt: skip
+            seqs += choices
+            rows += [row] * len(choices)
+        if len(seqs) > len(done):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        outs = sample_tokens(seqs, logits, self.finish_rule, self.eos_ids)
+        return [(job, [out for out in outs if out.seq.request_id == job.request.request_id]) for job in done]
 
-    async def _finish(self, job: Job, out: TokenOutput) -> None:
+    async def _finish(self, job: Job, outs: list[TokenOutput]) -> None:
         seq, request_id = job.seq, job.request.request_id
         cancelled = request_id in self.cancelled
         if not cancelled:
-            chunk = token_chunk(out, self.instance_id)
-            if out.finish_reason is None and job.transfer is not None:
-                chunk.decode_id = job.transfer.decode_id  # the gateway takes the next tokens from it
-            await self.publish(subjects.tokens(request_id, self.instance_id), chunk)
-        if out.finish_reason is not None or cancelled or request_id in self.cancelled:
+            for out in outs:
+                chunk = token_chunk(out, self.instance_id)
+                if out.finish_reason is None and job.transfer is not None:
+                    chunk.decode_id = job.transfer.decode_id  # the gateway takes the next tokens from it
+                await self.publish(subjects.tokens(request_id, self.instance_id), chunk)
+        if all(out.finish_reason is not None for out in outs) or cancelled or request_id in self.cancelled:
             await self.handoff.release(job.transfer)
         else:
-            await self._hand_over(job)
+            await self._hand_over(job, [out.token_id for out in outs] if len(outs) > 1 else [])
         if self.store is not None:
             await self.store.write_back(seq)  # holds the blocks until the store has the bytes
         await self._drop(job)
 
-    async def _hand_over(self, job: Job) -> None:
+    async def _hand_over(self, job: Job, first_token_ids: list[int]) -> None:
         """Finish the hand-off; if it fails, retry once on another decode worker."""
         request_id = job.request.request_id
         try:
-            await self.handoff.complete(job.transfer, job.seq)
+            await self.handoff.complete(job.transfer, job.seq, first_token_ids)
             return
         except HandoffError as e:
             failed, error = job.transfer.decode_id, e
@@ -311,7 +325,7 @@ class PrefillWorker(Service):
                 moved = TokenChunk(request_id=request_id, index=1, instance_id=self.instance_id,
                                    decode_id=job.transfer.decode_id)  # fmt: skip
                 await self.publish(subjects.tokens(request_id, self.instance_id), moved)
-                await self.handoff.complete(job.transfer, job.seq)
+                await self.handoff.complete(job.transfer, job.seq, first_token_ids)
                 self.log.info("hand-off of %s retried on %s", request_id, job.transfer.decode_id)
                 return
             except HandoffError as e:

@@ -8,6 +8,8 @@ import urllib.request
 from collections.abc import Iterator
 from http.client import HTTPResponse
 
+import pytest
+
 from libs.common.model.engine import EngineConfig
 from libs.common.model.generator import Generator
 from libs.common.model.loader import build_engine
@@ -18,11 +20,11 @@ MODEL = "SmolLM2-135M-Instruct"
 STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and a storm."}]
 
 
-def reference(smollm, messages, max_tokens: int) -> str:
+def reference(smollm, messages, max_tokens: int, **controls) -> str:
     """What the engine says in one process, greedy, ignoring end-of-sequence."""
     engine = build_engine(smollm, EngineConfig(num_blocks=128, enable_prefix_cache=False))
     prompt = smollm.tokenizer.encode_chat(messages)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **controls)
     return Generator(engine, smollm.tokenizer).generate([prompt], params)[0].text
 
 
@@ -49,15 +51,20 @@ def finish_chunk(evs: list) -> dict:
     return next(e for e in evs if isinstance(e, dict) and e.get("choices") and e["choices"][0]["finish_reason"])
 
 
-def body(max_tokens: int) -> dict:
+def body(max_tokens: int, **controls) -> dict:
     return {"model": MODEL, "messages": STORY, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+            "stream": True, **controls}  # fmt: skip
 
 
-def test_a_decode_worker_killed_mid_stream_hands_the_request_on_and_the_text_is_unchanged(smollm):
+# penalties count every token generated: after the move, those the first decode worker made too
+PENALTIES = {"frequency_penalty": 0.6, "presence_penalty": 0.3, "repetition_penalty": 1.2}
+
+
+@pytest.mark.parametrize("controls", [{}, PENALTIES], ids=["plain", "penalties"])
+def test_a_decode_worker_killed_mid_stream_hands_the_request_on_and_the_text_is_unchanged(smollm, controls):
     cluster = start_cluster(prefill=1, decode=2)
     try:
-        with post(cluster.gateway_url, body(64)) as r:
+        with post(cluster.gateway_url, body(64, **controls)) as r:
             assert r.status == 200
             victim = r.headers["x-kvserve-decode-instance"]
             stream = events(r)
@@ -67,7 +74,7 @@ def test_a_decode_worker_killed_mid_stream_hands_the_request_on_and_the_text_is_
             cluster.kill(victim)
             seen += list(stream)
         assert seen[-1] == "[DONE]" and not any("error" in e for e in seen if isinstance(e, dict))
-        assert text_of(seen) == reference(smollm, STORY, 64)
+        assert text_of(seen) == reference(smollm, STORY, 64, **controls)
         finish = finish_chunk(seen)
         survivor = {"decode-0": "decode-1", "decode-1": "decode-0"}[victim]
         assert finish["choices"][0]["finish_reason"] == "length"

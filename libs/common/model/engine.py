@@ -234,6 +234,16 @@ class Engine:
         return input_ids, torch.tensor(positions, device=self.device), batch
 
     @torch.inference_mode()
+    def fork(self, seq: Sequence, choice: int) -> Sequence:
+        """Another sequence of ``seq``'s request, sharing its prompt's KV blocks; the
+        partly filled last block is copied (`KVCacheManager.fork`)."""
+        sibling, copy = self.cache.fork(seq, choice)
+        if copy is not None:
+            source, target = copy
+            self.pool.kv[target].copy_(self.pool.kv[source])  # every layer's K and V of the block
+        return sibling
+
+    @torch.inference_mode()
     def warmup(self) -> None:
         """Compile the decode step (a no-op when compiling is off or already done).
 

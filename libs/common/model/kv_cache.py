@@ -5,6 +5,8 @@ Ties `block_pool.py` (who owns which block) to `hashing.py` (what a block is
 called); it touches no tensors.
 """
 
+from dataclasses import replace
+
 from libs.common.hashing import block_hashes, hash_block, ROOT
 from libs.common.model.block_pool import BlockListener, BlockPool
 from libs.common.model.sequence import Sequence
@@ -81,6 +83,24 @@ class KVCacheManager:
     def attach(self, seq: Sequence, block_ids: list[int]) -> None:
         """Append blocks the caller already holds a reference on (e.g. filled by a transfer)."""
         seq.block_table.extend(block_ids)
+
+    def fork(self, seq: Sequence, choice: int) -> tuple[Sequence, tuple[int, int] | None]:
+        """Another sequence of ``seq``'s request (its ``choice``), sharing its computed KV:
+        one more reference on each full block, and a fresh block for a partly filled
+        last one, since each sequence writes its own next tokens there (copy on write,
+        done at once). Returns the new sequence and the (source, copy) block ids whose
+        KV the caller copies, or None. Right after a prefill only, when ``seq``'s blocks
+        hold its computed tokens and nothing more."""
+        if self.blocks_needed(seq.num_computed_tokens) != len(seq.block_table):
+            raise ValueError(f"{seq.request_id}: only a sequence whose blocks hold exactly its computed KV forks")
+        num_full = seq.num_computed_tokens // self.block_size
+        shared = seq.block_table[:num_full]
+        fresh = self.block_pool.allocate(len(seq.block_table) - num_full)  # first: it may raise
+        self.block_pool.touch(shared)
+        copy = (seq.block_table[num_full], fresh[0]) if fresh else None
+        sibling = replace(seq, token_ids=list(seq.token_ids), block_table=shared + fresh,
+                          block_hashes=list(seq.block_hashes), choice=choice)  # fmt: skip
+        return sibling, copy
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Hash and publish every block of ``seq`` that is full and computed but not yet named."""

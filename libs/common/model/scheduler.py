@@ -24,10 +24,11 @@ import torch
 
 from libs.common.model.engine import Engine
 from libs.common.model.kv_cache import KVCacheManager
-from libs.common.model.sampling import sample
+from libs.common.model.sampling import sample_sequences
 from libs.common.model.sequence import Sequence
 from libs.common.model.stopping import check_finish
 from libs.common.prefill_order import Work, plan
+from libs.common.schema import TokenLogprobs
 from libs.common.vocabulary import FinishReason
 
 # Whether the token just appended to a sequence ends it, and why.
@@ -46,20 +47,23 @@ class TokenOutput:
     token_id: int
     index: int  # position of this token among the sequence's generated tokens
     finish_reason: FinishReason | None
+    logprobs: TokenLogprobs | None = None  # when its request asked for them
 
     @property
     def request_id(self) -> str:
         return self.seq.request_id
 
 
-def sample_tokens(seqs: list[Sequence], logits: torch.Tensor, stop: Stop) -> list[TokenOutput]:
+def sample_tokens(
+    seqs: list[Sequence], logits: torch.Tensor, stop: Stop, eos_token_ids: Collection[int]
+) -> list[TokenOutput]:
     """Sample one token per sequence from ``logits`` ([B, V]), append it, and say
-    whether it ends the sequence. The one sampling path of every engine loop."""
-    tokens = sample(logits, [s.params for s in seqs], [s.num_output_tokens for s in seqs])
+    whether it ends the sequence. The one sampling path of every engine loop
+    (``eos_token_ids``: what min_tokens keeps a sequence from drawing)."""
     outputs = []
-    for seq, token in zip(seqs, tokens):
-        seq.append_token(token)
-        outputs.append(TokenOutput(seq, token, seq.num_output_tokens - 1, stop(seq)))
+    for seq, sampled in zip(seqs, sample_sequences(logits, seqs, eos_token_ids)):
+        seq.append_token(sampled.token_id)
+        outputs.append(TokenOutput(seq, sampled.token_id, seq.num_output_tokens - 1, stop(seq), sampled.logprobs))
     return outputs
 
 
@@ -104,9 +108,11 @@ class StepFailed(Exception):
 
 class Scheduler:
     def __init__(self, cache: KVCacheManager, stop: Stop, max_batch_size: int = 64,
-                 prefill_time: Callable[[Sequence], float] | None = None) -> None:  # fmt: skip
+                 prefill_time: Callable[[Sequence], float] | None = None,
+                 eos_token_ids: Collection[int] = ()) -> None:  # fmt: skip
         self.cache = cache
         self.stop = stop
+        self.eos_token_ids = eos_token_ids  # masked while a sequence is short of its min_tokens
         self.max_batch_size = max_batch_size
         # predicted seconds of prefill a sequence has left (ordering sequences added with a Due)
         self.prefill_time = prefill_time or (lambda seq: 1e-3 * (seq.num_tokens - seq.num_computed_tokens))
@@ -138,12 +144,12 @@ class Scheduler:
         self.running.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Finish a sequence where it stands and free its blocks; None if it is not here."""
-        for seq in [*self.waiting, *self.running]:
-            if seq.request_id == request_id:
-                self.finish(seq, FinishReason.ABORT)
-                return seq
-        return None
+        """Finish a request's sequences where they stand and free their blocks; the first
+        of them, or None if none is here."""
+        found = [seq for seq in [*self.waiting, *self.running] if seq.request_id == request_id]
+        for seq in found:
+            self.finish(seq, FinishReason.ABORT)
+        return found[0] if found else None
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish_reason = reason
@@ -180,7 +186,7 @@ class Scheduler:
     def update(self, batch: Batch, logits: torch.Tensor) -> list[TokenOutput]:
         """Sample the step's tokens; prefilled sequences join the running batch,
         finished ones leave it and free their blocks."""
-        outputs = sample_tokens(batch.seqs, logits, self.stop)
+        outputs = sample_tokens(batch.seqs, logits, self.stop, self.eos_token_ids)
         for out in outputs:
             if batch.is_prefill:
                 self.running.append(out.seq)
@@ -223,7 +229,7 @@ class Scheduler:
                 if not self._can_ever_fit(seq):
                     continue
                 cache.match_prefix(seq)
-                headroom = (len(self.running) + len(admitted)) * cache.block_size
+                headroom = (len(self.running) + len(admitted)) * cache.block_size + self._fork_room(seq)
                 left = seq.num_tokens - seq.num_computed_tokens
                 if left > budget or not cache.can_allocate(seq, seq.num_tokens + headroom):
                     self._reset(seq)  # it would be a second partial one, or it does not fit now
@@ -243,7 +249,7 @@ class Scheduler:
                     continue
                 cache.match_prefix(seq)
                 # leave one block of headroom per running sequence for its next decode steps
-                headroom = (len(self.running) + len(admitted)) * cache.block_size
+                headroom = (len(self.running) + len(admitted)) * cache.block_size + self._fork_room(seq)
                 if not cache.can_allocate(seq, seq.num_tokens + headroom):
                     self._reset(seq)  # gives back the prefix blocks just matched
                     break
@@ -279,6 +285,11 @@ class Scheduler:
             preempted.append(victim)
         return []
 
+    def _fork_room(self, seq: Sequence) -> int:
+        """Tokens of room the other sequences of a request for n > 1 take when they fork
+        after its prefill (`fan_out`): a copy of its last, partly filled block each."""
+        return (seq.params.n - 1) * self.cache.block_size if seq.num_output_tokens == 0 else 0
+
     def _can_ever_fit(self, seq: Sequence) -> bool:
         return self.cache.blocks_needed(seq.num_tokens) <= self.cache.num_blocks
 
@@ -304,12 +315,40 @@ def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
         logits = None
         if batch.seqs:
             logits = engine.prefill(batch.seqs) if batch.is_prefill else engine.decode_step(batch.seqs)
+        if logits is not None and batch.is_prefill:
+            logits = fan_out(engine, batch, logits)
+            ran = batch.seqs + ([batch.chunk[0]] if batch.chunk is not None else [])  # with the forked ones
     except Exception as e:
         for seq in ran:  # their KV is in an unknown state
             scheduler.finish(seq, FinishReason.ABORT)
         raise StepFailed(ran, e) from e
     outputs = scheduler.update(batch, logits) if logits is not None else []
     return StepResult(outputs, batch.preempted, batch.rejected, computed=True)
+
+
+def fan_out(engine: Engine, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+    """A request that asks for n sequences is prefilled once; after its prefill, its
+    n - 1 other sequences fork from it, sharing its prompt's KV blocks, and join the
+    step with a copy of its logits row (each samples its own first token). Returns
+    the step's logits, one row per sequence of ``batch.seqs`` as it now is."""
+    rows, seqs, forks = [], [], []
+    try:
+        for row, seq in enumerate(batch.seqs):
+            rows.append(row)
+            seqs.append(seq)
+            if seq.params.n > 1 and seq.choice == 0 and seq.num_output_tokens == 0:  # prefilled for the first time
+                for choice in range(1, seq.params.n):
+                    forks.append(engine.fork(seq, choice))
+                    seqs.append(forks[-1])
+                    rows.append(row)
+    except Exception:
+        for fork in forks:  # nothing else knows of them yet
+            engine.cache.free(fork)
+        raise
+    if len(seqs) == len(batch.seqs):
+        return logits
+    batch.seqs = seqs
+    return logits[torch.tensor(rows, device=logits.device)]
 
 
 @torch.inference_mode()

@@ -18,10 +18,16 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the pool
     num_cached_tokens: int = 0  # prompt tokens reused from a cache instead of computed
     finish_reason: FinishReason | None = None
+    # the prompt's last tokens that an earlier attempt at this request generated (it moved
+    # after its worker died): penalties count them as generated, and seeds go on from them
+    num_prior_output_tokens: int = 0
+    choice: int = 0  # which of the request's params.n sequences this is (0 for the first, or the only one)
 
     @classmethod
-    def from_prompt(cls, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> "Sequence":
-        return cls(request_id, list(prompt_ids), len(prompt_ids), params or SamplingParams())
+    def from_prompt(cls, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
+                    num_prior_output_tokens: int = 0) -> "Sequence":  # fmt: skip
+        return cls(request_id, list(prompt_ids), len(prompt_ids), params or SamplingParams(),
+                   num_prior_output_tokens=num_prior_output_tokens)  # fmt: skip
 
     @property
     def num_tokens(self) -> int:
@@ -38,6 +44,16 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_generated(self) -> int:
+        """Tokens generated for the request so far, by this attempt and any earlier one."""
+        return self.num_prior_output_tokens + self.num_output_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """The tokens of ``num_generated``: what presence and frequency penalties count."""
+        return self.token_ids[self.num_prompt_tokens - self.num_prior_output_tokens :]
 
     @property
     def is_finished(self) -> bool:

@@ -1,7 +1,8 @@
 """Turns a sequence's generated tokens into text, and decides when it stops.
 
 Stops on an end-of-sequence or stop token (not shown), on a stop string (the
-text is cut before it), on max_tokens, or when the context window is full.
+text is cut before it; none is looked for in the text of a request's first
+min_tokens tokens, as in vLLM), on max_tokens, or when the context window is full.
 While stop strings are set, the last ``len(longest stop) - 1`` characters are
 held back, so a client never sees the start of a stop string that later
 completes. At the end, the start of a UTF-8 character that no token completed is
@@ -85,6 +86,8 @@ class StopChecker:
         return delta
 
     def _check_stop_strings(self, before: int) -> None:
+        if self.num_tokens < self.params.min_tokens:  # vLLM's min_tokens: no stop string ends it before
+            return
         for stop in self.params.stop:
             at = self.text.find(stop, max(0, before - len(stop) + 1))
             if at != -1:

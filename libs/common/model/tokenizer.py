@@ -12,7 +12,7 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 from libs.common.errors import InvalidRequestError, ModelNotFoundError
 
@@ -25,6 +25,10 @@ class Tokenizer:
         self.eos_token = _token_text(config.get("eos_token"))
         self.eos_token_ids = list(eos_token_ids)
         self._template: jinja2.Template | None = None
+        self._byte_of: dict[str, int] | None = None  # byte-level BPE's alphabet, read back to bytes
+        if isinstance(tokenizer.decoder, ByteLevel):
+            self._byte_of = {char: byte for byte, char in enumerate(byte_level_alphabet())}
+        self._special = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
 
     @classmethod
     def from_dir(cls, path: Path, eos_token_ids: list[int]) -> "Tokenizer":
@@ -50,6 +54,17 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (part of a UTF-8 character, for some): a
+        byte-level BPE token read back through its alphabet; an added token's text, or
+        any other tokenizer's decode of the token alone, as UTF-8."""
+        if token_id in self._special:
+            return self._special[token_id].encode()
+        piece = self._tok.id_to_token(token_id)
+        if self._byte_of is not None and piece is not None and all(c in self._byte_of for c in piece):
+            return bytes(self._byte_of[c] for c in piece)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode()
 
     def decode_stream(self, skip_special_tokens: bool = True) -> "TokenTextStream":
         return TokenTextStream(self._tok, skip_special_tokens)
@@ -87,6 +102,20 @@ class TokenTextStream:
 
     def step(self, token_id: int) -> str:
         return self._stream.step(self._tok, token_id) or ""
+
+
+def byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte 0..255
+    (printable bytes for themselves, the rest shifted past U+00FF)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, shifted = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + shifted)
+            shifted += 1
+    return [chars[byte] for byte in range(256)]
 
 
 def _token_text(token: str | dict | None) -> str | None:

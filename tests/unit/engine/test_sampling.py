@@ -101,3 +101,13 @@ def test_a_stop_string_cut_leaves_no_tail(smollm):
         if checker.finish_reason is not None:
             break
     assert shown == checker.text == "ab " and checker.undecoded_tail() == ""
+
+
+def test_no_stop_string_ends_the_text_before_min_tokens(smollm):
+    ids = smollm.tokenizer.encode("a b a b", add_special_tokens=False)
+    checker = StopChecker(smollm.tokenizer, SamplingParams(stop=["a"], min_tokens=2, max_tokens=100), 8192, 10)
+    for i in ids:
+        checker.add(i)
+        if checker.finish_reason:
+            break
+    assert checker.num_tokens == 3 and checker.text == "a b " and checker.finish_reason is FinishReason.STOP

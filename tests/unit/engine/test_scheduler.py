@@ -145,7 +145,7 @@ def test_finish_reasons_length_stop_token_and_eos():
 
 def test_the_context_window_ends_a_sequence():
     s = seq("edge", 63)
-    (out,) = sample_tokens([s], logits_for(1), token_stop({EOS}, max_model_len=64))
+    (out,) = sample_tokens([s], logits_for(1), token_stop({EOS}, max_model_len=64), {EOS})
     assert s.num_tokens == 64 and out.finish_reason is FinishReason.LENGTH
 
 

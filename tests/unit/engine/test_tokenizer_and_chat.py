@@ -51,3 +51,12 @@ def test_interactive_chat_keeps_the_conversation(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("> ") == 4  # three inputs read, then end of input
+
+
+def test_token_bytes_are_the_exact_bytes_each_token_stands_for(smollm):
+    tok = smollm.tokenizer
+    text = "ok 😀 héllo"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
+    assert b"\xf0\x9f\x98" in [tok.token_bytes(i)[-3:] for i in ids]  # the emoji split across tokens
+    assert tok.token_bytes(tok.token_to_id("<|im_end|>")) == b"<|im_end|>"

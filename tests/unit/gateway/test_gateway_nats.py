@@ -38,14 +38,15 @@ def chunk(req: PrefillRequest, index: int, tokens: list[int], finish: str | None
 
 
 def hello_world(req: PrefillRequest) -> list[TokenChunk]:
-    """Prefill's token 0 and decode's tokens, published decode-first and out of order."""
-    return [
-        chunk(req, 5, ids(" world"), instance_id="decode-b"),
-        chunk(req, 1, ids("ello"), instance_id="decode-b"),
-        chunk(req, 11, [EOS], "stop", instance_id="decode-b"),
+    """Prefill's token 0 and decode's tokens, published decode-first and out of order
+    (for each of the request's n sequences)."""
+    return [c for choice in range(req.sampling.n) for c in [
+        chunk(req, 5, ids(" world"), instance_id="decode-b", choice=choice),
+        chunk(req, 1, ids("ello"), instance_id="decode-b", choice=choice),
+        chunk(req, 11, [EOS], "stop", instance_id="decode-b", choice=choice),
         chunk(req, 0, ids("H"), num_prompt_tokens=len(req.prompt_token_ids), num_cached_tokens=16,
-              instance_id="prefill-a"),
-    ]  # fmt: skip
+              instance_id="prefill-a", choice=choice),
+    ]]  # fmt: skip
 
 
 class FakeCluster:
@@ -345,3 +346,27 @@ async def test_no_token_within_the_request_timeout_is_504_and_cancelled(start_ga
         await client.chat.completions.create(model="tiny-llama", messages=MESSAGES)
     assert e.value.status_code == 504
     assert (await cluster.next_cancel()).reason == "timeout"
+
+
+async def test_n_choices_stream_with_their_index_and_usage_counts_the_prompt_once(start_gateway, cluster,
+                                                                                  served_model):  # fmt: skip
+    client = openai_client(await start_gateway())
+    words = {0: "Hello", 1: "Howdy", 2: "Hi"}
+    cluster.script = lambda req: [  # the choices interleaved, one stopped by a stop string the workers know nothing of
+        chunk(req, 0, ids(words[c][0]), choice=c, num_prompt_tokens=len(req.prompt_token_ids)) for c in words
+    ] + [chunk(req, 1, ids(words[c][1:] + " there"), "length", choice=c) for c in words]  # fmt: skip
+    stream = await client.chat.completions.create(model="tiny-llama", messages=MESSAGES, n=3, stop=["wdy"],
+                                                  stream=True, stream_options={"include_usage": True})  # fmt: skip
+    texts, finishes, roles = {}, {}, set()
+    async for c in stream:
+        for choice in c.choices:
+            roles |= {choice.index} if choice.delta.role else set()
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+        usage = c.usage or None
+    assert (cluster.submits.get_nowait().sampling.n, roles) == (3, {0, 1, 2})
+    assert texts == {0: "Hello there", 1: "Ho", 2: "Hi there"}
+    assert finishes == {0: "length", 1: "stop", 2: "length"}
+    num_prompt = len(served_model.tokenizer.encode_chat(MESSAGES))
+    assert (usage.prompt_tokens, usage.completion_tokens) == (num_prompt, 11 + 5 + 8)  # "Howdy": up to the stop

@@ -35,7 +35,7 @@ async def error_of(response) -> tuple[int, str, str | None, str | None]:
     ("/v1/chat/completions", {"model": "tiny-llama"}, "messages"),
     ("/v1/chat/completions", {"messages": MESSAGES}, "model"),
     ("/v1/chat/completions", {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"model": "tiny-llama", "messages": MESSAGES, "n": 3}, "n"),
+    ("/v1/chat/completions", {"model": "tiny-llama", "messages": MESSAGES, "n": 129}, "n"),
     ("/v1/chat/completions", {"model": "tiny-llama", "messages": MESSAGES, "temperature": "x"}, "temperature"),
     ("/v1/chat/completions", {"model": "tiny-llama", "messages": MESSAGES, "temperature": 500}, "temperature"),
     ("/v1/chat/completions", {"model": "tiny-llama", "messages": [{"role": "user", "content": "x" * 300}]},

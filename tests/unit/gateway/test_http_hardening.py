@@ -71,12 +71,36 @@ async def test_json_nested_2000_deep_is_400(client, path):
 @pytest.mark.parametrize("field, value", [
     ("tool_choice", "auto"), ("tools", [{"type": "function", "function": {"name": "f"}}]),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("response_format", {"type": "json_object"}),
-    ("logit_bias", {"5": 1}), ("n", 2), ("logprobs", True), ("top_logprobs", 3), ("frequency_penalty", 1),
-    ("not_a_field", 1),
+    ("best_of", 2), ("not_a_field", 1),
 ])  # fmt: skip
 async def test_unsupported_fields_are_400_naming_the_field(client, field, value):
     response = await client.post("/v1/chat/completions", json={**CHAT, field: value})
     assert await error_of(response) == (400, "invalid_request_error", field)
+
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("/v1/chat/completions", {"frequency_penalty": -2.01}, "frequency_penalty"),
+    ("/v1/chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("/v1/chat/completions", {"min_p": 1.5}, "min_p"),
+    ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
+    ("/v1/chat/completions", {"min_tokens": 11, "max_tokens": 10}, "min_tokens"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 100.5}}, "logit_bias.5"),
+    ("/v1/chat/completions", {"logit_bias": {"5": "up"}}, "logit_bias.5"),
+    ("/v1/chat/completions", {"logit_bias": {"five": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"100000": 1}}, "logit_bias"),  # outside the tiny vocabulary
+    ("/v1/chat/completions", {"logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": [5]}, "logit_bias"),
+    ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),  # chat's is a switch
+    ("/v1/chat/completions", {"top_logprobs": 3}, "top_logprobs"),  # without logprobs: true
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": True}, "logprobs"),  # the completions API's is a count
+    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),  # a chat field
+])  # fmt: skip
+async def test_sampling_controls_out_of_range_are_400_naming_the_field(client, path, fields, param):
+    body = {**(CHAT if path == "/v1/chat/completions" else {"model": "tiny-llama", "prompt": "Hi"}), **fields}
+    assert await error_of(await client.post(path, json=body)) == (400, "invalid_request_error", param)
 
 
 async def test_a_large_body_is_decoded_and_checked_too(client):

@@ -88,8 +88,8 @@ class Cluster:
         self.hashed.append(token_ids)
         return [b"rehashed"]
 
-    def run(self, max_attempts: int = 3) -> MigratingRun:
-        return MigratingRun(ORIGINAL, self.new_attempt, self.block_hashes, max_attempts)
+    def run(self, max_attempts: int = 3, prepared: PreparedRequest = ORIGINAL) -> MigratingRun:
+        return MigratingRun(prepared, self.new_attempt, self.block_hashes, max_attempts)
 
 
 async def read_all(run: MigratingRun) -> list[TokenChunk]:
@@ -113,9 +113,24 @@ async def test_a_dead_decode_worker_resumes_with_the_streamed_tokens_in_the_prom
     assert resumed.prompt_token_ids == PROMPT + ids("Hel") and resumed.sampling.max_tokens == 10 - 3
     assert resumed.block_hashes == [b"rehashed"] and cluster.hashed == [PROMPT + ids("Hel")]
     assert resumed.sampling.temperature == 0.0  # everything else as asked
+    assert resumed.num_prior_output_tokens == 3  # the workers count "Hel" as generated (penalties, seeds)
     assert [(c.index, bytes(c.token_ids).decode()) for c in chunks] == [(0, "H"), (1, "el"), (3, "l"), (4, "o!")]
     assert first.closed == ["moved elsewhere: d0 is gone"] and second.closed == ["exit"]
     assert run.served_by() == {"prefill_instances": ["p0"], "decode_instances": ["d0", "d1"], "migrations": 1}
+
+
+async def test_min_tokens_comes_off_with_the_tokens_delivered():
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [[chunk(0, "H", instance="p0")], [chunk(1, "el", instance="d0")], lost("d0")]},
+        {"route": ("p0", "d1"), "script": [[chunk(0, "l", instance="p0")], [chunk(1, "o!", "stop", instance="d1")]]},
+    )  # fmt: skip
+    original = PreparedRequest("req", PROMPT, SamplingParams(max_tokens=10, min_tokens=5, presence_penalty=1.0),
+                               [b"h1"])  # fmt: skip
+    async with cluster.run(prepared=original) as run:
+        await read_all(run)
+    resumed = cluster.attempts[1].prepared
+    assert (resumed.sampling.min_tokens, resumed.sampling.max_tokens, resumed.num_prior_output_tokens) == (2, 7, 3)
+    assert resumed.sampling.presence_penalty == 1.0
 
 
 async def test_a_dead_prefill_worker_gets_the_request_admitted_again_as_it_came():
@@ -176,7 +191,7 @@ async def test_the_text_of_a_migrated_stream_counts_from_the_original_prompt(ser
     )  # fmt: skip
     text = TextStream(served_model.tokenizer, ORIGINAL.sampling, served_model.max_model_len, len(PROMPT))
     async with cluster.run() as run:
-        deltas = [d async for d in stream_deltas(run, text)]
+        deltas = [d async for d in stream_deltas(run, [text])]
     assert "".join(d.text for d in deltas) == "Hello worl" and deltas[-1].finish_reason == "length"
     assert (text.num_prompt_tokens, text.num_completion_tokens, text.num_cached_tokens) == (5, 10, 4)
     assert cluster.attempts[1].cancels == ["stop"]  # max_tokens reached here: the workers are told to stop

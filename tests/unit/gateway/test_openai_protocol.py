@@ -5,13 +5,8 @@ import pytest
 
 from services.gateway import sse
 from services.gateway.errors import InvalidParameterError
-from services.gateway.openai_protocol import (
-    GenerateRequest,
-    ResponseBodies,
-    Usage,
-    parse_chat_request,
-    parse_completion_request,
-)
+from services.gateway.openai_protocol import GenerateRequest, parse_chat_request, parse_completion_request
+from services.gateway.response_bodies import ResponseBodies, Usage
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 
@@ -31,6 +26,20 @@ def test_every_supported_field_is_read():
         seed=42, stop=("END",), stop_token_ids=(5, 6), ignore_eos=True, stream=True, include_usage=True,
         user="alice",  # read for session affinity
     )  # fmt: skip
+
+
+def test_the_sampling_controls_are_read():
+    req = parse_chat_request({
+        **CHAT, "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2, "min_p": 0.1,
+        "min_tokens": 3, "logit_bias": {"7": -100, "42": 2.5}, "logprobs": True, "top_logprobs": 5,
+    })  # fmt: skip
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty, req.min_p, req.min_tokens) == (
+        0.5, -1.0, 1.2, 0.1, 3)  # fmt: skip
+    assert req.logit_bias == {7: -100.0, 42: 2.5} and req.logprobs == 5
+    assert parse_chat_request({**CHAT, "logprobs": True}).logprobs == 0  # the sampled token's alone
+    assert parse_chat_request({**CHAT, "logprobs": False, "top_logprobs": 0}).logprobs is None
+    assert parse_completion_request({"model": "m", "prompt": "x", "logprobs": 20}).logprobs == 20
+    assert parse_completion_request({"model": "m", "prompt": "x", "logprobs": 0}).logprobs == 0
 
 
 def test_max_completion_tokens_wins_over_max_tokens():
@@ -79,7 +88,7 @@ BAD_CHAT = [
     ({**CHAT, "top_p": [1]}, "top_p"),
     ({**CHAT, "top_k": 1.5}, "top_k"),
     ({**CHAT, "seed": "x"}, "seed"),
-    ({**CHAT, "n": 2}, "n"),
+    ({**CHAT, "n": 0}, "n"),
     ({**CHAT, "stream": "yes"}, "stream"),
     ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
     ({**CHAT, "stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
@@ -89,9 +98,12 @@ BAD_CHAT = [
     ({**CHAT, "stop_token_ids": ["a"]}, "stop_token_ids"),
     ({**CHAT, "stop_token_ids": 7}, "stop_token_ids"),
     ({**CHAT, "ignore_eos": "no"}, "ignore_eos"),
-    ({**CHAT, "logprobs": True}, "logprobs"),
+    ({**CHAT, "logprobs": 1}, "logprobs"),
     ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ({**CHAT, "presence_penalty": 0.5}, "presence_penalty"),
+    ({**CHAT, "presence_penalty": "0.5"}, "presence_penalty"),
+    ({**CHAT, "presence_penalty": 3}, "presence_penalty"),
+    ({**CHAT, "logit_bias": {"1" * 11: 1}}, "logit_bias"),
+    ({**CHAT, "logit_bias": {"-1": 1}}, "logit_bias"),
 ]  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """Token chunks from prefill and decode are put back in generation order."""
 
-from libs.common.schema import TokenChunk
+from libs.common.schema import TokenChunk, TokenLogprobs
 from services.gateway.reorder import ChunkReorderer
 
 
@@ -60,3 +60,11 @@ def test_nothing_is_delivered_after_the_finish():
     assert spans(r.push(chunk(0, [10, 11], "stop"))) == [(0, [10, 11], "stop")]
     assert r.num_held == 0
     assert r.push(chunk(2, [12])) == []
+
+
+def test_a_trimmed_chunk_keeps_the_logprobs_of_the_tokens_it_keeps():
+    r = ChunkReorderer()
+    r.push(chunk(0, [10, 11]))
+    lps = [TokenLogprobs(-0.1 * i, [i], [-0.1 * i]) for i in range(3)]
+    (again,) = r.push(TokenChunk(request_id="r", index=0, token_ids=[10, 11, 12], logprobs=lps))  # a retry, further
+    assert (again.index, again.token_ids, again.logprobs) == (2, [12], [lps[2]])

@@ -93,8 +93,8 @@ def ask(handoff: Handoff, what: str):
     if what == "reserve":
         return handoff.reserve(REQUEST, "decode-0", 3)
     transfer = SimpleNamespace(request=REQUEST, decode_id="decode-0", lease=SimpleNamespace(block_ids=[7]))
-    seq = SimpleNamespace(token_ids=[1, 2, 3, 9], num_prompt_tokens=3, num_cached_tokens=0)
-    return handoff._hand_over(transfer, seq)
+    seq = SimpleNamespace(token_ids=[1, 2, 3, 9], num_prompt_tokens=3, num_cached_tokens=0, num_prior_output_tokens=0)
+    return handoff._hand_over(transfer, seq, [])
 
 
 @pytest.mark.parametrize("what", ["reserve", "hand_over"])
