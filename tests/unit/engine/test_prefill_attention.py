@@ -91,7 +91,8 @@ def test_kernel_refuses_what_it_cannot_do():
 def tiny_bf16(tmp_path_factory):
     """A tiny Llama whose heads are of a real model's size (64), in bfloat16."""
     folder = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny64") / "tiny", seed=3, hidden_size=256,
-                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)  # fmt: skip
+                                  num_attention_heads=4, num_key_value_heads=2,
+                                  max_position_embeddings=1024)  # fmt: skip
     return load_model(str(folder), dtype="bfloat16", quantization="none", progress=False)
 
 
@@ -116,10 +117,10 @@ def test_engine_prefill_matches_sdpa_path(tiny_bf16, cached, chunk, monkeypatch)
     kernel = attention._load_prefill_kernel()
     monkeypatch.setattr(attention, "_load_prefill_kernel", lambda: lambda *a: calls.append(a) or kernel(*a))
     native = prefill_logits(tiny_bf16, ids, cached, chunk, "native", monkeypatch)
-    assert calls  # every layer of every step went through the kernel
+    steps = -(-cached // chunk) + -(-(len(ids) - cached) // chunk)  # the cached head's, then the rest's
+    assert len(calls) == tiny_bf16.model.config.num_layers * steps  # every layer of every step used the kernel
     reference = prefill_logits(tiny_bf16, ids, cached, chunk, "sdpa", monkeypatch)
     assert native.shape == (len(ids) - cached, tiny_bf16.model.config.vocab_size)
-    # bfloat16 activations: the two paths round the attention output differently by an
-    # ulp, and three layers carry that on; logits of a few units agree to ~0.05
-    print((native - reference).abs().max().item(), reference.abs().max().item(), (native.argmax(-1) != reference.argmax(-1)).float().mean().item())
-    assert (native - reference).abs().max().item() < 0.1
+    # bfloat16 activations: the two paths round some attention outputs differently by an
+    # ulp, which three layers carry on; logits of about one unit agree to an ulp or two
+    assert (native - reference).abs().max().item() < 0.02
