@@ -5,6 +5,9 @@ pool at the tokens' slots and attends over each sequence's blocks. Prefill
 batches are packed (``[T, ...]``, sequences back to back, each with its own
 cached context); decode batches are one token per sequence, padded to the
 longest block table and masked.
+
+Both have a native kernel that reads K/V in place from the pool (kernels/), and a
+PyTorch path (gather + SDPA) used where the kernel cannot run and as its reference.
 """
 
 import ctypes
@@ -16,6 +19,13 @@ import torch.nn.functional as F
 
 from libs.common.model import native
 from libs.common.model.kv_pool import KVPool
+
+PREFILL_PATHS = ("native", "sdpa")
+# Which prefill attention runs where both can: the native blocked kernel
+# (kernels/prefill_attention.c, bfloat16 with AVX512-BF16) or gather + SDPA.
+# KVSERVE_NATIVE_KERNELS=0 turns the kernel off; bench/engine.py flips this to
+# measure both in one process.
+prefill_path = "native"
 
 
 @dataclass
@@ -62,9 +72,12 @@ def paged_attention(
             )  # fmt: skip
         return _decode(layer, q, k, v, pool, batch, scale)
     pool.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
+    kernel = _native_prefill_kernel(q, pool)
     for span in batch.prefill_spans:
         rows = slice(span.query_start, span.query_start + span.query_len)
+        if kernel is not None and _native_prefill(kernel, layer, q[rows], pool, span, scale, out[rows]):
+            continue
         out[rows] = _prefill_attention(layer, q[rows], k[rows], v[rows], pool, span, scale)
     return out
 
@@ -125,6 +138,48 @@ def _prefill_attention(
         mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(diagonal=ctx - n)
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+
+def _native_prefill(
+    kernel, layer: int, q: torch.Tensor, pool: KVPool, span: PrefillSpan, scale: float, out: torch.Tensor
+) -> bool:
+    """One span's attention by the native kernel into ``out`` ([n, Hq, D], contiguous);
+    False where it cannot run (the caller then uses SDPA)."""
+    layout = pool.layout
+    table = span.block_table
+    status = kernel(
+        q.data_ptr(), q.stride(0), pool.kv.data_ptr(), table.data_ptr(), span.query_len, span.context_len,
+        out.data_ptr(), q.shape[1], layout.num_kv_heads, layout.head_dim, layout.block_size, layout.num_layers,
+        layer, scale,
+    )  # fmt: skip
+    return status == 0
+
+
+def _native_prefill_kernel(q: torch.Tensor, pool: KVPool):
+    """The native prefill kernel where it applies: bfloat16 on the CPU, each row's heads
+    contiguous (q may be a view of the fused q/k rows)."""
+    if (
+        prefill_path != "native"
+        or q.device.type != "cpu"
+        or q.dtype != torch.bfloat16
+        or pool.kv.dtype != torch.bfloat16
+        or q.stride(2) != 1
+        or q.stride(1) != q.shape[2]
+    ):
+        return None
+    return _load_prefill_kernel()
+
+
+@functools.cache
+def _load_prefill_kernel():
+    lib = native.load("prefill_attention")
+    if lib is None:
+        return None
+    fn = lib.paged_prefill_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float]  # fmt: skip
+    return fn
 
 
 def _gather(pool: KVPool, layer: int, plane: int, block_table: torch.Tensor, length: int) -> torch.Tensor:
