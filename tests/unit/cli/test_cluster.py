@@ -182,7 +182,7 @@ def test_serve_restarts_a_service_that_dies_and_stops_only_on_sigterm(model_dir)
     assert first["restarted"] != first["pid"]
     out = log.getvalue()
     assert f"[kvserve]     prefill-0 (pid {first['pid']}) was killed by SIGKILL after " in out
-    assert f"[kvserve]     prefill-0 started again (pid {first['restarted']})" in out
+    assert f"[kvserve]     prefill-0 started again (pid {first['restarted']}" in out  # (from the warm spare, if loaded)
     assert "stopping the cluster" not in out
     assert children() == before
 
