@@ -22,6 +22,7 @@ from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import GenerateRequest, Usage
 from services.gateway.served_model import PreparedRequest, ServedModel
 from services.gateway.settings import GatewaySettings
+from services.gateway.tenancy import TenantDirectory
 from services.gateway.text_stream import Delta, TextStream, stream_deltas
 from services.gateway.worker_watch import LOST_AFTER_HEARTBEATS, WorkerWatch
 
@@ -59,6 +60,7 @@ class Generations:
         self.settings = settings
         self.peers = peers
         self.model = model
+        self.tenants = TenantDirectory(settings.tenants_file, settings.api_key)  # who may send requests
         self.num_in_flight = 0
         self.observers: list[Callable[[Generation], None]] = []  # told of every admitted request once it is over
 
