@@ -365,6 +365,7 @@ class PrefillRequest(Message):
     sampling: SamplingParams
     decode_id: InstanceId  # on a decode worker's own prefill subject: itself
     ttft_budget_s: float | None = None  # its first token is due this long after the worker takes it; None: best effort
+    hash_root: BlockHash | None = None  # its cache scope's root, its block chain's start (None: ROOT, the default scope)
 
 
 class Ack(Message):
@@ -402,6 +403,7 @@ class HandoffRequest(Message):
     num_cached_tokens: int
     sampling: SamplingParams
     block_ids: list[BlockId]
+    hash_root: BlockHash | None = None  # as the PrefillRequest's
 
 
 class ReleaseRequest(Message):

@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from libs.common import subjects
 from libs.common.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
 from libs.common.errors import KVServeError
+from libs.common.hashing import ROOT
 from libs.common.model.scheduler import Due
 from libs.common.model.sequence import Sequence
 from libs.common.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
@@ -41,7 +42,8 @@ class LocalPrefill:
             engine.check_prompt(len(request.prompt_token_ids))
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
-        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling)
+        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
+                                   request.hash_root or ROOT)
         if not engine.cache.can_allocate(seq, seq.num_tokens + engine.block_size):
             return ErrorReply(code=ErrorCode.NO_CAPACITY, message=f"{self.worker.instance_id} has no free KV blocks")
         now = time.monotonic()  # the scheduler's clock

@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 from libs.common import subjects
 from libs.common.engine_host import EngineHost
 from libs.common.errors import OutOfKVBlocksError
+from libs.common.hashing import ROOT
 from libs.common.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
 from libs.common.model.sequence import Sequence
 from libs.common.recent import RecentIds
@@ -122,6 +123,7 @@ class DecodeWorker(Service):
             block_table=lease.block_ids,
             num_computed_tokens=len(request.token_ids) - 1,  # every token but the first generated one
             num_cached_tokens=request.num_cached_tokens,
+            hash_root=request.hash_root or ROOT,
         )
         self.spawn(self.admit(seq, computed=True))
         return Ack()

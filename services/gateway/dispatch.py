@@ -40,6 +40,7 @@ from libs.common.schema import (
     RequestProgress,
     TokenChunk,
 )
+from libs.common.hashing import ROOT
 from libs.common.service import Service
 from libs.common.vocabulary import ErrorCode, Role
 from services.gateway.errors import (
@@ -210,6 +211,7 @@ class RequestRun:
             sampling=p.sampling,
             decode_id=self.decode_id,
             ttft_budget_s=None if target is None else max(0.0, target - (time.monotonic() - self._asked_at)),
+            hash_root=None if p.hash_root == ROOT else p.hash_root,
         )
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation

@@ -16,6 +16,7 @@ from typing import Any
 from libs.common.hashing import BlockHash, block_hashes, model_extra
 from libs.common.peers import PeerDirectory
 from libs.common.service import Service
+from libs.common.tenants import Tenant
 from services.gateway.dispatch import RequestRun, SLOOverride
 from services.gateway.errors import ModelNotServedError
 from services.gateway.migration import MigratingRun
@@ -66,15 +67,17 @@ class Generations:
 
     @asynccontextmanager
     async def generate(
-        self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None, session_id: str | None = None
+        self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None, session_id: str | None = None,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[Generation]:
         """Admit ``request`` and start it on the cluster; inside the block, read its
         text. A worker that dies under it moves it (at most ``max_attempts`` tries
-        in all); leaving the block early (an error, a disconnect) cancels it."""
+        in all); leaving the block early (an error, a disconnect) cancels it. Its KV
+        blocks are named in ``tenant``'s cache scope (None: the default scope)."""
         model, s = self.model, self.settings
         if request.model != model.model_id:
             raise ModelNotServedError(request.model)
-        prepared = await model.prepare(request, request_id)
+        prepared = await model.prepare(request, request_id, self.tenants.hash_root(tenant, request.cache_salt))
         text = TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
         silence = LOST_AFTER_HEARTBEATS * s.heartbeat_interval
 
@@ -105,9 +108,10 @@ class Generations:
         heard = self.peers.last_heard(instance_id)
         return None if heard is None else heard[1]
 
-    async def _block_hashes(self, token_ids: list[int]) -> list[BlockHash]:
-        """The block hashes of a prompt, as the workers name its KV blocks."""
+    async def _block_hashes(self, token_ids: list[int], root: BlockHash) -> list[BlockHash]:
+        """The block hashes of a prompt in the scope of ``root``, as the workers name its KV blocks."""
         model = self.model
+        extra = model_extra(model.model_id)
         if len(token_ids) > INLINE_HASH_TOKENS:
-            return await asyncio.to_thread(block_hashes, token_ids, model.block_size, model_extra(model.model_id))
-        return block_hashes(token_ids, model.block_size, model_extra(model.model_id))
+            return await asyncio.to_thread(block_hashes, token_ids, model.block_size, extra, root)
+        return block_hashes(token_ids, model.block_size, extra, root)

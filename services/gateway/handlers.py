@@ -81,7 +81,7 @@ class Handlers:
         bodies = ResponseBodies(response_id, self.generations.model.model_id, parsed.is_chat, parsed.include_usage)
         stream: web.StreamResponse | None = None
         try:
-            async with self.generations.generate(parsed, response_id, slo, session_id) as generation:
+            async with self.generations.generate(parsed, response_id, slo, session_id, request.get(TENANT)) as generation:
                 headers = {"x-request-id": response_id, **_explanation_headers(generation.run)}
                 if not parsed.stream:
                     return await _complete(generation, bodies, headers)

@@ -29,7 +29,7 @@ from services.gateway.served_model import PreparedRequest
 
 # (the request for this attempt, instances to exclude) -> an attempt not yet entered
 AttemptFactory = Callable[[PreparedRequest, frozenset[str]], RequestRun]
-BlockHasher = Callable[[list[int]], Awaitable[list[BlockHash]]]
+BlockHasher = Callable[[list[int], BlockHash], Awaitable[list[BlockHash]]]  # a prompt's, from a root
 
 # seconds a request waits for the conductor to answer again, or for a worker of the role it
 # lacks to come (back): long enough for a supervisor to restart a dead worker. A moved request
@@ -217,7 +217,7 @@ class MigratingRun:
             return p
         request_id = f"{p.request_id}-m{self._num_attempts - 1}"
         if not self._delivered:
-            return PreparedRequest(request_id, p.prompt_token_ids, p.sampling, p.block_hashes)
+            return PreparedRequest(request_id, p.prompt_token_ids, p.sampling, p.block_hashes, p.hash_root)
         prompt = p.prompt_token_ids + self._delivered
         sampling = msgspec.structs.replace(p.sampling, max_tokens=p.sampling.max_tokens - len(self._delivered))
-        return PreparedRequest(request_id, prompt, sampling, await self._block_hashes(prompt))
+        return PreparedRequest(request_id, prompt, sampling, await self._block_hashes(prompt, p.hash_root), p.hash_root)

@@ -61,6 +61,10 @@ def _request(endpoint_fields: dict[str, Schema], required: list[str], model_id: 
             "additionalProperties": False,
             "description": "Only with stream: true. include_obfuscation is accepted and ignored.",
         }),  # fmt: skip
+        "cache_salt": _nullable({
+            "type": "string", "minLength": 1,
+            "description": "vLLM's: prefix cache reuse only among this tenant's requests with the same salt.",
+        }),  # fmt: skip
     }
     for name, kind in IGNORED_FIELDS.items():
         properties[name] = {"type": [_JSON_TYPE[kind], "null"], "description": "Accepted and ignored."}
@@ -213,6 +217,7 @@ def _schemas(model_id: str) -> dict[str, Schema]:
 _STATUS_TEXT = {
     400: "The request is invalid; `param` names the field.",
     401: "No API key, or the wrong one.",
+    403: "The API key's tenant is disabled.",
     404: "The model is not served here.",
     408: "The request body did not arrive within the body timeout.",
     413: "The request body is larger than the server accepts (1 MiB, once its Content-Encoding is undone).",
@@ -263,7 +268,7 @@ def _generation(summary: str, request: str, response: str, chunk_object: str) ->
                 "description": "The completion, whole or streamed.",
                 "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": {"schema": stream}},
             },
-            **_errors(400, 401, 404, 408, 413, 415, 429, 500, 503, 504),
+            **_errors(400, 401, 403, 404, 408, 413, 415, 429, 500, 503, 504),
         },
     }
 

@@ -55,7 +55,7 @@ RANGES: dict[str, Range] = {
 # unrecognized argument, so a client never gets an answer that ignored what it asked.
 SHARED_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "n",
-    "stream", "stream_options",
+    "stream", "stream_options", "cache_salt",
 })  # fmt: skip
 CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens"}
 COMPLETION_FIELDS = SHARED_FIELDS | {"prompt"}

@@ -8,7 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from libs.common.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
-from libs.common.hashing import BlockHash, block_hashes, model_extra
+from libs.common.hashing import ROOT, BlockHash, block_hashes, model_extra
 from libs.common.model.checkpoint import open_checkpoint
 from libs.common.model.default_model import resolve_model_path
 from libs.common.model.tokenizer import Tokenizer
@@ -28,6 +28,7 @@ class PreparedRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     block_hashes: list[BlockHash]
+    hash_root: BlockHash = ROOT  # its cache scope's root: where its block chain (block_hashes) starts
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -55,13 +56,13 @@ class ServedModel:
         log.info("serving %s (context window %d tokens, KV blocks of %d)", model_id, window, block_size)
         return cls(model_id, checkpoint.tokenizer(), window, config.vocab_size, block_size)
 
-    async def prepare(self, request: GenerateRequest, request_id: str) -> PreparedRequest:
+    async def prepare(self, request: GenerateRequest, request_id: str, hash_root: BlockHash = ROOT) -> PreparedRequest:
         """`prepare_blocking`, on a worker thread when the prompt is long."""
         if _prompt_chars(request) > INLINE_TOKENIZE_CHARS:
-            return await asyncio.to_thread(self.prepare_blocking, request, request_id)
-        return self.prepare_blocking(request, request_id)
+            return await asyncio.to_thread(self.prepare_blocking, request, request_id, hash_root)
+        return self.prepare_blocking(request, request_id, hash_root)
 
-    def prepare_blocking(self, request: GenerateRequest, request_id: str) -> PreparedRequest:
+    def prepare_blocking(self, request: GenerateRequest, request_id: str, hash_root: BlockHash = ROOT) -> PreparedRequest:
         """Tokenize, resolve max_tokens, validate; raise InvalidRequestError when it cannot be served."""
         prompt_param = "messages" if request.is_chat else "prompt"
         ids = self._encode(request)
@@ -94,7 +95,8 @@ class ServedModel:
             sampling.validate()
         except InvalidRequestError as e:
             raise InvalidParameterError(str(e), _param_named_in(str(e))) from e
-        return PreparedRequest(request_id, ids, sampling, block_hashes(ids, self.block_size, self._extra))
+        hashes = block_hashes(ids, self.block_size, self._extra, hash_root)
+        return PreparedRequest(request_id, ids, sampling, hashes, hash_root)
 
     def _encode(self, request: GenerateRequest) -> list[int]:
         if request.messages is not None:

@@ -65,10 +65,10 @@ class TenantDirectory:
             raise PermissionDeniedError(f"The tenant of this API key ({tenant.name}) is disabled.")
         return tenant
 
-    def hash_root(self, tenant: Tenant, cache_salt: str | None = None) -> BlockHash:
+    def hash_root(self, tenant: Tenant | None, cache_salt: str | None = None) -> BlockHash:
         """Where ``tenant``'s block chains start: its scope's root (ROOT without a tenants
-        file), narrowed by the request's ``cache_salt`` when it gives one."""
-        root = scope_root(self.tenants.scope_bytes(tenant)) if self.isolated else ROOT
+        file, or without a tenant), narrowed by the request's ``cache_salt`` when it gives one."""
+        root = scope_root(self.tenants.scope_bytes(tenant)) if self.isolated and tenant is not None else ROOT
         return root if cache_salt is None else scope_root(b"cache_salt/" + cache_salt.encode(), root)
 
     # --- reloading ----------------------------------------------------------------

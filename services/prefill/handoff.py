@@ -180,6 +180,7 @@ class Handoff:
             num_cached_tokens=seq.num_cached_tokens,
             sampling=transfer.request.sampling,
             block_ids=transfer.lease.block_ids,
+            hash_root=transfer.request.hash_root,
         )
         try:
             ack = await self._ask_while_alive(transfer.decode_id, subjects.decode_admit(transfer.decode_id), handoff,

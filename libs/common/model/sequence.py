@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from libs.common.hashing import BlockHash
+from libs.common.hashing import ROOT, BlockHash
 from libs.common.sampling_params import SamplingParams
 from libs.common.vocabulary import FinishReason
 
@@ -18,10 +18,13 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V is in the pool
     num_cached_tokens: int = 0  # prompt tokens reused from a cache instead of computed
     finish_reason: FinishReason | None = None
+    hash_root: BlockHash = ROOT  # where its block chain starts: its cache scope's root (hashing.scope_root)
 
     @classmethod
-    def from_prompt(cls, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None) -> "Sequence":
-        return cls(request_id, list(prompt_ids), len(prompt_ids), params or SamplingParams())
+    def from_prompt(
+        cls, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None, hash_root: BlockHash = ROOT
+    ) -> "Sequence":
+        return cls(request_id, list(prompt_ids), len(prompt_ids), params or SamplingParams(), hash_root=hash_root)
 
     @property
     def num_tokens(self) -> int:
