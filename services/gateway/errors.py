@@ -56,7 +56,7 @@ class QuotaExceededError(RateLimitedError):
     """The tenant is over one of its quotas (reason: the quota); ``headers`` are
     OpenAI's x-ratelimit-* headers of its request and token limits."""
 
-    def __init__(self, message: str, reason: str, retry_after: float, headers: dict[str, str]) -> None:
+    def __init__(self, message: str, reason: str, retry_after: float | None, headers: dict[str, str]) -> None:
         super().__init__(message, retry_after, reason=reason)
         self.headers = headers
 

@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from libs.common.hashing import BlockHash, block_hashes, model_extra
@@ -18,9 +18,10 @@ from libs.common.peers import PeerDirectory
 from libs.common.service import Service
 from libs.common.tenants import Tenant
 from services.gateway.dispatch import RequestRun, SLOOverride
-from services.gateway.errors import ModelNotServedError
+from services.gateway.errors import ModelNotServedError, QuotaExceededError, RateLimitedError
 from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import GenerateRequest, Usage
+from services.gateway.quotas import Quotas
 from services.gateway.served_model import PreparedRequest, ServedModel
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy import TenantDirectory
@@ -40,6 +41,8 @@ class Generation:
     slo: SLOOverride | None = None  # the request's own targets, where it set them
     started_at: float = 0.0  # time.monotonic() when it was first admitted ...
     ended_at: float | None = None  # ... and when it was over
+    tenant: Tenant | None = None  # who sent it (None: no tenant, as a test may run it)
+    ratelimit_headers: dict[str, str] = field(default_factory=dict)  # its tenant's x-ratelimit-* headers
 
     def deltas(self) -> AsyncIterator[Delta]:
         return stream_deltas(self.run, self.text)
@@ -63,7 +66,9 @@ class Generations:
         self.model = model
         self.tenants = TenantDirectory(settings.tenants_file, settings.api_key)  # who may send requests
         self.num_in_flight = 0
+        self.quotas = Quotas()  # each tenant's, checked before admission
         self.observers: list[Callable[[Generation], None]] = []  # told of every admitted request once it is over
+        self.refusal_observers: list[Callable[[Tenant | None, str], None]] = []  # told of each refusal's reason
 
     @asynccontextmanager
     async def generate(
@@ -78,6 +83,12 @@ class Generations:
         if request.model != model.model_id:
             raise ModelNotServedError(request.model)
         prepared = await model.prepare(request, request_id, self.tenants.hash_root(tenant, request.cache_salt))
+        try:
+            lease = None if tenant is None else self.quotas.acquire(tenant, prepared.num_prompt_tokens,
+                                                                    prepared.sampling.max_tokens)  # fmt: skip
+        except QuotaExceededError as e:
+            self._refused(tenant, e.reason or "quota")
+            raise
         text = TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
         silence = LOST_AFTER_HEARTBEATS * s.heartbeat_interval
 
@@ -91,14 +102,26 @@ class Generations:
         try:
             async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at,
                                     self._heard_at, self.peers.silent_for) as run:  # fmt: skip
-                generation = Generation(run, text, slo, started_at)
+                generation = Generation(run, text, slo, started_at, tenant=tenant,
+                                        ratelimit_headers=lease.headers if lease else {})  # fmt: skip
                 yield generation
+        except RateLimitedError as e:
+            if generation is None:  # the conductor refused it
+                self._refused(tenant, e.reason or "rate_limited")
+            raise
         finally:
             self.num_in_flight -= 1
+            if lease is not None:  # what it did not use goes back (all of it, when it never ran)
+                used = 0 if generation is None else text.num_prompt_tokens + text.num_completion_tokens
+                self.quotas.release(lease, used)
             if generation is not None:
                 generation.ended_at = time.monotonic()
                 for observe in self.observers:
                     observe(generation)
+
+    def _refused(self, tenant: Tenant | None, reason: str) -> None:
+        for observe in self.refusal_observers:
+            observe(tenant, reason)
 
     def _started_at(self, instance_id: str) -> float | None:
         heard = self.peers.last_heard(instance_id)

@@ -82,7 +82,8 @@ class Handlers:
         stream: web.StreamResponse | None = None
         try:
             async with self.generations.generate(parsed, response_id, slo, session_id, request.get(TENANT)) as generation:
-                headers = {"x-request-id": response_id, **_explanation_headers(generation.run)}
+                headers = {"x-request-id": response_id, **_explanation_headers(generation.run),
+                           **generation.ratelimit_headers}  # fmt: skip
                 if not parsed.stream:
                     return await _complete(generation, bodies, headers)
                 stream = await sse.open_stream(request, headers)

@@ -222,7 +222,8 @@ _STATUS_TEXT = {
     408: "The request body did not arrive within the body timeout.",
     413: "The request body is larger than the server accepts (1 MiB, once its Content-Encoding is undone).",
     415: "The request body's Content-Encoding is neither gzip, deflate nor identity.",
-    429: "The cluster cannot meet the request's latency targets now (Retry-After says when to retry).",
+    429: "The cluster cannot meet the request's latency targets now, or the tenant is over a quota (`reason` "
+         "names it; Retry-After says when to retry; the x-ratelimit-* headers give the tenant's per-minute limits).",
     500: "A worker failed while serving the request.",
     503: "A role the request needs (conductor, prefill, decode) is missing or unreachable.",
     504: "No token arrived within the request timeout.",

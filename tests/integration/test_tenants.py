@@ -1,16 +1,18 @@
 """Tenants on a real cluster: each tenant's KV cache is its own (the same prompt from
 another tenant is a cold prompt: no device, store or disk hit) unless both joined a
-shared scope; a request's cache_salt narrows reuse within a tenant."""
+shared scope; a request's cache_salt narrows reuse within a tenant. Quotas and auth errors as the official client reads them."""
 
+import openai
 import pytest
 from openai import OpenAI
 
 from libs.common import tenants as tenants_file
-from libs.common.tenants import Tenant, Tenants
+from libs.common.tenants import Quotas, Tenant, Tenants
 from tests.integration.conftest import start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
-NAMES = ("alice", "bob", "carol", "dave")
+NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "gina")
+QUOTAS = {"erin": Quotas(requests_per_minute=2, tokens_per_minute=10_000), "frank": Quotas(max_prompt_tokens=8)}
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +24,8 @@ def keys():
 def tenant_cluster(tmp_path_factory, keys):
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     scopes = {"carol": "pub", "dave": "pub"}
-    tenants = {name: Tenant(name, (tenants_file.hash_key(keys[name]),), cache_scope=scopes.get(name)) for name in NAMES}
+    tenants = {name: Tenant(name, (tenants_file.hash_key(keys[name]),), cache_scope=scopes.get(name),
+                            quotas=QUOTAS.get(name, Quotas()), disabled=name == "gina") for name in NAMES}
     tenants_file.write(path, Tenants(tenants, tenants_file.new_secret()))
     cluster = start_cluster(tenants_file=str(path))
     yield cluster, path
@@ -64,3 +67,37 @@ def test_a_cache_salt_narrows_reuse_within_a_tenant(tenant_cluster, keys):
     assert cached(alice, prompt, cache_salt="user-2") == 0
     assert cached(alice, prompt) == 0
     assert cached(alice, prompt, cache_salt="user-1") >= 16 * 4
+
+
+def test_quotas_refuse_with_openais_rate_limit_error_and_headers(tenant_cluster, keys):
+    cluster, _ = tenant_cluster
+    erin = client(cluster, keys["erin"])
+    ok = erin.completions.with_raw_response.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    assert ok.headers["x-ratelimit-limit-requests"] == "2"
+    assert ok.headers["x-ratelimit-remaining-requests"] == "1"
+    assert ok.headers["x-ratelimit-limit-tokens"] == "10000"
+    erin.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    with pytest.raises(openai.RateLimitError) as e:
+        erin.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+    error, headers = e.value.body, e.value.response.headers
+    assert (error["type"], error["code"], error["reason"]) == ("rate_limit_error", "rate_limit_exceeded",
+                                                               "requests_per_minute")  # fmt: skip
+    assert headers["x-ratelimit-remaining-requests"] == "0"
+    assert headers["x-ratelimit-reset-requests"].endswith("s") and int(headers["Retry-After"]) >= 1
+    assert "x-ratelimit-remaining-tokens" in headers
+    alice = client(cluster, keys["alice"])  # another tenant is not held back by erin's quota
+    alice.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0)
+
+    with pytest.raises(openai.RateLimitError) as e:
+        client(cluster, keys["frank"]).completions.create(model=MODEL, prompt="one two three four five six seven "
+                                                          "eight nine ten", max_tokens=2)  # fmt: skip
+    assert e.value.body["reason"] == "max_prompt_tokens"
+
+
+def test_an_unknown_key_and_a_disabled_tenant(tenant_cluster, keys):
+    cluster, _ = tenant_cluster
+    with pytest.raises(openai.AuthenticationError):
+        client(cluster, "kvs-not-a-key").models.list()
+    with pytest.raises(openai.PermissionDeniedError) as e:
+        client(cluster, keys["gina"]).models.list()
+    assert keys["gina"] not in str(e.value.body)
