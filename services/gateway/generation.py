@@ -22,6 +22,7 @@ from services.gateway.errors import ModelNotServedError, QuotaExceededError, Rat
 from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import GenerateRequest, Usage
 from services.gateway.quotas import Quotas
+from services.gateway.tenant_usage import TenantUsage
 from services.gateway.served_model import PreparedRequest, ServedModel
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy import TenantDirectory
@@ -68,7 +69,7 @@ class Generations:
         self.num_in_flight = 0
         self.quotas = Quotas()  # each tenant's, checked before admission
         self.observers: list[Callable[[Generation], None]] = []  # told of every admitted request once it is over
-        self.refusal_observers: list[Callable[[Tenant | None, str], None]] = []  # told of each refusal's reason
+        self.usage = TenantUsage(service.metrics)  # what each tenant used, and was refused
 
     @asynccontextmanager
     async def generate(
@@ -116,12 +117,12 @@ class Generations:
                 self.quotas.release(lease, used)
             if generation is not None:
                 generation.ended_at = time.monotonic()
+                self.usage.observe(tenant, generation.usage())
                 for observe in self.observers:
                     observe(generation)
 
     def _refused(self, tenant: Tenant | None, reason: str) -> None:
-        for observe in self.refusal_observers:
-            observe(tenant, reason)
+        self.usage.refused(tenant, reason)
 
     def _started_at(self, instance_id: str) -> float | None:
         heard = self.peers.last_heard(instance_id)

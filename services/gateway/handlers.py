@@ -94,6 +94,16 @@ class Handlers:
                 raise
             return stream  # the client left mid-stream; leaving the run cancelled the workers
 
+    async def usage(self, request: web.Request) -> web.Response:
+        """What the caller's own tenant has used of this gateway since it started, and its limits."""
+        tenant = request.get(TENANT)
+        generations = self.generations
+        name = tenant.name if tenant is not None else "default"
+        limits = {k: v for k, v in vars(tenant.quotas).items() if v is not None} if tenant is not None else {}
+        body = {"object": "usage", "tenant": name, "since": int(self.service.started_at),
+                **generations.usage.of(tenant), "in_flight": generations.quotas.in_flight(name), "limits": limits}
+        return _json_response(body)
+
     # --- models, health, metrics, the API description ------------------------------
     async def list_models(self, request: web.Request) -> web.Response:
         model = self.generations.model

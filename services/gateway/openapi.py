@@ -281,6 +281,25 @@ def _health(summary: str, ready: bool) -> Schema:
     return {"summary": summary, "security": [], "responses": responses}
 
 
+def _usage_schema() -> Schema:
+    count = {"type": "integer", "minimum": 0}
+    return {
+        "type": "object",
+        "required": ["object", "tenant", "since", "requests", "prompt_tokens", "cached_tokens", "completion_tokens",
+                     "refusals", "in_flight", "limits"],
+        "properties": {
+            "object": {"const": "usage"},
+            "tenant": {"type": "string"},
+            "since": {"type": "integer", "description": "When this gateway started counting (Unix time)."},
+            "requests": count, "prompt_tokens": count, "cached_tokens": count, "completion_tokens": count,
+            "refusals": {"type": "object", "additionalProperties": count, "description": "429s by reason."},
+            "in_flight": count,
+            "limits": {"type": "object", "additionalProperties": {"type": "integer"},
+                       "description": "The tenant's quotas, as in the tenants file."},
+        },
+    }  # fmt: skip
+
+
 def _console_paths() -> dict[str, Schema]:
     """The live console (console.py): a public page and its files, and the data they show."""
     public = {"security": []}
@@ -337,6 +356,12 @@ def document(model_id: str, needs_api_key: bool) -> dict[str, Any]:
                     "summary": "Describe one model.",
                     "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"enum": [model_id]}}],
                     "responses": {"200": _json("The model.", _ref("Model")), **_errors(401, 404)},
+                },
+            },
+            "/v1/usage": {
+                "get": {
+                    "summary": "What the caller's own tenant used of this gateway since it started, and its limits.",
+                    "responses": {"200": _json("The tenant's usage.", _usage_schema()), **_errors(401, 403)},
                 },
             },
             "/health": {"get": _health(ready, ready=True)},

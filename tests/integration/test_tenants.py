@@ -2,13 +2,16 @@
 another tenant is a cold prompt: no device, store or disk hit) unless both joined a
 shared scope; a request's cache_salt narrows reuse within a tenant. Quotas and auth errors as the official client reads them."""
 
+import json
+import urllib.request
+
 import openai
 import pytest
 from openai import OpenAI
 
 from libs.common import tenants as tenants_file
 from libs.common.tenants import Quotas, Tenant, Tenants
-from tests.integration.conftest import start_cluster
+from tests.integration.conftest import metric_value, start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
 NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "gina")
@@ -30,6 +33,12 @@ def tenant_cluster(tmp_path_factory, keys):
     cluster = start_cluster(tenants_file=str(path))
     yield cluster, path
     cluster.stop()
+
+
+def get(cluster, path: str, key: str) -> str:
+    request = urllib.request.Request(cluster.gateway_url + path, headers={"Authorization": f"Bearer {key}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read().decode()
 
 
 def client(cluster, key: str) -> OpenAI:
@@ -101,3 +110,24 @@ def test_an_unknown_key_and_a_disabled_tenant(tenant_cluster, keys):
     with pytest.raises(openai.PermissionDeniedError) as e:
         client(cluster, keys["gina"]).models.list()
     assert keys["gina"] not in str(e.value.body)
+
+
+def test_usage_is_the_callers_own_and_the_metrics_count_per_tenant_without_secrets(tenant_cluster, keys):
+    cluster, path = tenant_cluster
+    bob = client(cluster, keys["bob"])
+    before = json.loads(get(cluster, "/v1/usage", keys["bob"]))
+    out = bob.completions.create(model=MODEL, prompt="Counting tokens for bob", max_tokens=3, temperature=0)
+    mine = json.loads(get(cluster, "/v1/usage", keys["bob"]))
+    assert mine["tenant"] == "bob"
+    assert mine["requests"] == before["requests"] + 1
+    assert mine["prompt_tokens"] == before["prompt_tokens"] + out.usage.prompt_tokens
+    assert mine["completion_tokens"] == before["completion_tokens"] + out.usage.completion_tokens
+    erins = json.loads(get(cluster, "/v1/usage", keys["erin"]))
+    assert erins["tenant"] == "erin" and erins["limits"]["requests_per_minute"] == 2
+    metrics = get(cluster, "/metrics", keys["bob"])
+    assert metric_value(metrics, "kvserve_tenant_requests_total", tenant="bob") == mine["requests"]
+    assert metric_value(metrics, "kvserve_tenant_prompt_tokens_total", tenant="bob") == mine["prompt_tokens"]
+    secret = tenants_file.read(path).scope_secret.decode()
+    for text in (metrics, str(mine), str(erins)):
+        assert secret not in text
+        assert not any(key in text or tenants_file.hash_key(key) in text for key in keys.values())
