@@ -274,6 +274,8 @@ class AdmitRequest(Message):
     session_id: str | None = None  # a conversation's turns: kept where its KV is unless moving is predicted cheaper
     best_effort: bool = False  # no SLO: served only in time SLO work does not need, never refused as unattainable
     moved: bool = False  # a request continued after its worker was lost: never refused, and no sample for the margins
+    tenant: str | None = None  # who sent it (the gateway's tenants file): under overload, shares are by tenant
+    tenant_weight: float = 1.0  # its tenant's weight: its share of a contended cluster, relative to the others'
 
 
 class AdmitReply(Message):

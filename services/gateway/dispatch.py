@@ -169,6 +169,8 @@ class RequestRun:
             session_id=self.session_id,
             best_effort=self.slo.best_effort,
             moved=self.moved,
+            tenant=p.tenant,
+            tenant_weight=p.tenant_weight,
         )
         asked_at = time.monotonic()
         self._may_be_running = True  # from here on the conductor may have admitted it

@@ -10,7 +10,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from libs.common.hashing import BlockHash, block_hashes, model_extra
@@ -84,6 +84,8 @@ class Generations:
         if request.model != model.model_id:
             raise ModelNotServedError(request.model)
         prepared = await model.prepare(request, request_id, self.tenants.hash_root(tenant, request.cache_salt))
+        if tenant is not None and self.tenants.isolated:  # shares under overload are by tenant
+            prepared = replace(prepared, tenant=tenant.name, tenant_weight=tenant.weight)
         try:
             lease = None if tenant is None else self.quotas.acquire(tenant, prepared.num_prompt_tokens,
                                                                     prepared.sampling.max_tokens)  # fmt: skip

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -217,7 +218,8 @@ class MigratingRun:
             return p
         request_id = f"{p.request_id}-m{self._num_attempts - 1}"
         if not self._delivered:
-            return PreparedRequest(request_id, p.prompt_token_ids, p.sampling, p.block_hashes, p.hash_root)
+            return replace(p, request_id=request_id)
         prompt = p.prompt_token_ids + self._delivered
         sampling = msgspec.structs.replace(p.sampling, max_tokens=p.sampling.max_tokens - len(self._delivered))
-        return PreparedRequest(request_id, prompt, sampling, await self._block_hashes(prompt, p.hash_root), p.hash_root)
+        hashes = await self._block_hashes(prompt, p.hash_root)
+        return replace(p, request_id=request_id, prompt_token_ids=prompt, sampling=sampling, block_hashes=hashes)

@@ -29,6 +29,8 @@ class PreparedRequest:
     sampling: SamplingParams
     block_hashes: list[BlockHash]
     hash_root: BlockHash = ROOT  # its cache scope's root: where its block chain (block_hashes) starts
+    tenant: str | None = None  # who sent it, and its weight, for the conductor's fair shares under overload
+    tenant_weight: float = 1.0
 
     @property
     def num_prompt_tokens(self) -> int:

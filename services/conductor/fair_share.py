@@ -1,0 +1,75 @@
+"""Weighted fair shares among tenants under overload.
+
+Each tenant's share of the work in flight (admitted, not finished) is its weight
+over the weights of the tenants with work in flight. A request's cost is its
+prompt tokens plus its expected output tokens (prefill work and a decode slot's
+tokens). Shares apply only under pressure — the request's predicted TTFT already
+takes more than ``pressure`` of its target, so the queue is building — and only to
+the tenant furthest over its share: its requests are refused (reason
+``fair_share``) while the others' are still judged by their SLOs alone, so the
+room left in the queue goes to the tenants under their share. A tenant alone (or
+one within its share) is never refused for it: the cluster stays work-conserving.
+
+Each conductor replica counts the admissions it made itself. Pure bookkeeping.
+"""
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class FairShareConfig:
+    pressure: float = 0.5  # 0..1: the share of its TTFT target a request's predicted TTFT must take; >= 1: off
+
+
+@dataclass(frozen=True)
+class Charge:
+    tenant: str
+    weight: float
+    cost: float
+
+
+class FairShare:
+    def __init__(self, config: FairShareConfig | None = None) -> None:
+        self.config = config or FairShareConfig()
+        self._charges: dict[str, Charge] = {}  # by request id
+        self._cost: dict[str, float] = {}  # in flight, by tenant
+        self._weight: dict[str, float] = {}  # the latest weight each tenant in flight was admitted with
+
+    def add(self, request_id: str, tenant: str, weight: float, cost: float) -> None:
+        self.remove(request_id)
+        self._charges[request_id] = Charge(tenant, weight, cost)
+        self._cost[tenant] = self._cost.get(tenant, 0.0) + cost
+        self._weight[tenant] = weight
+
+    def remove(self, request_id: str) -> None:
+        charge = self._charges.pop(request_id, None)
+        if charge is None:
+            return
+        left = self._cost[charge.tenant] - charge.cost
+        if left <= 1e-9:
+            del self._cost[charge.tenant], self._weight[charge.tenant]
+        else:
+            self._cost[charge.tenant] = left
+
+    def in_flight(self, tenant: str) -> float:
+        return self._cost.get(tenant, 0.0)
+
+    def ratios(self, tenant: str, weight: float, cost: float) -> dict[str, float]:
+        """Each tenant's in-flight cost over its weighted share, were this request admitted."""
+        costs = dict(self._cost)
+        costs[tenant] = costs.get(tenant, 0.0) + cost
+        weights = {**self._weight, tenant: weight}
+        total, total_weight = sum(costs.values()), sum(weights.values())
+        return {t: c / (weights[t] / total_weight * total) for t, c in costs.items()}
+
+    def refuses(self, tenant: str, weight: float, cost: float, pressure: float) -> float | None:
+        """Its ratio to its share when this request is to be refused for fairness, else None:
+        under pressure (``pressure``: its predicted TTFT over its target), with another
+        tenant in flight, and its tenant over its share and the furthest over."""
+        if pressure <= self.config.pressure or self.config.pressure >= 1:
+            return None
+        ratios = self.ratios(tenant, weight, cost)
+        if len(ratios) < 2:
+            return None
+        mine = ratios[tenant]
+        return mine if mine > 1.0 and mine >= max(ratios.values()) else None
