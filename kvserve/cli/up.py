@@ -15,7 +15,9 @@ from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.cpus import cpus_argument
 from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
 from kvserve.cli.options import add_model_options, positive_int, read_api_key_file
+from libs.common import tenants as tenants_file
 from libs.common.cpu_share import available_cpus
+from libs.common.tenants import TenantsFileError
 
 DESCRIPTION = f"""\
 Run a kvserve cluster on this machine, in the foreground: nats-server, a conductor,
@@ -131,6 +133,12 @@ def run(args: argparse.Namespace) -> int:
         print("kvserve up: error: --cpus gives cores to prefill, but --prefill 0 runs no prefill worker",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.tenants is not None:
+        try:
+            tenants_file.read(args.tenants)  # the gateway reads it again; a bad file stops here, before anything starts
+        except TenantsFileError as e:
+            print(f"kvserve up: error: --tenants {args.tenants}: {e}", file=sys.stderr)
+            return 2
     cluster = LocalCluster(
         prefill=args.prefill,
         decode=args.decode,

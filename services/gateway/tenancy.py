@@ -35,10 +35,8 @@ class TenantDirectory:
     def __init__(self, path: str | None = None, api_key: str | None = None) -> None:
         self.path = path
         self._api_key_tenants = tenants_file.single_key(api_key) if api_key is not None else None
-        self._stat: tuple[int, int, int] | None = None
+        self._stat = None if path is None else _stat(path)  # before reading: a change meanwhile is read again
         self.tenants = tenants_file.single_key(api_key) if path is None else self._merged(tenants_file.read(path))
-        if path is not None:
-            self._stat = _stat(path)
         self.reloads = 0
 
     @property

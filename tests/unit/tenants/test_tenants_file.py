@@ -92,3 +92,11 @@ def test_the_cli_refuses_a_duplicate_and_an_unknown_tenant(tmp_path, capsys):
         main(["tenants", "rotate-key", "bob", "--file", path])
     with pytest.raises(SystemExit, match="weight"):
         main(["tenants", "add", "carol", "--file", path, "--weight", "0"])
+
+
+def test_kvserve_up_refuses_a_bad_tenants_file_before_starting_anything(tmp_path, capsys):
+    path = tmp_path / "tenants.toml"
+    path.write_text("[tenants.a]\nweight = -1\n")
+    assert main(["up", "--tenants", str(path)]) == 2
+    assert "weight" in capsys.readouterr().err
+    assert main(["up", "--tenants", str(tmp_path / "missing.toml")]) == 2
