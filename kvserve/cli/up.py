@@ -200,7 +200,8 @@ def banner(cluster: LocalCluster) -> str:
     if cluster.api_key or cluster.tenants_file:  # never the key itself: this goes to the terminal and to logs
         curl += ' -H "Authorization: Bearer $KVSERVE_API_KEY"'
     curl += " -d " + shlex.quote(json.dumps(body))
-    key_note = "(with KVSERVE_API_KEY set to the API key in your shell)\n" if cluster.api_key or cluster.tenants_file else ""
+    needs_key = cluster.api_key or cluster.tenants_file
+    key_note = "(with KVSERVE_API_KEY set to the API key in your shell)\n" if needs_key else ""
     ports = cluster.metrics_ports()
     metrics = f"metrics: {url.removesuffix('/v1')}/metrics" + (
         "; per service: " + ", ".join(f"{i} :{port}" for i, port in ports.items()) if ports else "") + "\n"

@@ -367,7 +367,7 @@ class PrefillRequest(Message):
     sampling: SamplingParams
     decode_id: InstanceId  # on a decode worker's own prefill subject: itself
     ttft_budget_s: float | None = None  # its first token is due this long after the worker takes it; None: best effort
-    hash_root: BlockHash | None = None  # its cache scope's root, its block chain's start (None: ROOT, the default scope)
+    hash_root: BlockHash | None = None  # its cache scope's root, where its block chain starts (None: ROOT, the default)
 
 
 class Ack(Message):

@@ -11,7 +11,8 @@ from services.conductor.index import KVIndex
 from services.conductor.policies import Decision
 from services.conductor.scheduler import PredictionErrors, Scheduler
 
-REJECTION_REASONS = ("ttft_slo", "tbt_slo", "decode_full", "fair_share")  # in the scrape at zero; error codes join as they occur
+# in the scrape at zero; error codes join as they occur
+REJECTION_REASONS = ("ttft_slo", "tbt_slo", "decode_full", "fair_share")
 
 
 class ConductorMetrics:

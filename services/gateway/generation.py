@@ -1,8 +1,9 @@
 """The request core: one request admitted and run on the cluster, read as text.
 
-`Generations` admits a request for the served model and starts it on the
-workers; a worker that dies under it moves it (`migration.py`), each attempt
-being a `dispatch.RequestRun` watched by a `WorkerWatch`. A `Generation` is one
+`Generations` admits a request for the served model (its blocks named in its
+tenant's cache scope, within its tenant's quotas) and starts it on the workers;
+a worker that dies under it moves it (`migration.py`), each attempt being a
+`dispatch.RequestRun` watched by a `WorkerWatch`. A `Generation` is one
 such request while it runs. Domain errors leave here; nothing here knows HTTP.
 """
 
@@ -22,10 +23,10 @@ from services.gateway.errors import ModelNotServedError, QuotaExceededError, Rat
 from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import GenerateRequest, Usage
 from services.gateway.quotas import Quotas
-from services.gateway.tenant_usage import TenantUsage
 from services.gateway.served_model import PreparedRequest, ServedModel
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy import TenantDirectory
+from services.gateway.tenant_usage import TenantUsage
 from services.gateway.text_stream import Delta, TextStream, stream_deltas
 from services.gateway.worker_watch import LOST_AFTER_HEARTBEATS, WorkerWatch
 
@@ -90,7 +91,7 @@ class Generations:
             lease = None if tenant is None else self.quotas.acquire(tenant, prepared.num_prompt_tokens,
                                                                     prepared.sampling.max_tokens)  # fmt: skip
         except QuotaExceededError as e:
-            self._refused(tenant, e.reason or "quota")
+            self.usage.refused(tenant, e.reason or "quota")
             raise
         text = TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
         silence = LOST_AFTER_HEARTBEATS * s.heartbeat_interval
@@ -110,7 +111,7 @@ class Generations:
                 yield generation
         except RateLimitedError as e:
             if generation is None:  # the conductor refused it
-                self._refused(tenant, e.reason or "rate_limited")
+                self.usage.refused(tenant, e.reason or "rate_limited")
             raise
         finally:
             self.num_in_flight -= 1
@@ -122,9 +123,6 @@ class Generations:
                 self.usage.observe(tenant, generation.usage())
                 for observe in self.observers:
                     observe(generation)
-
-    def _refused(self, tenant: Tenant | None, reason: str) -> None:
-        self.usage.refused(tenant, reason)
 
     def _started_at(self, instance_id: str) -> float | None:
         heard = self.peers.last_heard(instance_id)

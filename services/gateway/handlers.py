@@ -81,7 +81,8 @@ class Handlers:
         bodies = ResponseBodies(response_id, self.generations.model.model_id, parsed.is_chat, parsed.include_usage)
         stream: web.StreamResponse | None = None
         try:
-            async with self.generations.generate(parsed, response_id, slo, session_id, request.get(TENANT)) as generation:
+            tenant = request.get(TENANT)
+            async with self.generations.generate(parsed, response_id, slo, session_id, tenant) as generation:
                 headers = {"x-request-id": response_id, **_explanation_headers(generation.run),
                            **generation.ratelimit_headers}  # fmt: skip
                 if not parsed.stream:
@@ -96,12 +97,11 @@ class Handlers:
 
     async def usage(self, request: web.Request) -> web.Response:
         """What the caller's own tenant has used of this gateway since it started, and its limits."""
-        tenant = request.get(TENANT)
-        generations = self.generations
-        name = tenant.name if tenant is not None else "default"
-        limits = {k: v for k, v in vars(tenant.quotas).items() if v is not None} if tenant is not None else {}
-        body = {"object": "usage", "tenant": name, "since": int(self.service.started_at),
-                **generations.usage.of(tenant), "in_flight": generations.quotas.in_flight(name), "limits": limits}
+        tenant, generations = request[TENANT], self.generations
+        limits = {k: v for k, v in vars(tenant.quotas).items() if v is not None}
+        body = {"object": "usage", "tenant": tenant.name, "since": int(self.service.started_at),
+                **generations.usage.of(tenant), "in_flight": generations.quotas.in_flight(tenant.name),
+                "limits": limits}  # fmt: skip
         return _json_response(body)
 
     # --- models, health, metrics, the API description ------------------------------

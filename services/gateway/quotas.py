@@ -27,7 +27,10 @@ class Bucket:
     updated: float = 0.0
 
     def refill(self, capacity: int, now: float) -> float:
-        level = capacity if self.level is None else min(capacity, self.level + (now - self.updated) * capacity / WINDOW_S)
+        if self.level is None:
+            level = float(capacity)
+        else:
+            level = min(capacity, self.level + (now - self.updated) * capacity / WINDOW_S)
         self.level, self.updated = level, now
         return level
 
@@ -124,7 +127,8 @@ class Quotas:
             level = capacity if bucket.level is None else bucket.level
             headers[f"x-ratelimit-limit-{kind}"] = str(capacity)
             headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(level)))
-            headers[f"x-ratelimit-reset-{kind}"] = _duration(bucket.reset_in(capacity) if bucket.level is not None else 0)
+            reset = bucket.reset_in(capacity) if bucket.level is not None else 0.0
+            headers[f"x-ratelimit-reset-{kind}"] = _duration(reset)
         return headers
 
 

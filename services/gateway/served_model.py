@@ -64,7 +64,9 @@ class ServedModel:
             return await asyncio.to_thread(self.prepare_blocking, request, request_id, hash_root)
         return self.prepare_blocking(request, request_id, hash_root)
 
-    def prepare_blocking(self, request: GenerateRequest, request_id: str, hash_root: BlockHash = ROOT) -> PreparedRequest:
+    def prepare_blocking(
+        self, request: GenerateRequest, request_id: str, hash_root: BlockHash = ROOT
+    ) -> PreparedRequest:
         """Tokenize, resolve max_tokens, validate; raise InvalidRequestError when it cannot be served."""
         prompt_param = "messages" if request.is_chat else "prompt"
         ids = self._encode(request)

@@ -1,6 +1,7 @@
 """Tenants on a real cluster: each tenant's KV cache is its own (the same prompt from
 another tenant is a cold prompt: no device, store or disk hit) unless both joined a
-shared scope; a request's cache_salt narrows reuse within a tenant. Quotas and auth errors as the official client reads them."""
+shared scope; a request's cache_salt narrows reuse within a tenant. Quotas, auth
+errors and usage as the official client and a scraper read them."""
 
 import json
 import urllib.request
