@@ -167,7 +167,9 @@ class Scheduler:
         decision = self.policy.choose(ctx, self.sessions.get(request.session_id))
         cost = ctx.num_tokens + ctx.expected_output_tokens
         if decision.admitted and request.tenant is not None and not (request.moved or request.best_effort):
-            decision = self._fair(request, decision, cost, ctx.slo.ttft_s)
+            decision = self._fair(request, decision, cost, ctx.slo.ttft_s, ctx.ttft_slack, ctx.now)
+        if request.tenant is not None:
+            self.fair_share.arrived(request.tenant, request.tenant_weight, ctx.now)
         if self.explain is not None:
             self.explain(ctx, decision)
         if not request.best_effort:  # best effort runs in time SLO work leaves: it takes none from it
@@ -190,11 +192,12 @@ class Scheduler:
             self.fair_share.add(request.request_id, request.tenant, request.tenant_weight, cost)
         return decision
 
-    def _fair(self, request: AdmitRequest, decision: Decision, cost: float, ttft_target_s: float) -> Decision:
+    def _fair(self, request: AdmitRequest, decision: Decision, cost: float, ttft_target_s: float, slack_s: float,
+              now: float) -> Decision:  # fmt: skip
         """``decision``, or a refusal when the queue is building and its tenant is the
         furthest over its weighted share of the work in flight (fair_share.py)."""
-        pressure = (decision.predicted_ttft_s or 0.0) / ttft_target_s
-        ratio = self.fair_share.refuses(request.tenant, request.tenant_weight, cost, pressure)
+        pressure = ((decision.predicted_ttft_s or 0.0) + slack_s) / ttft_target_s  # slack: what the model misses
+        ratio = self.fair_share.refuses(request.tenant, request.tenant_weight, cost, pressure, now)
         if ratio is None:
             return decision
         message = (f"tenant {request.tenant} is using {ratio:.1f}x its weighted share of the cluster while it is "

@@ -1,12 +1,19 @@
 """Weighted fair shares under overload: when the queue builds, the tenant furthest
 over its weighted share of the work in flight is refused (fair_share) and the
-others are still admitted; a tenant alone may use the whole cluster."""
+others are still admitted; a tenant alone may use the whole cluster. On a hand-built
+cluster, and in the simulator with a noisy neighbour."""
+
+from dataclasses import replace
 
 import pytest
 
+from libs.common.cost_model import CostModel, reference_coefficients
 from services.conductor.admission import build_policy
-from services.conductor.fair_share import FairShare
+from services.conductor.fair_share import ACTIVE_S, FairShare
 from services.conductor.scheduler import Scheduler
+from services.conductor.simulator.report import meets_slo
+from services.conductor.simulator.scenarios import noisy_neighbour
+from services.conductor.simulator.simulation import SimConfig, simulate
 from tests.unit.conductor.helpers import beat, cluster, config, request
 
 
@@ -85,3 +92,28 @@ def test_finished_requests_leave_the_shares():
         s.finished(f"a{i}")
     s.finished("b0")
     assert s.fair_share.in_flight("a") == 0 and s.fair_share.in_flight("b") == 0
+
+
+def test_a_tenant_seen_recently_keeps_its_share_with_nothing_in_flight():
+    f = FairShare()
+    f.add("a1", "a", 1.0, 500)
+    f.arrived("b", 1.0, now=100.0)  # b's requests finish fast: none in flight now
+    assert f.refuses("a", 1.0, 100, pressure=0.9, now=105.0) is not None
+    assert f.refuses("a", 1.0, 100, pressure=0.9, now=100.0 + ACTIVE_S + 1) is None  # b is gone: a is alone
+
+
+def test_in_the_simulator_a_light_tenant_keeps_its_slo_while_another_floods():
+    capacity = 1 / CostModel(reference_coefficients()).prefill_time(2048, 0)  # requests a second, one prefill
+    trace = noisy_neighbour(capacity, flood=4.0, light=0.25, duration_s=60)
+    config = SimConfig(1, 1, "cache_aware+predictive_rejection")
+
+    def attainment(result, tenant: str) -> float:
+        mine = [r for r in result.requests if r.trace.index in {t.index for t in trace if t.tenant == tenant}]
+        return sum(meets_slo(r, config.slo) for r in mine) / len(mine)
+
+    fair = simulate(config, trace)
+    shared = simulate(config, [replace(t, tenant=None) for t in trace])  # the same requests, no tenants
+    assert attainment(fair, "b") >= 0.95 > 0.5 > attainment(shared, "b")
+    assert {r.reason for r in fair.requests if r.trace.tenant == "a"} >= {"fair_share"}
+    alone = simulate(config, noisy_neighbour(capacity, flood=1.0, light=0.0, duration_s=60))
+    assert "fair_share" not in {r.reason for r in alone.requests}  # alone, a may use all of it

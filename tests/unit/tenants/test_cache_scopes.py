@@ -2,6 +2,8 @@
 two scopes shares no block name — in the hashes, in a KV cache, in the gateway's
 roots per tenant — while the default scope names blocks exactly as before."""
 
+import json
+
 import pytest
 
 from libs.common import tenants as tenants_file
@@ -9,6 +11,7 @@ from libs.common.hashing import ROOT, block_hashes, hash_block, scope_root
 from libs.common.model.kv_cache import KVCacheManager
 from libs.common.model.sequence import Sequence
 from libs.common.tenants import Tenant, Tenants
+from services.conductor.simulator.trace import load_trace
 from services.gateway.errors import InvalidParameterError
 from services.gateway.openai_protocol import parse_completion_request
 from services.gateway.tenancy import TenantDirectory
@@ -78,3 +81,21 @@ def test_a_request_may_carry_vllms_cache_salt():
         with pytest.raises(InvalidParameterError) as e:
             parse_completion_request({"model": "m", "prompt": "x", "cache_salt": bad})
         assert e.value.param == "cache_salt"
+
+
+def test_a_traces_tenants_get_their_own_block_ids_in_the_simulator(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2]},
+            {"timestamp": 1, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2], "tenant": "a"},
+            {"timestamp": 2, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2], "tenant": "b",
+             "weight": 2},
+            {"timestamp": 3, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2], "tenant": "c",
+             "cache_scope": "pub"},
+            {"timestamp": 4, "input_length": 1024, "output_length": 8, "hash_ids": [1, 2], "tenant": "d",
+             "cache_scope": "pub"}]  # fmt: skip
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    plain, a, b, c, d = load_trace(path)
+    assert plain.hash_ids == (1, 2) and plain.tenant is None
+    assert len({plain.hash_ids, a.hash_ids, b.hash_ids, c.hash_ids}) == 4
+    assert c.hash_ids == d.hash_ids
+    assert (b.tenant, b.weight) == ("b", 2.0)
