@@ -5,9 +5,10 @@ over the weights of the active tenants: those with work in flight or a request
 seen in the last ``ACTIVE_S`` seconds (a light tenant whose requests finish fast
 is still there, and the room it needs is kept for it). A request's cost is its
 prompt tokens plus its expected output tokens (prefill work and a decode slot's
-tokens). Shares apply only under pressure — the request's predicted TTFT already
-takes more than ``pressure`` of its target, so the queue is building — and only to
-the tenant furthest over its share: its requests are refused (reason
+tokens). Shares apply only under pressure — the queue ahead of the request (its
+predicted TTFT less its own prefill, plus the learned slack) takes more than
+``pressure`` of its TTFT target — and only to a tenant already over its share
+before the request, and the furthest over: its requests are refused (reason
 ``fair_share``) while the others' are still judged by their SLOs alone, so the
 room left in the queue goes to the tenants under their share. A tenant alone (no
 other active) or within its share is never refused for it: work-conserving.
@@ -84,7 +85,7 @@ class FairShare:
         if pressure <= self.config.pressure or self.config.pressure >= 1:
             return None
         ratios = self.ratios(tenant, weight, cost, now)
-        if len(ratios) < 2:
-            return None
+        if len(ratios) < 2 or self.ratios(tenant, weight, 0.0, now)[tenant] <= 1.0:
+            return None  # alone, or not over its share before this request (a tenant's first is never refused)
         mine = ratios[tenant]
-        return mine if mine > 1.0 and mine >= max(ratios.values()) else None
+        return mine if mine >= max(ratios.values()) else None

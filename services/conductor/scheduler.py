@@ -196,7 +196,8 @@ class Scheduler:
               now: float) -> Decision:  # fmt: skip
         """``decision``, or a refusal when the queue is building and its tenant is the
         furthest over its weighted share of the work in flight (fair_share.py)."""
-        pressure = ((decision.predicted_ttft_s or 0.0) + slack_s) / ttft_target_s  # slack: what the model misses
+        queue_s = (decision.predicted_ttft_s or 0.0) - decision.work_s  # the work ahead of it, not its own
+        pressure = (queue_s + slack_s) / ttft_target_s  # slack: what the model misses
         ratio = self.fair_share.refuses(request.tenant, request.tenant_weight, cost, pressure, now)
         if ratio is None:
             return decision

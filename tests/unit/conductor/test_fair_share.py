@@ -77,9 +77,9 @@ def test_a_heavier_tenant_gets_more_before_it_is_refused():
     light, heavy = scheduler(), scheduler()
     flood(light, "b", 3)
     flood(heavy, "b", 3)
-    # weight 1: over half of the work in flight after 3 of its own; weight 4: past 4/5 only after 12,
-    # so the TTFT target (8 more fit) stops it first
-    assert flood(light, "a", 20, weight=1.0).count(None) == 3
+    # weight 1: over half of the work in flight once it has more in flight than b's 3; weight 4: past
+    # 4/5 only after 12, so the TTFT target (8 more fit) stops it first
+    assert flood(light, "a", 20, weight=1.0).count(None) == 4
     heavy_reasons = flood(heavy, "a", 20, weight=4.0)
     assert heavy_reasons.count(None) == 8 and "fair_share" not in heavy_reasons
 
@@ -92,6 +92,14 @@ def test_finished_requests_leave_the_shares():
         s.finished(f"a{i}")
     s.finished("b0")
     assert s.fair_share.in_flight("a") == 0 and s.fair_share.in_flight("b") == 0
+
+
+def test_a_tenants_first_request_is_never_refused_for_its_share():
+    f = FairShare()
+    f.add("a1", "a", 1.0, 100)
+    assert f.refuses("b", 1.0, 1000, pressure=0.9) is None  # b has nothing in flight: not over its share yet
+    f.add("b1", "b", 1.0, 1000)
+    assert f.refuses("b", 1.0, 1000, pressure=0.9) is not None
 
 
 def test_a_tenant_seen_recently_keeps_its_share_with_nothing_in_flight():
