@@ -116,6 +116,7 @@ class LocalCluster:
         quantization: str = "auto",
         log: TextIO | None = _STDOUT,
         api_key: str | None = None,
+        tenants_file: str | None = None,
         modules: dict[str, str] | None = None,
         supervise: bool = False,
         restart_delays: tuple[float, float] = (RESTART_DELAY_FIRST, RESTART_DELAY_MAX),
@@ -144,6 +145,7 @@ class LocalCluster:
         self.quantization = quantization  # likewise the weights' precision (part of the KV contract)
         self.device = device
         self.api_key = api_key
+        self.tenants_file = None if tenants_file is None else str(Path(tenants_file).resolve())
         self.extra_env = dict(env or {})
         # the conductors' policy, when this cluster must set it (no prefill worker), and what it was given
         self.policy: str | None = None
@@ -429,6 +431,8 @@ class LocalCluster:
             env["KVSERVE_MODEL"] = str(self.model_path)
         if role == Role.GATEWAY and self.api_key is not None:
             env["KVSERVE_API_KEY"] = self.api_key  # the gateway alone checks it
+        if role == Role.GATEWAY and self.tenants_file is not None:
+            env["KVSERVE_TENANTS_FILE"] = self.tenants_file
         if role == Role.GATEWAY:
             env.update(KVSERVE_GATEWAY_HOST=self.gateway_host, KVSERVE_GATEWAY_PORT=str(self.gateway_port))
         if role in (Role.PREFILL, Role.DECODE) and self._runtime is not None:

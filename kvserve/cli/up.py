@@ -15,7 +15,9 @@ from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.cpus import cpus_argument
 from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
 from kvserve.cli.options import add_model_options, positive_int, read_api_key_file
+from libs.common import tenants as tenants_file
 from libs.common.cpu_share import available_cpus
+from libs.common.tenants import TenantsFileError
 
 DESCRIPTION = f"""\
 Run a kvserve cluster on this machine, in the foreground: nats-server, a conductor,
@@ -96,6 +98,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="read the API key from the first line of this file (keep it mode 0600)",
     )  # fmt: skip
     parser.add_argument(
+        "--tenants", default=os.environ.get("KVSERVE_TENANTS_FILE") or None, metavar="FILE",
+        help="the tenants file: each tenant's API keys, weight, quotas and cache scope (edit it with "
+        "'kvserve tenants'; the gateway re-reads it when it changes). Default: $KVSERVE_TENANTS_FILE, else none",
+    )  # fmt: skip
+    parser.add_argument(
         "--timeout", type=float, default=120.0, metavar="SECONDS",
         help="how long every service has to become ready (default 120; preparing the model is not counted)",
     )  # fmt: skip
@@ -126,6 +133,12 @@ def run(args: argparse.Namespace) -> int:
         print("kvserve up: error: --cpus gives cores to prefill, but --prefill 0 runs no prefill worker",
               file=sys.stderr)  # fmt: skip
         return 2
+    if args.tenants is not None:
+        try:
+            tenants_file.read(args.tenants)  # the gateway reads it again; a bad file stops here, before anything starts
+        except TenantsFileError as e:
+            print(f"kvserve up: error: --tenants {args.tenants}: {e}", file=sys.stderr)
+            return 2
     cluster = LocalCluster(
         prefill=args.prefill,
         decode=args.decode,
@@ -138,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         device=args.device,
         api_key=args.api_key_file or args.api_key,
+        tenants_file=args.tenants,
         supervise=True,
         standby=args.standby,
         cpus=args.cpus,
@@ -183,10 +197,11 @@ def banner(cluster: LocalCluster) -> str:
         "stream": True,
     }
     curl = shlex.join(["curl", "-N", f"{url}/chat/completions", "-H", "Content-Type: application/json"])
-    if cluster.api_key:  # never the key itself: this goes to the terminal and to logs
+    if cluster.api_key or cluster.tenants_file:  # never the key itself: this goes to the terminal and to logs
         curl += ' -H "Authorization: Bearer $KVSERVE_API_KEY"'
     curl += " -d " + shlex.quote(json.dumps(body))
-    key_note = "(with KVSERVE_API_KEY set to the API key in your shell)\n" if cluster.api_key else ""
+    needs_key = cluster.api_key or cluster.tenants_file
+    key_note = "(with KVSERVE_API_KEY set to the API key in your shell)\n" if needs_key else ""
     ports = cluster.metrics_ports()
     metrics = f"metrics: {url.removesuffix('/v1')}/metrics" + (
         "; per service: " + ", ".join(f"{i} :{port}" for i, port in ports.items()) if ports else "") + "\n"

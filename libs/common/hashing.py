@@ -5,6 +5,8 @@ with ``hash(block -1) = ROOT``. Token ids are packed as little-endian uint32 and
 ``extra`` carries the model id (and, later, adapters or salts), so equal prefixes
 give equal chains in every process and on every machine, and different models
 never share a name. Only full blocks are hashed: a partial block has no hash.
+A cache scope (a tenant's, a shared one, a request's cache_salt) starts its chains
+from its own root (`scope_root`), so equal prompts in two scopes share no name.
 """
 
 import hashlib
@@ -44,3 +46,14 @@ def block_hashes(
 def model_extra(model_id: str) -> bytes:
     """The ``extra`` bytes every block of ``model_id`` is hashed with."""
     return model_id.encode()
+
+
+def scope_root(scope: bytes, parent: BlockHash = ROOT) -> BlockHash:
+    """The root the chains of cache scope ``scope`` start from instead of ``parent``:
+    no block of one scope can name a block of another. Scopes nest (a tenant's, then
+    a request's cache_salt within it); the default scope's root is ROOT itself."""
+    h = hashlib.blake2b(parent, digest_size=_DIGEST_SIZE)
+    h.update(b"scope")
+    h.update(struct.pack("<I", len(scope)))
+    h.update(scope)
+    return BlockHash(h.digest())

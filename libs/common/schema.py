@@ -274,6 +274,8 @@ class AdmitRequest(Message):
     session_id: str | None = None  # a conversation's turns: kept where its KV is unless moving is predicted cheaper
     best_effort: bool = False  # no SLO: served only in time SLO work does not need, never refused as unattainable
     moved: bool = False  # a request continued after its worker was lost: never refused, and no sample for the margins
+    tenant: str | None = None  # who sent it (the gateway's tenants file): under overload, shares are by tenant
+    tenant_weight: float = 1.0  # its tenant's weight: its share of a contended cluster, relative to the others'
 
 
 class AdmitReply(Message):
@@ -368,6 +370,7 @@ class PrefillRequest(Message):
     # the prompt's last tokens that an earlier attempt generated (a migrated request): the
     # penalties count them as generated, so they are rebuilt as an undisturbed run has them
     num_prior_output_tokens: int = 0
+    hash_root: BlockHash | None = None  # its cache scope's root, where its block chain starts (None: ROOT, the default)
 
 
 class Ack(Message):
@@ -409,6 +412,7 @@ class HandoffRequest(Message):
     # n > 1: every sequence's first token, by choice (token_ids ends with the first's); the
     # decode worker forks the others from the prompt's blocks and drops those they finish
     first_token_ids: list[int] = msgspec.field(default_factory=list)
+    hash_root: BlockHash | None = None  # as the PrefillRequest's
 
 
 class ReleaseRequest(Message):

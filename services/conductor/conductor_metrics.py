@@ -11,7 +11,8 @@ from services.conductor.index import KVIndex
 from services.conductor.policies import Decision
 from services.conductor.scheduler import PredictionErrors, Scheduler
 
-REJECTION_REASONS = ("ttft_slo", "tbt_slo", "decode_full")  # in the scrape at zero; error codes join as they occur
+# in the scrape at zero; error codes join as they occur
+REJECTION_REASONS = ("ttft_slo", "tbt_slo", "decode_full", "fair_share")
 
 
 class ConductorMetrics:
@@ -22,7 +23,8 @@ class ConductorMetrics:
         m.counter_function(
             "kvserve_requests_rejected_total",
             "Requests the conductor refused, by reason: a latency target predicted missed (ttft_slo, tbt_slo), "
-            "no room predicted on a decode worker (decode_full), or an error code such as no_prefill",
+            "no room predicted on a decode worker (decode_full), a tenant over its weighted share of a contended "
+            "cluster (fair_share), or an error code such as no_prefill",
             lambda: {(r,): n for r, n in ({r: 0 for r in REJECTION_REASONS} | scheduler.rejections).items()},
             ["reason"],
         )

@@ -13,10 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from libs.common.schema import AdmitRequest
-from libs.common.vocabulary import Role
+from libs.common.vocabulary import ErrorCode, Role
 from services.conductor.admission import Policy
 from services.conductor.affinity import Home, SessionTable
 from services.conductor.cluster import ClusterView
+from services.conductor.fair_share import FairShare, FairShareConfig
 from services.conductor.index import KVIndex
 from services.conductor.margin import MarginConfig, Margins
 from services.conductor.overload import Overload, OverloadConfig
@@ -30,6 +31,7 @@ class SchedulerConfig:
     predict: PredictConfig = field(default_factory=PredictConfig)
     margin: MarginConfig = field(default_factory=MarginConfig)
     overload: OverloadConfig = field(default_factory=OverloadConfig)
+    fair_share: FairShareConfig = field(default_factory=FairShareConfig)
 
 
 @dataclass(frozen=True)
@@ -132,6 +134,7 @@ class Scheduler:
         self.tbt_errors = PredictionErrors(TBT_ERROR_BUCKETS, "TBT")
         self.margins = Margins(self.config.margin, lambda: view.clock())
         self.overload = Overload(self.config.overload)
+        self.fair_share = FairShare(self.config.fair_share)
         self.sessions = SessionTable()
         self.num_admitted = 0
         self.rejections: dict[str, int] = {}  # by error code or rejection reason
@@ -162,6 +165,11 @@ class Scheduler:
     def admit(self, request: AdmitRequest) -> Decision:
         ctx = self.context(request)
         decision = self.policy.choose(ctx, self.sessions.get(request.session_id))
+        cost = ctx.num_tokens + ctx.expected_output_tokens
+        if decision.admitted and request.tenant is not None and not (request.moved or request.best_effort):
+            decision = self._fair(request, decision, cost, ctx.slo.ttft_s, ctx.ttft_slack, ctx.now)
+        if request.tenant is not None:
+            self.fair_share.arrived(request.tenant, request.tenant_weight, ctx.now)
         if self.explain is not None:
             self.explain(ctx, decision)
         if not request.best_effort:  # best effort runs in time SLO work leaves: it takes none from it
@@ -180,7 +188,23 @@ class Scheduler:
             None if ctx.prefill_deadline is None else ctx.prefill_deadline - ctx.now, request.moved,
         )  # fmt: skip
         self.book(booking, ctx.now)
+        if request.tenant is not None:
+            self.fair_share.add(request.request_id, request.tenant, request.tenant_weight, cost)
         return decision
+
+    def _fair(self, request: AdmitRequest, decision: Decision, cost: float, ttft_target_s: float, slack_s: float,
+              now: float) -> Decision:  # fmt: skip
+        """``decision``, or a refusal when the queue is building and its tenant is the
+        furthest over its weighted share of the work in flight (fair_share.py)."""
+        queue_s = (decision.predicted_ttft_s or 0.0) - decision.work_s  # the work ahead of it, not its own
+        pressure = (queue_s + slack_s) / ttft_target_s  # slack: what the model misses
+        ratio = self.fair_share.refuses(request.tenant, request.tenant_weight, cost, pressure, now)
+        if ratio is None:
+            return decision
+        message = (f"tenant {request.tenant} is using {ratio:.1f}x its weighted share of the cluster while it is "
+                   f"contended (predicted TTFT {decision.predicted_ttft_s:.3f} s of a {ttft_target_s:.3f} s target)")
+        return replace(decision, error_code=ErrorCode.REJECTED, error_message=message, reason="fair_share",
+                       retry_after_s=decision.predicted_ttft_s)  # fmt: skip
 
     def book(self, booking: Booking, now: float, origin: str | None = None) -> bool:
         """Add an admission to its instances' predicted load: this scheduler's own
@@ -241,6 +265,7 @@ class Scheduler:
     def finished(self, request_id: str, num_output_tokens: int = 0) -> None:
         """The request is over (done, failed, cancelled or refused by its decode instance),
         after ``num_output_tokens`` tokens (0: not known): its mean TBT settles that prediction."""
+        self.fair_share.remove(request_id)
         record = self.admitted.pop(request_id, None)
         if record is None:
             return

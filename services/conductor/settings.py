@@ -9,6 +9,7 @@ from typing import Self
 
 from libs.common.settings import ServiceSettings, env_float, env_int, env_str, service_env
 from services.conductor.admission import build_policy
+from services.conductor.fair_share import FairShareConfig
 from services.conductor.overload import OverloadConfig
 from services.conductor.predict import SLO, PredictConfig
 from services.conductor.scheduler import SchedulerConfig
@@ -31,6 +32,7 @@ class ConductorSettings(ServiceSettings):
     balancing_threshold: float = 2.0
     expected_output_tokens: int = 512
     max_band_refusal_ratio: float = 3.0  # the overload guard (overload.py); 0: no preference for short prompts
+    fair_share_pressure: float = 0.5  # tenants' shares apply past this share of the TTFT target (fair_share.py); 1: off
 
     def __post_init__(self) -> None:
         if self.instance_timeout <= 0:
@@ -47,6 +49,8 @@ class ConductorSettings(ServiceSettings):
             raise ValueError(f"KVSERVE_EXPECTED_OUTPUT_TOKENS must be at least 1, got {self.expected_output_tokens}")
         if self.max_band_refusal_ratio < 0:
             raise ValueError(f"KVSERVE_MAX_BAND_REFUSAL_RATIO must be at least 0, got {self.max_band_refusal_ratio}")
+        if not 0 <= self.fair_share_pressure <= 1:
+            raise ValueError(f"KVSERVE_FAIR_SHARE_PRESSURE must be in [0, 1], got {self.fair_share_pressure}")
         try:
             build_policy(self.policy)
         except ValueError as e:
@@ -64,6 +68,7 @@ class ConductorSettings(ServiceSettings):
             balancing_threshold=env_float("BALANCING_THRESHOLD", 2.0),
             expected_output_tokens=env_int("EXPECTED_OUTPUT_TOKENS", 512),
             max_band_refusal_ratio=env_float("MAX_BAND_REFUSAL_RATIO", 3.0),
+            fair_share_pressure=env_float("FAIR_SHARE_PRESSURE", 0.5),
         )
 
     def scheduler_config(self) -> SchedulerConfig:
@@ -71,4 +76,5 @@ class ConductorSettings(ServiceSettings):
             slo=SLO(self.slo_ttft_s, self.slo_tbt_s),
             predict=PredictConfig(self.block_size, self.balancing_threshold, self.expected_output_tokens),
             overload=OverloadConfig(self.max_band_refusal_ratio),
+            fair_share=FairShareConfig(self.fair_share_pressure),
         )

@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from libs.common import subjects
 from libs.common.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
 from libs.common.errors import KVServeError
+from libs.common.hashing import ROOT
 from libs.common.model.scheduler import Due
 from libs.common.model.sequence import Sequence
 from libs.common.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
@@ -42,7 +43,7 @@ class LocalPrefill:
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
-                                   request.num_prior_output_tokens)  # fmt: skip
+                                   request.num_prior_output_tokens, request.hash_root or ROOT)  # fmt: skip
         if not engine.cache.can_allocate(seq, seq.num_tokens + engine.block_size):
             return ErrorReply(code=ErrorCode.NO_CAPACITY, message=f"{self.worker.instance_id} has no free KV blocks")
         now = time.monotonic()  # the scheduler's clock

@@ -13,6 +13,7 @@ from nats.aio.msg import Msg
 from libs.common import subjects
 from libs.common.engine_host import EngineHost
 from libs.common.errors import OutOfKVBlocksError
+from libs.common.hashing import ROOT
 from libs.common.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
 from libs.common.model.sequence import Sequence
 from libs.common.recent import RecentIds
@@ -124,6 +125,7 @@ class DecodeWorker(Service):
             num_computed_tokens=len(request.token_ids) - 1,  # every token but the first generated one
             num_cached_tokens=request.num_cached_tokens,
             num_prior_output_tokens=request.num_prior_output_tokens,
+            hash_root=request.hash_root or ROOT,
         )
         if request.first_token_ids:
             self.spawn(self.admit_choices(seq, request.first_token_ids))

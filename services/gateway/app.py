@@ -53,6 +53,7 @@ class Gateway(Service):
             model = await asyncio.to_thread(ServedModel.load, s.model, s.block_size, s.max_model_len)
             self._generations = Generations(self, s, self.peers, model)
         await self.subscribe_heartbeats(None, self._on_heartbeat)
+        await self.generations.tenants.watch(stack)  # a changed tenants file (or SIGHUP): read again
         guard = ConnectionGuard(s.header_timeout, s.keepalive_timeout, s.max_connections)
         app = init_app(self, self.generations, guard)
         self.generations.observers.append(self.request_metrics.observe)  # told of every request once it is over

@@ -40,6 +40,7 @@ from libs.common.schema import (
     RequestProgress,
     TokenChunk,
 )
+from libs.common.hashing import ROOT
 from libs.common.service import Service
 from libs.common.vocabulary import ErrorCode, Role
 from services.gateway.errors import (
@@ -168,6 +169,8 @@ class RequestRun:
             session_id=self.session_id,
             best_effort=self.slo.best_effort,
             moved=self.moved,
+            tenant=p.tenant,
+            tenant_weight=p.tenant_weight,
         )
         asked_at = time.monotonic()
         self._may_be_running = True  # from here on the conductor may have admitted it
@@ -211,6 +214,7 @@ class RequestRun:
             decode_id=self.decode_id,
             num_prior_output_tokens=p.num_prior_output_tokens,
             ttft_budget_s=None if target is None else max(0.0, target - (time.monotonic() - self._asked_at)),
+            hash_root=None if p.hash_root == ROOT else p.hash_root,
         )
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation

@@ -29,6 +29,10 @@ class AuthenticationError(KVServeError):
     """No API key, or the wrong one."""
 
 
+class PermissionDeniedError(KVServeError):
+    """A known API key whose tenant may not use the cluster now (disabled in the tenants file)."""
+
+
 class ServiceUnavailableError(KVServeError):
     """A role the request needs is missing or does not answer (no prefill, no decode, no conductor)."""
 
@@ -46,6 +50,15 @@ class RateLimitedError(KVServeError):
         self.retry_after = retry_after
         self.details = details or {}  # the conductor's predictions, added to the error body
         self.reason = reason  # the target it would miss: ttft_slo, tbt_slo, decode_full, slo_unattainable
+
+
+class QuotaExceededError(RateLimitedError):
+    """The tenant is over one of its quotas (reason: the quota); ``headers`` are
+    OpenAI's x-ratelimit-* headers of its request and token limits."""
+
+    def __init__(self, message: str, reason: str, retry_after: float | None, headers: dict[str, str]) -> None:
+        super().__init__(message, retry_after, reason=reason)
+        self.headers = headers
 
 
 class BodyTooLargeError(KVServeError):
@@ -96,8 +109,11 @@ def to_http(error: Exception) -> HTTPError:
         return HTTPError(404, error_body(message, "invalid_request_error", None, "model_not_found"), {})
     if isinstance(error, AuthenticationError):
         return HTTPError(401, error_body(message, "invalid_request_error", None, "invalid_api_key"), {})
+    if isinstance(error, PermissionDeniedError):
+        return HTTPError(403, error_body(message, "invalid_request_error", None, "tenant_disabled"), {})
     if isinstance(error, RateLimitedError):
         headers = {"Retry-After": str(max(1, math.ceil(error.retry_after)))} if error.retry_after is not None else {}
+        headers.update(getattr(error, "headers", {}))  # a tenant's quota: its x-ratelimit-* headers
         # a request no wait can help (its TTFT misses the target even on an idle worker) says so as its code
         code = "slo_unattainable" if error.reason == "slo_unattainable" else "rate_limit_exceeded"
         body = error_body(message, "rate_limit_error", None, code)

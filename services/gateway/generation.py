@@ -1,8 +1,9 @@
 """The request core: one request admitted and run on the cluster, read as text.
 
-`Generations` admits a request for the served model and starts it on the
-workers; a worker that dies under it moves it (`migration.py`), each attempt
-being a `dispatch.RequestRun` watched by a `WorkerWatch`. A `Generation` is one
+`Generations` admits a request for the served model (its blocks named in its
+tenant's cache scope, within its tenant's quotas) and starts it on the workers;
+a worker that dies under it moves it (`migration.py`), each attempt being a
+`dispatch.RequestRun` watched by a `WorkerWatch`. A `Generation` is one
 such request while it runs. Domain errors leave here; nothing here knows HTTP.
 """
 
@@ -10,19 +11,23 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from libs.common.hashing import BlockHash, block_hashes, model_extra
 from libs.common.peers import PeerDirectory
 from libs.common.service import Service
+from libs.common.tenants import Tenant
 from services.gateway.dispatch import RequestRun, SLOOverride
-from services.gateway.errors import ModelNotServedError
+from services.gateway.errors import ModelNotServedError, QuotaExceededError, RateLimitedError
 from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import GenerateRequest
+from services.gateway.quotas import Quotas
 from services.gateway.response_bodies import Usage
 from services.gateway.served_model import PreparedRequest, ServedModel
 from services.gateway.settings import GatewaySettings
+from services.gateway.tenancy import TenantDirectory
+from services.gateway.tenant_usage import TenantUsage
 from services.gateway.text_stream import Delta, TextStream, stream_deltas
 from services.gateway.worker_watch import LOST_AFTER_HEARTBEATS, WorkerWatch
 
@@ -39,6 +44,8 @@ class Generation:
     slo: SLOOverride | None = None  # the request's own targets, where it set them
     started_at: float = 0.0  # time.monotonic() when it was first admitted ...
     ended_at: float | None = None  # ... and when it was over
+    tenant: Tenant | None = None  # who sent it (None: no tenant, as a test may run it)
+    ratelimit_headers: dict[str, str] = field(default_factory=dict)  # its tenant's x-ratelimit-* headers
 
     @property
     def text(self) -> TextStream:
@@ -67,20 +74,33 @@ class Generations:
         self.settings = settings
         self.peers = peers
         self.model = model
+        self.tenants = TenantDirectory(settings.tenants_file, settings.api_key)  # who may send requests
         self.num_in_flight = 0
+        self.quotas = Quotas()  # each tenant's, checked before admission
         self.observers: list[Callable[[Generation], None]] = []  # told of every admitted request once it is over
+        self.usage = TenantUsage(service.metrics)  # what each tenant used, and was refused
 
     @asynccontextmanager
     async def generate(
-        self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None, session_id: str | None = None
+        self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None, session_id: str | None = None,
+        tenant: Tenant | None = None,
     ) -> AsyncIterator[Generation]:
         """Admit ``request`` and start it on the cluster; inside the block, read its
         text. A worker that dies under it moves it (at most ``max_attempts`` tries
-        in all); leaving the block early (an error, a disconnect) cancels it."""
+        in all); leaving the block early (an error, a disconnect) cancels it. Its KV
+        blocks are named in ``tenant``'s cache scope (None: the default scope)."""
         model, s = self.model, self.settings
         if request.model != model.model_id:
             raise ModelNotServedError(request.model)
-        prepared = await model.prepare(request, request_id)
+        prepared = await model.prepare(request, request_id, self.tenants.hash_root(tenant, request.cache_salt))
+        if tenant is not None and self.tenants.isolated:  # shares under overload are by tenant
+            prepared = replace(prepared, tenant=tenant.name, tenant_weight=tenant.weight)
+        try:
+            lease = None if tenant is None else self.quotas.acquire(
+                tenant, prepared.num_prompt_tokens, prepared.sampling.max_tokens * prepared.sampling.n)
+        except QuotaExceededError as e:
+            self.usage.refused(tenant, e.reason or "quota")
+            raise
         texts = [TextStream(model.tokenizer, prepared.sampling, model.max_model_len, prepared.num_prompt_tokens)
                  for _ in range(prepared.sampling.n)]  # fmt: skip
         silence = LOST_AFTER_HEARTBEATS * s.heartbeat_interval
@@ -95,12 +115,21 @@ class Generations:
         try:
             async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at,
                                     self._heard_at, self.peers.silent_for) as run:  # fmt: skip
-                generation = Generation(run, texts, slo, started_at)
+                generation = Generation(run, texts, slo, started_at, tenant=tenant,
+                                        ratelimit_headers=lease.headers if lease else {})  # fmt: skip
                 yield generation
+        except RateLimitedError as e:
+            if generation is None:  # the conductor refused it
+                self.usage.refused(tenant, e.reason or "rate_limited")
+            raise
         finally:
             self.num_in_flight -= 1
+            if lease is not None:  # what it did not use goes back (all of it, when it never ran)
+                used = 0 if generation is None else texts[0].num_prompt_tokens + sum(t.num_completion_tokens for t in texts)
+                self.quotas.release(lease, used)
             if generation is not None:
                 generation.ended_at = time.monotonic()
+                self.usage.observe(tenant, generation.usage())
                 for observe in self.observers:
                     observe(generation)
 
@@ -112,9 +141,10 @@ class Generations:
         heard = self.peers.last_heard(instance_id)
         return None if heard is None else heard[1]
 
-    async def _block_hashes(self, token_ids: list[int]) -> list[BlockHash]:
-        """The block hashes of a prompt, as the workers name its KV blocks."""
+    async def _block_hashes(self, token_ids: list[int], root: BlockHash) -> list[BlockHash]:
+        """The block hashes of a prompt in the scope of ``root``, as the workers name its KV blocks."""
         model = self.model
+        extra = model_extra(model.model_id)
         if len(token_ids) > INLINE_HASH_TOKENS:
-            return await asyncio.to_thread(block_hashes, token_ids, model.block_size, model_extra(model.model_id))
-        return block_hashes(token_ids, model.block_size, model_extra(model.model_id))
+            return await asyncio.to_thread(block_hashes, token_ids, model.block_size, extra, root)
+        return block_hashes(token_ids, model.block_size, extra, root)

@@ -7,7 +7,6 @@ share; routes.py binds its methods to paths.
 """
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -20,6 +19,7 @@ from aiohttp import web
 
 from libs.common.errors import KVServeError
 from libs.common.service import Service
+from libs.common.tenants import Tenant
 from libs.common.vocabulary import KVTier, Role
 from services.gateway import console
 from services.gateway import openapi as openapi_document
@@ -27,7 +27,6 @@ from services.gateway import sse
 from services.gateway.cluster_metrics import cluster_metrics
 from services.gateway.dispatch import SLOOverride
 from services.gateway.errors import (
-    AuthenticationError,
     InvalidParameterError,
     ModelNotServedError,
     RequestBodyTimeoutError,
@@ -48,6 +47,7 @@ log = logging.getLogger("kvserve.gateway.http")
 PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"}) | console.PUBLIC_PATHS  # no API key needed
 READY_ROLES = (Role.CONDUCTOR, Role.PREFILL, Role.DECODE)  # a request needs a live instance of each
 INLINE_DECODE_BYTES = 64 * 1024  # larger bodies are decoded off the event loop
+TENANT = web.RequestKey("tenant", Tenant)  # who sent the request (the auth middleware's finding)
 
 
 class Handlers:
@@ -80,8 +80,10 @@ class Handlers:
             logprobs = [LogprobsBodies(model.tokenizer, parsed.is_chat) for _ in range(parsed.n)]
         stream: web.StreamResponse | None = None
         try:
-            async with self.generations.generate(parsed, response_id, slo, session_id) as generation:
-                headers = {"x-request-id": response_id, **_explanation_headers(generation.run)}
+            tenant = request.get(TENANT)
+            async with self.generations.generate(parsed, response_id, slo, session_id, tenant) as generation:
+                headers = {"x-request-id": response_id, **_explanation_headers(generation.run),
+                           **generation.ratelimit_headers}  # fmt: skip
                 if not parsed.stream:
                     return await _complete(generation, bodies, headers, logprobs)
                 stream = await sse.open_stream(request, headers)
@@ -91,6 +93,15 @@ class Handlers:
             if stream is None:
                 raise
             return stream  # the client left mid-stream; leaving the run cancelled the workers
+
+    async def usage(self, request: web.Request) -> web.Response:
+        """What the caller's own tenant has used of this gateway since it started, and its limits."""
+        tenant, generations = request[TENANT], self.generations
+        limits = {k: v for k, v in vars(tenant.quotas).items() if v is not None}
+        body = {"object": "usage", "tenant": tenant.name, "since": int(self.service.started_at),
+                **generations.usage.of(tenant), "in_flight": generations.quotas.in_flight(tenant.name),
+                "limits": limits}  # fmt: skip
+        return _json_response(body)
 
     # --- models, health, metrics, the API description ------------------------------
     async def list_models(self, request: web.Request) -> web.Response:
@@ -139,24 +150,17 @@ class Handlers:
     async def openapi(self, request: web.Request) -> web.Response:
         """The OpenAPI 3 description of every route."""
         model_id = self.generations.model.model_id
-        body = openapi_document.document_bytes(model_id, self.settings.api_key is not None)
+        body = openapi_document.document_bytes(model_id, self.generations.tenants.needs_key)
         return web.Response(body=body, content_type="application/json")
 
     # --- the middleware that needs the settings -------------------------------------
     @web.middleware
     async def auth_middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """With an API key configured, every route but the health probes and the API
-        description needs ``Authorization: Bearer <key>``."""
-        key = self.settings.api_key
-        if key is not None and request.path not in PUBLIC_PATHS:
-            scheme, _, token = (_header(request, "Authorization") or "").partition(" ")
-            if scheme.lower() != "bearer" or not token.strip():
-                raise AuthenticationError(
-                    "You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
-                    "(i.e. Authorization: Bearer YOUR_KEY)."
-                )
-            if not hmac.compare_digest(token.strip().encode(), key.encode()):
-                raise AuthenticationError("Incorrect API key provided.")
+        """With API keys configured (one, or a tenants file), every route but the health
+        probes and the API description needs ``Authorization: Bearer <key>``: the key
+        names the request's tenant (401 for an unknown key, 403 for a disabled tenant)."""
+        if request.path not in PUBLIC_PATHS:
+            request[TENANT] = self.generations.tenants.authenticate(_header(request, "Authorization"))
         return await handler(request)
 
 

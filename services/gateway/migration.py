@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -32,7 +33,7 @@ from services.gateway.served_model import PreparedRequest
 
 # (the request for this attempt, instances to exclude) -> an attempt not yet entered
 AttemptFactory = Callable[[PreparedRequest, frozenset[str]], RequestRun]
-BlockHasher = Callable[[list[int]], Awaitable[list[BlockHash]]]
+BlockHasher = Callable[[list[int], BlockHash], Awaitable[list[BlockHash]]]  # a prompt's, from a root
 
 # seconds a request waits for the conductor to answer again, or for a worker of the role it
 # lacks to come (back): long enough for a supervisor to restart a dead worker. A moved request
@@ -229,9 +230,11 @@ class MigratingRun:
             return p
         request_id = f"{p.request_id}-m{self._num_attempts - 1}"
         if not self._delivered:
-            return PreparedRequest(request_id, p.prompt_token_ids, p.sampling, p.block_hashes)
+            return replace(p, request_id=request_id)
         done = len(self._delivered)
         prompt = p.prompt_token_ids + self._delivered
         sampling = msgspec.structs.replace(p.sampling, max_tokens=p.sampling.max_tokens - done,
                                            min_tokens=max(0, p.sampling.min_tokens - done))  # fmt: skip
-        return PreparedRequest(request_id, prompt, sampling, await self._block_hashes(prompt), done)
+        hashes = await self._block_hashes(prompt, p.hash_root)
+        return replace(p, request_id=request_id, prompt_token_ids=prompt, sampling=sampling, block_hashes=hashes,
+                       num_prior_output_tokens=done)  # fmt: skip

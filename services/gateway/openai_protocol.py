@@ -50,6 +50,7 @@ class GenerateRequest:
     stream: bool = False
     include_usage: bool = False
     user: str | None = None  # OpenAI's end-user id: kvserve keeps a user's turns near their KV (session affinity)
+    cache_salt: str | None = None  # vLLM's: prefix reuse only among requests with the same salt (within a tenant)
 
     @property
     def is_chat(self) -> bool:
@@ -119,7 +120,14 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         stream=stream,
         include_usage=include_usage,
         user=body.get("user") or None,  # type-checked with the ignored fields
+        cache_salt=_cache_salt(body.get("cache_salt")),
     )
+
+
+def _cache_salt(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise InvalidParameterError("Invalid 'cache_salt': expected a non-empty string", "cache_salt")
+    return value
 
 
 def _messages(value: Any) -> Messages:

@@ -83,6 +83,10 @@ def _request(endpoint_fields: dict[str, Schema], required: list[str], model_id: 
             "additionalProperties": False,
             "description": "Only with stream: true. include_obfuscation is accepted and ignored.",
         }),  # fmt: skip
+        "cache_salt": _nullable({
+            "type": "string", "minLength": 1,
+            "description": "vLLM's: prefix cache reuse only among this tenant's requests with the same salt.",
+        }),  # fmt: skip
     }
     for name, kind in IGNORED_FIELDS.items():
         properties[name] = {"type": [_JSON_TYPE[kind], "null"], "description": "Accepted and ignored."}
@@ -283,11 +287,13 @@ def _schemas(model_id: str) -> dict[str, Schema]:
 _STATUS_TEXT = {
     400: "The request is invalid; `param` names the field.",
     401: "No API key, or the wrong one.",
+    403: "The API key's tenant is disabled.",
     404: "The model is not served here.",
     408: "The request body did not arrive within the body timeout.",
     413: "The request body is larger than the server accepts (1 MiB, once its Content-Encoding is undone).",
     415: "The request body's Content-Encoding is neither gzip, deflate nor identity.",
-    429: "The cluster cannot meet the request's latency targets now (Retry-After says when to retry).",
+    429: "The cluster cannot meet the request's latency targets now, or the tenant is over a quota (`reason` "
+         "names it; Retry-After says when to retry; the x-ratelimit-* headers give the tenant's per-minute limits).",
     500: "A worker failed while serving the request.",
     503: "A role the request needs (conductor, prefill, decode) is missing or unreachable.",
     504: "No token arrived within the request timeout.",
@@ -333,7 +339,7 @@ def _generation(summary: str, request: str, response: str, chunk_object: str) ->
                 "description": "The completion, whole or streamed.",
                 "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": {"schema": stream}},
             },
-            **_errors(400, 401, 404, 408, 413, 415, 429, 500, 503, 504),
+            **_errors(400, 401, 403, 404, 408, 413, 415, 429, 500, 503, 504),
         },
     }
 
@@ -343,6 +349,25 @@ def _health(summary: str, ready: bool) -> Schema:
     if ready:
         responses["503"] = _json("Not ready: `reasons` says why.", _ref("Health"))
     return {"summary": summary, "security": [], "responses": responses}
+
+
+def _usage_schema() -> Schema:
+    count = {"type": "integer", "minimum": 0}
+    return {
+        "type": "object",
+        "required": ["object", "tenant", "since", "requests", "prompt_tokens", "cached_tokens", "completion_tokens",
+                     "refusals", "in_flight", "limits"],
+        "properties": {
+            "object": {"const": "usage"},
+            "tenant": {"type": "string"},
+            "since": {"type": "integer", "description": "When this gateway started counting (Unix time)."},
+            "requests": count, "prompt_tokens": count, "cached_tokens": count, "completion_tokens": count,
+            "refusals": {"type": "object", "additionalProperties": count, "description": "429s by reason."},
+            "in_flight": count,
+            "limits": {"type": "object", "additionalProperties": {"type": "integer"},
+                       "description": "The tenant's quotas, as in the tenants file."},
+        },
+    }  # fmt: skip
 
 
 def _console_paths() -> dict[str, Schema]:
@@ -401,6 +426,12 @@ def document(model_id: str, needs_api_key: bool) -> dict[str, Any]:
                     "summary": "Describe one model.",
                     "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"enum": [model_id]}}],
                     "responses": {"200": _json("The model.", _ref("Model")), **_errors(401, 404)},
+                },
+            },
+            "/v1/usage": {
+                "get": {
+                    "summary": "What the caller's own tenant used of this gateway since it started, and its limits.",
+                    "responses": {"200": _json("The tenant's usage.", _usage_schema()), **_errors(401, 403)},
                 },
             },
             "/health": {"get": _health(ready, ready=True)},

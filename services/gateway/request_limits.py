@@ -68,7 +68,7 @@ RANGES: dict[str, Range] = {
 SHARED_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "n",
-    "stream", "stream_options",
+    "stream", "stream_options", "cache_salt",
 })  # fmt: skip
 CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 COMPLETION_FIELDS = SHARED_FIELDS | {"prompt"}

@@ -31,6 +31,7 @@ def init_app(service: Service, generations: Generations, guard: ConnectionGuard 
     app.router.add_post("/v1/completions", handlers.completions)
     app.router.add_get("/v1/models", handlers.list_models)
     app.router.add_get("/v1/models/{model}", handlers.get_model)
+    app.router.add_get("/v1/usage", handlers.usage)  # the caller's own tenant's
     app.router.add_get("/health", handlers.health_ready)  # vLLM's meaning: 200 only when requests can be served
     app.router.add_get("/health/ready", handlers.health_ready)
     app.router.add_get("/health/live", handlers.health_live)

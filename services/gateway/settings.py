@@ -15,6 +15,7 @@ class GatewaySettings(ServiceSettings):
     host: str = "127.0.0.1"
     port: int = 8000  # 0: the OS picks a free port (the heartbeat reports the real one)
     api_key: str | None = None  # when set, every request but the probes and /openapi.json needs a Bearer key
+    tenants_file: str | None = None  # the tenants and their keys (libs/common/tenants.py); re-read when it changes
     model: str | None = None  # None: the embedded default model
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context window
@@ -57,6 +58,7 @@ class GatewaySettings(ServiceSettings):
             host=env_str("GATEWAY_HOST", "127.0.0.1"),
             port=env_int("GATEWAY_PORT", 8000),
             api_key=env_str("API_KEY", "") or None,
+            tenants_file=env_str("TENANTS_FILE", "") or None,
             model=env_str("MODEL", "") or None,
             block_size=env_int("BLOCK_SIZE", 16),
             max_model_len=env_int("MAX_MODEL_LEN", 0) or None,

@@ -183,6 +183,7 @@ class Handoff:
             block_ids=transfer.lease.block_ids,
             num_prior_output_tokens=seq.num_prior_output_tokens,
             first_token_ids=first_token_ids,
+            hash_root=transfer.request.hash_root,
         )
         try:
             ack = await self._ask_while_alive(transfer.decode_id, subjects.decode_admit(transfer.decode_id), handoff,

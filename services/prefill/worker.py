@@ -27,6 +27,7 @@ from libs.common import failpoints, subjects
 from libs.common.cost_model import CostModel, uncalibrated_coefficients
 from libs.common.engine_host import EngineHost
 from libs.common.errors import KVServeError, OutOfKVBlocksError
+from libs.common.hashing import ROOT
 from libs.common.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.common.model.sequence import Sequence
 from libs.common.prefill_order import Work, plan
@@ -112,7 +113,7 @@ class PrefillWorker(Service):
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
-                                   request.num_prior_output_tokens)  # fmt: skip
+                                   request.num_prior_output_tokens, request.hash_root or ROOT)  # fmt: skip
         now = asyncio.get_running_loop().time()
         deadline = None if request.ttft_budget_s is None else now + request.ttft_budget_s
         job = Job(request, seq, now, deadline)

@@ -26,11 +26,11 @@ STARTED: list[LocalCluster] = []
 
 
 def start_cluster(prefill: int = 1, decode: int = 1, env: dict | None = None, store_dir=None,
-                  api_key: str | None = None) -> LocalCluster:  # fmt: skip
+                  api_key: str | None = None, tenants_file: str | None = None) -> LocalCluster:  # fmt: skip
     cluster = LocalCluster(
         prefill=prefill, decode=decode, gateway_port=0, dtype="float32", env={**CLUSTER_ENV, **(env or {})}, log=None,
         store_dir=store_dir or tempfile.mkdtemp(prefix="kvserve-stores-"),  # no test sees another's disk tier
-        api_key=api_key,
+        api_key=api_key, tenants_file=tenants_file,
     )
     STARTED.append(cluster)
     cluster.start(timeout=120)

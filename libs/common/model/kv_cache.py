@@ -35,7 +35,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def prompt_hashes(self, seq: Sequence) -> list:
-        return block_hashes(seq.prompt_token_ids, self.block_size, self.hash_extra)
+        return block_hashes(seq.prompt_token_ids, self.block_size, self.hash_extra, seq.hash_root)
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach the longest cached prefix of a new sequence's prompt; return its token count.
@@ -108,7 +108,7 @@ class KVCacheManager:
         num_full = seq.num_computed_tokens // bs
         for i in range(len(seq.block_hashes), num_full):
             tokens = seq.token_ids[i * bs : (i + 1) * bs]
-            parent = seq.block_hashes[i - 1] if i else ROOT
+            parent = seq.block_hashes[i - 1] if i else seq.hash_root
             block_hash = hash_block(parent, tokens, self.hash_extra)
             seq.block_hashes.append(block_hash)
             if self.enable_prefix_cache:

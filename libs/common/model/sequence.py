@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass, field
 
-from libs.common.hashing import BlockHash
+from libs.common.hashing import ROOT, BlockHash
 from libs.common.sampling_params import SamplingParams
 from libs.common.vocabulary import FinishReason
 
@@ -22,12 +22,13 @@ class Sequence:
     # after its worker died): penalties count them as generated, and seeds go on from them
     num_prior_output_tokens: int = 0
     choice: int = 0  # which of the request's params.n sequences this is (0 for the first, or the only one)
+    hash_root: BlockHash = ROOT  # where its block chain starts: its cache scope's root (hashing.scope_root)
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
-                    num_prior_output_tokens: int = 0) -> "Sequence":  # fmt: skip
+                    num_prior_output_tokens: int = 0, hash_root: BlockHash = ROOT) -> "Sequence":  # fmt: skip
         return cls(request_id, list(prompt_ids), len(prompt_ids), params or SamplingParams(),
-                   num_prior_output_tokens=num_prior_output_tokens)  # fmt: skip
+                   num_prior_output_tokens=num_prior_output_tokens, hash_root=hash_root)  # fmt: skip
 
     @property
     def num_tokens(self) -> int:

@@ -6,6 +6,8 @@ deterministic for a seed, in the trace's 512-token blocks.
   in flight together, so the decode batch a request joins fills up after it is
   admitted: what plain early rejection (the batch now) cannot see and
   predictive rejection (the batch when its prefill ends) can.
+- `noisy_neighbour`: two tenants, one flooding at a multiple of the cluster's
+  capacity, one light: fair shares under overload keep the light one's SLOs.
 - `hot_prefix`: every request starts with one of a few long shared prefixes
   (documents), the most popular far more often than the rest, at a rate no one
   instance can serve, on caches too small to hold them all: a hot prefix sits
@@ -57,4 +59,24 @@ def hot_prefix(n: int = 1_500, rate: float = 4.0, prefixes: int = 10, prefix_blo
             shared = tuple(doc * 1000 + k for k in range(prefix_blocks))
             blocks = shared + tuple(_FRESH + i * 1000 + k for k in range(tail // TRACE_BLOCK_SIZE + 1))
         requests.append(TraceRequest(i, at, length, rng.randint(*output), blocks))
+    return requests
+
+
+def noisy_neighbour(capacity_rps: float, flood: float = 4.0, light: float = 0.25, duration_s: float = 120.0,
+                    prompt: int = 2_048, output: int = 64, seed: int = 0) -> list[TraceRequest]:  # fmt: skip
+    """Two tenants with unrelated prompts (Poisson arrivals): ``a`` sends ``flood`` times the
+    cluster's capacity (``capacity_rps`` requests a second), ``b`` ``light`` times it."""
+    rng = random.Random(seed)
+    arrivals = []
+    for tenant, share in (("a", flood), ("b", light)):
+        if share <= 0:
+            continue
+        at = rng.expovariate(capacity_rps * share)
+        while at < duration_s:
+            arrivals.append((at, tenant))
+            at += rng.expovariate(capacity_rps * share)
+    requests = []
+    for i, (at, tenant) in enumerate(sorted(arrivals)):
+        blocks = tuple(_FRESH + i * 1000 + k for k in range(prompt // TRACE_BLOCK_SIZE))
+        requests.append(TraceRequest(i, at, prompt, output, blocks, tenant=tenant))
     return requests

@@ -21,6 +21,7 @@ from libs.common.schema import AdmitRequest, CostCoefficients
 from services.conductor.admission import AdmitAll, build_policy
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
+from services.conductor.fair_share import FairShareConfig
 from services.conductor.overload import OverloadConfig
 from services.conductor.predict import SLO, PredictConfig
 from services.conductor.scheduler import Scheduler, SchedulerConfig
@@ -46,6 +47,7 @@ class SimConfig:
     balancing_threshold: float = 2.0
     expected_output_tokens: int = 512
     max_band_refusal_ratio: float = 3.0  # the overload guard (services/conductor/overload.py); 0: no preference
+    fair_share_pressure: float = 0.5  # tenants' shares under overload (services/conductor/fair_share.py); 1: off
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -93,7 +95,9 @@ class Simulation:
         self.admission = not isinstance(policy.admission, AdmitAll)
         predict = PredictConfig(TRACE_BLOCK_SIZE, config.balancing_threshold, config.expected_output_tokens)
         overload = OverloadConfig(config.max_band_refusal_ratio)
-        self.scheduler = Scheduler(policy, self.view, self.index, SchedulerConfig(config.slo, predict, overload=overload))
+        fair = FairShareConfig(config.fair_share_pressure)
+        self.scheduler = Scheduler(policy, self.view, self.index,
+                                   SchedulerConfig(config.slo, predict, overload=overload, fair_share=fair))
         self.prefills = {f"prefill-{i}": SimPrefill(self, f"prefill-{i}", cost, config.prefill_cache_blocks)
                          for i in range(config.num_prefill)}  # fmt: skip
         self.decodes = {f"decode-{i}": SimDecode(self, f"decode-{i}", cost, config.decode_max_batch,
@@ -148,7 +152,8 @@ class Simulation:
         request = SimRequest(t, str(t.index))
         self.requests.append(request)
         admit = AdmitRequest(request_id=request.request_id, num_prompt_tokens=t.input_length,
-                             max_tokens=t.output_length, block_hashes=list(t.hash_ids))  # fmt: skip
+                             max_tokens=t.output_length, block_hashes=list(t.hash_ids), tenant=t.tenant,
+                             tenant_weight=t.weight)  # fmt: skip
         decision = request.decision = self.scheduler.admit(admit)
         if not decision.admitted:
             request.outcome, request.reason = "rejected", decision.reason or decision.error_code

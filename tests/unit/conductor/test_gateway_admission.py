@@ -8,7 +8,10 @@ import openai
 import pytest
 
 from libs.common import schema, subjects
+from libs.common import tenants as tenants_file
+from libs.common.hashing import ROOT
 from libs.common.schema import Ack, AdmitReply, ErrorReply, PrefillRequest, RequestProgress
+from libs.common.tenants import Tenant, Tenants
 from tests.unit.gateway.conftest import nats_server, nc  # noqa: F401  (fixtures)
 from tests.unit.gateway.test_gateway_nats import (  # noqa: F401  (fixtures)
     MESSAGES,
@@ -116,3 +119,18 @@ async def test_prefill_on_the_decode_worker_goes_to_its_prefill_subject(start_ga
     assert raw.headers["x-kvserve-prefill-on-decode"] == "1"
     assert (await asyncio.wait_for(local.get(), WAIT)).decode_id == "decode-b"
     assert cluster.submits.empty()  # no prefill worker was asked
+
+
+async def test_a_tenants_name_weight_and_cache_scope_reach_the_conductor_and_the_prefill_worker(
+    start_gateway, cluster, tmp_path
+):
+    key = tenants_file.new_key()
+    path = tmp_path / "tenants.toml"
+    tenants_file.write(path, Tenants({"acme": Tenant("acme", (tenants_file.hash_key(key),), weight=3.0)}, b"s"))
+    url = await start_gateway(tenants_file=str(path))
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=WAIT)
+    await client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=16)
+    admit = await asyncio.wait_for(cluster.admits.get(), WAIT)
+    submitted = await asyncio.wait_for(cluster.submits.get(), WAIT)
+    assert (admit.tenant, admit.tenant_weight) == ("acme", 3.0)
+    assert submitted.hash_root is not None and submitted.hash_root != ROOT  # acme's own scope

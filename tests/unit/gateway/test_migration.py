@@ -12,7 +12,7 @@ from services.gateway.migration import MigratingRun
 from services.gateway.served_model import PreparedRequest
 
 PROMPT = [1, 2, 3, 4, 5]
-ORIGINAL = PreparedRequest("req", PROMPT, SamplingParams(max_tokens=10, temperature=0.0), [b"h1"])
+ORIGINAL = PreparedRequest("req", PROMPT, SamplingParams(max_tokens=10, temperature=0.0), [b"h1"], b"tenant-root")
 
 
 def ids(text: str) -> list[int]:
@@ -84,7 +84,8 @@ class Cluster:
         self.attempts.append(attempt)
         return attempt
 
-    async def block_hashes(self, token_ids: list[int]) -> list[bytes]:
+    async def block_hashes(self, token_ids: list[int], root: bytes) -> list[bytes]:
+        assert root == ORIGINAL.hash_root  # a moved request stays in its cache scope
         self.hashed.append(token_ids)
         return [b"rehashed"]
 
@@ -112,6 +113,7 @@ async def test_a_dead_decode_worker_resumes_with_the_streamed_tokens_in_the_prom
     assert resumed.request_id == "req-m1" and second.exclude == {"d0"}
     assert resumed.prompt_token_ids == PROMPT + ids("Hel") and resumed.sampling.max_tokens == 10 - 3
     assert resumed.block_hashes == [b"rehashed"] and cluster.hashed == [PROMPT + ids("Hel")]
+    assert resumed.hash_root == ORIGINAL.hash_root
     assert resumed.sampling.temperature == 0.0  # everything else as asked
     assert resumed.num_prior_output_tokens == 3  # the workers count "Hel" as generated (penalties, seeds)
     assert [(c.index, bytes(c.token_ids).decode()) for c in chunks] == [(0, "H"), (1, "el"), (3, "l"), (4, "o!")]

@@ -84,7 +84,7 @@ def test_the_conductor_reports_admissions_rejections_and_its_prediction_error():
     assert decision.prefill_id == "p" and c.decision_seconds.value() == 1
     found = scrape(m)
     rejected = {dict(labels)["reason"]: v for (n, labels), v in found.items() if n == "kvserve_requests_rejected_total"}
-    assert rejected == {"ttft_slo": 2, "tbt_slo": 0, "decode_full": 0, "no_prefill": 1}
+    assert rejected == {"ttft_slo": 2, "tbt_slo": 0, "decode_full": 0, "fair_share": 0, "no_prefill": 1}
     assert found[("kvserve_requests_admitted_total", frozenset())] == 3
     assert found[("kvserve_conductor_kv_index_blocks", frozenset())] == 12
     assert found[("kvserve_conductor_ttft_prediction_error_seconds_count", frozenset())] == 3

@@ -1,0 +1,127 @@
+"""Weighted fair shares under overload: when the queue builds, the tenant furthest
+over its weighted share of the work in flight is refused (fair_share) and the
+others are still admitted; a tenant alone may use the whole cluster. On a hand-built
+cluster, and in the simulator with a noisy neighbour."""
+
+from dataclasses import replace
+
+import pytest
+
+from libs.common.cost_model import CostModel, reference_coefficients
+from services.conductor.admission import build_policy
+from services.conductor.fair_share import ACTIVE_S, FairShare
+from services.conductor.scheduler import Scheduler
+from services.conductor.simulator.report import meets_slo
+from services.conductor.simulator.scenarios import noisy_neighbour
+from services.conductor.simulator.simulation import SimConfig, simulate
+from tests.unit.conductor.helpers import beat, cluster, config, request
+
+
+def test_ratios_are_in_flight_cost_over_the_weighted_share():
+    f = FairShare()
+    f.add("a1", "a", 1.0, 300)
+    f.add("b1", "b", 2.0, 100)
+    # with a request of 200 for b: a 300, b 300 of 600; shares 200 and 400
+    assert f.ratios("b", 2.0, 200) == {"a": pytest.approx(1.5), "b": pytest.approx(0.75)}
+    assert f.refuses("a", 1.0, 100, pressure=0.9) == pytest.approx(400 / (500 / 3))
+    assert f.refuses("b", 2.0, 100, pressure=0.9) is None  # under its share
+    assert f.refuses("a", 1.0, 100, pressure=0.4) is None  # no pressure: no shares
+    f.remove("b1")
+    assert f.refuses("a", 1.0, 100, pressure=0.9) is None  # alone: work-conserving
+    assert f.in_flight("b") == 0 and f.in_flight("a") == 300
+
+
+def test_only_the_tenant_furthest_over_its_share_is_refused():
+    f = FairShare()
+    f.add("a", "a", 1.0, 500)
+    f.add("c", "c", 1.0, 350)
+    f.add("b", "b", 1.0, 50)
+    assert f.refuses("a", 1.0, 10, pressure=0.9) is not None
+    assert f.refuses("c", 1.0, 10, pressure=0.9) is None  # over its share, but a is further over
+
+
+def flood(s: Scheduler, tenant: str, n: int, weight: float = 1.0) -> list[str | None]:
+    """``n`` requests of ``tenant`` admitted or refused, none finishing: their refusal reasons."""
+    reasons = []
+    for i in range(n):
+        d = s.admit(request(f"{tenant}{i}", tenant=tenant, tenant_weight=weight, blocks=[]))
+        reasons.append(d.reason)
+    return reasons
+
+
+def scheduler() -> Scheduler:
+    view, index, _ = cluster(beat("p0", "prefill"), beat("d0", "decode", free=10_000))
+    return Scheduler(build_policy("cache_aware+early_rejection"), view, index, config(2.0, 10.0))
+
+
+def test_a_flooding_tenant_is_refused_for_its_share_and_the_other_still_gets_in():
+    s = scheduler()
+    assert flood(s, "b", 1) == [None]
+    reasons = flood(s, "a", 20)  # 0.17 s of prefill each: the queue builds
+    admitted = reasons.count(None)
+    assert reasons[admitted:] == ["fair_share"] * (20 - admitted)  # refused for its share, not yet for the SLO
+    assert 0 < admitted < 11  # cut once the queue took half the TTFT target
+    assert flood(s, "b", 3) == [None, None, None]  # b is under its share: still admitted, within its SLO
+    assert s.rejections["fair_share"] == 20 - admitted
+
+
+def test_a_tenant_alone_uses_the_whole_cluster():
+    s = scheduler()
+    reasons = flood(s, "a", 20)
+    assert "fair_share" not in reasons
+    assert reasons.count(None) == 11  # as many as the TTFT target allows, as without tenants
+    assert set(reasons[11:]) == {"ttft_slo"}
+
+
+def test_a_heavier_tenant_gets_more_before_it_is_refused():
+    light, heavy = scheduler(), scheduler()
+    flood(light, "b", 3)
+    flood(heavy, "b", 3)
+    # weight 1: over half of the work in flight once it has more in flight than b's 3; weight 4: past
+    # 4/5 only after 12, so the TTFT target (8 more fit) stops it first
+    assert flood(light, "a", 20, weight=1.0).count(None) == 4
+    heavy_reasons = flood(heavy, "a", 20, weight=4.0)
+    assert heavy_reasons.count(None) == 8 and "fair_share" not in heavy_reasons
+
+
+def test_finished_requests_leave_the_shares():
+    s = scheduler()
+    flood(s, "b", 1)
+    flood(s, "a", 3)
+    for i in range(3):
+        s.finished(f"a{i}")
+    s.finished("b0")
+    assert s.fair_share.in_flight("a") == 0 and s.fair_share.in_flight("b") == 0
+
+
+def test_a_tenants_first_request_is_never_refused_for_its_share():
+    f = FairShare()
+    f.add("a1", "a", 1.0, 100)
+    assert f.refuses("b", 1.0, 1000, pressure=0.9) is None  # b has nothing in flight: not over its share yet
+    f.add("b1", "b", 1.0, 1000)
+    assert f.refuses("b", 1.0, 1000, pressure=0.9) is not None
+
+
+def test_a_tenant_seen_recently_keeps_its_share_with_nothing_in_flight():
+    f = FairShare()
+    f.add("a1", "a", 1.0, 500)
+    f.arrived("b", 1.0, now=100.0)  # b's requests finish fast: none in flight now
+    assert f.refuses("a", 1.0, 100, pressure=0.9, now=105.0) is not None
+    assert f.refuses("a", 1.0, 100, pressure=0.9, now=100.0 + ACTIVE_S + 1) is None  # b is gone: a is alone
+
+
+def test_in_the_simulator_a_light_tenant_keeps_its_slo_while_another_floods():
+    capacity = 1 / CostModel(reference_coefficients()).prefill_time(2048, 0)  # requests a second, one prefill
+    trace = noisy_neighbour(capacity, flood=4.0, light=0.25, duration_s=60)
+    config = SimConfig(1, 1, "cache_aware+predictive_rejection")
+
+    def attainment(result, tenant: str) -> float:
+        mine = [r for r in result.requests if r.trace.index in {t.index for t in trace if t.tenant == tenant}]
+        return sum(meets_slo(r, config.slo) for r in mine) / len(mine)
+
+    fair = simulate(config, trace)
+    shared = simulate(config, [replace(t, tenant=None) for t in trace])  # the same requests, no tenants
+    assert attainment(fair, "b") >= 0.95 > 0.5 > attainment(shared, "b")
+    assert {r.reason for r in fair.requests if r.trace.tenant == "a"} >= {"fair_share"}
+    alone = simulate(config, noisy_neighbour(capacity, flood=1.0, light=0.0, duration_s=60))
+    assert "fair_share" not in {r.reason for r in alone.requests}  # alone, a may use all of it
