@@ -109,7 +109,7 @@ class ServedModel:
         except InvalidRequestError as e:
             raise InvalidParameterError(str(e), _param_named_in(str(e))) from e
         hashes = block_hashes(ids, self.block_size, self._extra, hash_root)
-        return PreparedRequest(request_id, ids, sampling, hashes, hash_root)
+        return PreparedRequest(request_id, ids, sampling, hashes, hash_root=hash_root)
 
     def _encode(self, request: GenerateRequest) -> list[int]:
         if request.messages is not None:

@@ -12,7 +12,7 @@ from services.gateway.migration import MigratingRun
 from services.gateway.served_model import PreparedRequest
 
 PROMPT = [1, 2, 3, 4, 5]
-ORIGINAL = PreparedRequest("req", PROMPT, SamplingParams(max_tokens=10, temperature=0.0), [b"h1"], b"tenant-root")
+ORIGINAL = PreparedRequest("req", PROMPT, SamplingParams(max_tokens=10, temperature=0.0), [b"h1"], hash_root=b"tenant-root")
 
 
 def ids(text: str) -> list[int]:
@@ -127,7 +127,7 @@ async def test_min_tokens_comes_off_with_the_tokens_delivered():
         {"route": ("p0", "d1"), "script": [[chunk(0, "l", instance="p0")], [chunk(1, "o!", "stop", instance="d1")]]},
     )  # fmt: skip
     original = PreparedRequest("req", PROMPT, SamplingParams(max_tokens=10, min_tokens=5, presence_penalty=1.0),
-                               [b"h1"])  # fmt: skip
+                               [b"h1"], hash_root=ORIGINAL.hash_root)  # fmt: skip
     async with cluster.run(prepared=original) as run:
         await read_all(run)
     resumed = cluster.attempts[1].prepared

@@ -13,11 +13,12 @@ TARGETS = SLOTargets(ttft_s=1.0, tpot_s=0.1)
 def ended(finish_reason, deliveries=(), started=100.0, ended_at=None, taken=None, slo=None, tokens=None, migrations=0):
     """A request as the gateway's observer sees it once it is over (times in seconds)."""
     deliveries = [started + t for t in deliveries]
+    text = SimpleNamespace(finish_reason=finish_reason, num_prompt_tokens=20, num_cached_tokens=16,
+                           num_completion_tokens=len(deliveries) if tokens is None else tokens)
     return SimpleNamespace(
         run=SimpleNamespace(delivery_times=deliveries, taken_at=None if taken is None else started + taken,
                             migrations=migrations),
-        text=SimpleNamespace(finish_reason=finish_reason, num_prompt_tokens=20, num_cached_tokens=16,
-                             num_completion_tokens=len(deliveries) if tokens is None else tokens),
+        text=text, usage=lambda: SimpleNamespace(completion_tokens=text.num_completion_tokens),
         slo=slo, started_at=started, ended_at=(deliveries[-1] if deliveries else started) if ended_at is None else ended_at,
     )  # fmt: skip
 
