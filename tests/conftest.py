@@ -27,25 +27,14 @@ TINY_CONFIG = dict(
 )
 
 
-def gpt2_byte_chars() -> list[str]:
-    """The printable character byte-level BPE uses for each byte 0..255 (GPT-2's table)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
-
-
 def write_byte_tokenizer(folder: Path) -> None:
     """A byte-level tokenizer: ids 0-255 are bytes, then <s>, </s>, <pad>; no merges."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
-    tok = Tokenizer(BPE(vocab={c: i for i, c in enumerate(gpt2_byte_chars())}, merges=[]))
+    from libs.common.model.tokenizer import byte_level_alphabet
+
+    tok = Tokenizer(BPE(vocab={c: i for i, c in enumerate(byte_level_alphabet())}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<s>", "</s>", "<pad>"])
