@@ -17,6 +17,7 @@ from services.gateway.errors import AuthenticationError, PermissionDeniedError
 from services.gateway.routes import init_app
 from services.gateway.tenancy import TenantDirectory
 from tests.unit.gateway.conftest import gateway_settings
+from tests.integration.conftest import wait_until_async
 
 
 def write_tenants(path, **tenants: Tenant) -> None:
@@ -79,21 +80,15 @@ def test_a_reload_takes_a_rotated_key_and_keeps_the_tenants_when_the_file_is_bad
     assert directory.authenticate(f"Bearer {new}").name == "alice"
 
 
-async def wait_for(condition, seconds: float = 10.0) -> None:
-    async with asyncio.timeout(seconds):
-        while not condition():
-            await asyncio.sleep(0.01)
-
-
 async def test_the_watch_reloads_on_change_and_on_sighup(tenants_path, keys):
     directory = TenantDirectory(str(tenants_path))
     async with AsyncExitStack() as stack:
         await directory.watch(stack)
         write_tenants(tenants_path, carol=Tenant("carol", (tenants_file.hash_key(keys["carol"]),)))
-        await wait_for(lambda: directory.reloads == 1)
+        await wait_until_async(lambda: directory.reloads == 1, 10, "no reload after the file changed")
         assert directory.authenticate(f"Bearer {keys['carol']}").name == "carol"
         os.kill(os.getpid(), signal.SIGHUP)
-        await wait_for(lambda: directory.reloads == 2)
+        await wait_until_async(lambda: directory.reloads == 2, 10, "no reload after SIGHUP")
 
 
 @pytest.fixture
