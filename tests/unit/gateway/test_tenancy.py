@@ -1,7 +1,6 @@
 """Who a request is: the tenants file's keys (401 unknown, 403 disabled), the single
 API key as one tenant, and the file re-read on change or SIGHUP without a restart."""
 
-import asyncio
 import os
 import signal
 from contextlib import AsyncExitStack
