@@ -568,7 +568,7 @@ class LocalCluster:
             return False
         timer = threading.Timer(STANDBY_RESPAWN_SECONDS, self._respawn_spare_later, args=(inst.role,))
         timer.daemon = True
-        self._spare_timers.append(timer)
+        self._spare_timers = [t for t in self._spare_timers if t.is_alive()] + [timer]  # one per restart, not forever
         timer.start()
         with self._cond:
             spare = self._spares.get(inst.role)
