@@ -13,8 +13,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from libs.common.model import attention
-from libs.common.model.kv_pool import KVLayout, KVPool
+from libs.engine.model import attention
+from libs.engine.model.kv_pool import KVLayout, KVPool
 
 LAYERS, BLOCK, KV_HEADS, HEADS, DIM, LAYER, SCALE = 30, 16, 3, 9, 64, 5, 0.125
 

@@ -33,9 +33,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from libs.common import schema  # noqa: E402
-from libs.common.cost_model import uncalibrated_coefficients  # noqa: E402
-from libs.common.schema import AdmitReply, AdmitRequest, DecodeBeat, Heartbeat, PrefillBeat, StoreBeat  # noqa: E402
+from libs.protocol import schema  # noqa: E402
+from libs.engine.cost_model import uncalibrated_coefficients  # noqa: E402
+from libs.protocol.schema import AdmitReply, AdmitRequest, DecodeBeat, Heartbeat, PrefillBeat, StoreBeat  # noqa: E402
 from services.conductor.admission import build_policy  # noqa: E402
 from services.conductor.cluster import ClusterView  # noqa: E402
 from services.conductor.index import KVIndex  # noqa: E402

@@ -92,11 +92,11 @@ def emit(**fields) -> None:
 def kvserve_worker(variant: str, reps: int) -> None:
     import torch
 
-    from libs.common.model.engine import EngineConfig
-    from libs.common.model.generator import Generator
-    from libs.common.model.loader import build_engine, load_model
-    from libs.common.model.sequence import Sequence
-    from libs.common.sampling_params import SamplingParams
+    from libs.engine.model.engine import EngineConfig
+    from libs.engine.model.generator import Generator
+    from libs.engine.model.loader import build_engine, load_model
+    from libs.engine.model.sequence import Sequence
+    from libs.protocol.sampling_params import SamplingParams
 
     weights, _ = variant.split("-")
     dtype, quantization = WEIGHTS[weights]
@@ -155,8 +155,8 @@ def step_bytes(model) -> int:
     whole table when the head is that table)."""
     from torch import nn
 
-    from libs.common.model.llama import Linear, RMSNorm
-    from libs.common.model.quant import Int4Linear, Int8Linear
+    from libs.engine.model.llama import Linear, RMSNorm
+    from libs.engine.model.quant import Int4Linear, Int8Linear
 
     total = 0
     for module in model.modules():
@@ -180,7 +180,7 @@ def hf_worker(variant: str, reps: int) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from libs.common.model.default_model import default_model_dir
+    from libs.engine.model.default_model import default_model_dir
 
     dtype = {"hf-bf16": torch.bfloat16, "hf-fp32": torch.float32}[variant]
     torch.set_grad_enabled(False)
@@ -253,7 +253,7 @@ def run_variant(variant: str, reps: int, timeout: float) -> dict:
 
 # --- llama.cpp ---------------------------------------------------------------------
 def llama_cpp(reps: int) -> dict:
-    from libs.common.model.default_model import default_gguf_path
+    from libs.engine.model.default_model import default_gguf_path
 
     result: dict = {"variant": "llama.cpp", "prefill": {}, "decode": {}, "dtype": "Q4_1 (its own kernels)"}
     if not LLAMA_SERVER.exists():

@@ -9,7 +9,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from libs.common.model.default_model import default_gguf_path
+from libs.engine.model.default_model import default_gguf_path
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"

@@ -37,10 +37,10 @@ def decode_step_ms() -> float:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from libs.common.model.engine import EngineConfig
-    from libs.common.model.generator import Generator
-    from libs.common.model.loader import build_engine, load_model
-    from libs.common.sampling_params import SamplingParams
+    from libs.engine.model.engine import EngineConfig
+    from libs.engine.model.generator import Generator
+    from libs.engine.model.loader import build_engine, load_model
+    from libs.protocol.sampling_params import SamplingParams
 
     torch.set_num_threads(2)
     torch.set_grad_enabled(False)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from libs.common.prefill_order import BAND_NAMES, band_of  # noqa: E402
-from libs.common.schema import CostCoefficients  # noqa: E402
+from libs.protocol.schema import CostCoefficients  # noqa: E402
 from services.conductor.settings import DEFAULT_POLICY  # noqa: E402
 from services.conductor.simulator.simulation import SimConfig, simulate  # noqa: E402
 from services.conductor.simulator.trace import TraceRequest, load_trace  # noqa: E402

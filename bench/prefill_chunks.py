@@ -33,9 +33,9 @@ def main() -> int:
 
     import torch
 
-    from libs.common.model.engine import EngineConfig
-    from libs.common.model.loader import build_engine, load_model
-    from libs.common.model.sequence import Sequence
+    from libs.engine.model.engine import EngineConfig
+    from libs.engine.model.loader import build_engine, load_model
+    from libs.engine.model.sequence import Sequence
 
     torch.set_grad_enabled(False)
     loaded = load_model(None, dtype="bfloat16", progress=False)

@@ -59,8 +59,8 @@ from bench.cpu_use import cpu_line, cpu_seconds, machine_busy_seconds, start_pro
 from bench.llama_server import LLAMA_ARGS, llama_server  # noqa: E402
 from kvserve.cli.bench import input_cap, load_vocab  # noqa: E402
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
-from libs.common.errors import KVServeError  # noqa: E402
-from libs.common.model.default_model import DEFAULT_MODEL_ID  # noqa: E402
+from libs.protocol.errors import KVServeError  # noqa: E402
+from libs.protocol.models import DEFAULT_MODEL_ID  # noqa: E402
 from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402

@@ -41,7 +41,7 @@ MASTER_PORT = 50051
 
 # --- servers (run as their own processes) ---------------------------------------------------
 def serve_kvserve(args) -> None:
-    from libs.common.schema import KVContract
+    from libs.protocol.schema import KVContract
     from libs.common.service import configure_logging, run_service
     from services.store.app import StoreService
     from services.store.settings import StoreSettings
@@ -54,7 +54,7 @@ def serve_kvserve(args) -> None:
 
 
 def bench_contract(block_bytes: int):
-    from libs.common.schema import KVContract
+    from libs.protocol.schema import KVContract
 
     return KVContract(model_id="bench", block_size=1, layout=f"bench:{block_bytes}B", hash_scheme="bench")
 

@@ -44,9 +44,9 @@ sys.path.insert(0, str(ROOT))
 from bench.transfer_costs import fixed_costs  # noqa: E402
 from bench.transfer_handoff import HandoffBench, kv_bytes  # noqa: E402
 from bench.transfer_report import machine_load, report, write_report  # noqa: E402
-from libs.common.schema import WriteTicket  # noqa: E402
-from libs.common.transfer import SharedSegment, Span, TransferEngine  # noqa: E402
-from libs.common.transfer.segment import SHM_DIR, new_segment_name  # noqa: E402
+from libs.protocol.schema import WriteTicket  # noqa: E402
+from libs.transfer import SharedSegment, Span, TransferEngine  # noqa: E402
+from libs.transfer.segment import SHM_DIR, new_segment_name  # noqa: E402
 
 PEER = ROOT / "bench" / "transfer_peer.py"
 NETNS_ENV = "KVSERVE_BENCH_NETNS"
@@ -297,7 +297,7 @@ def remove_our_segments(pids: list[int]) -> None:
 
 
 async def bench(args, stack: ExitStack, logdir: Path, pids: list[int]) -> dict:
-    from libs.common.model.loader import load_model
+    from libs.engine.model.loader import load_model
 
     mooncake, why_not = mooncake_availability()
     if args.no_mooncake:

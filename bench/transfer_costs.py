@@ -18,10 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 import msgspec
 import torch
 
-from libs.common.schema import WriteTicket
-from libs.common.transfer import SharedSegment, Span
-from libs.common.transfer.tcp.connection import IdleConnections, TcpConnection
-from libs.common.transfer.writers import MAX_LANE_THREADS
+from libs.protocol.schema import WriteTicket
+from libs.transfer import SharedSegment, Span
+from libs.transfer.tcp.connection import IdleConnections, TcpConnection
+from libs.transfer.writers import MAX_LANE_THREADS
 
 SMALL = 64 << 10
 _POOL = ThreadPoolExecutor(max_workers=MAX_LANE_THREADS, thread_name_prefix="kv-writer")  # as a TransferEngine's

@@ -17,12 +17,12 @@ from collections.abc import Callable
 import msgspec
 import torch
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.loader import LoadedModel, build_engine
-from libs.common.model.sequence import Sequence
-from libs.common.schema import WriteTicket
-from libs.common.transfer import SharedSegment, Span, TransferEngine
-from libs.common.transfer.segment import new_segment_name
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.loader import LoadedModel, build_engine
+from libs.engine.model.sequence import Sequence
+from libs.protocol.schema import WriteTicket
+from libs.transfer import SharedSegment, Span, TransferEngine
+from libs.transfer.segment import new_segment_name
 
 PROMPT_TOKENS = 2048
 BLOCK_SIZE = 16

@@ -67,8 +67,8 @@ def serve(buffer: memoryview, zero, commands: dict) -> None:
 def run_kvserve(size: int) -> None:
     import msgspec
 
-    from libs.common.transfer import SharedSegment, TransferEngine
-    from libs.common.transfer.segment import new_segment_name
+    from libs.transfer import SharedSegment, TransferEngine
+    from libs.transfer.segment import new_segment_name
 
     engine = TransferEngine("peer-host", listen="127.0.0.1:0", transport="tcp")  # tcp: listening from the start
     segment = SharedSegment.create(new_segment_name("bench", "rx"), size)

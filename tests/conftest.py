@@ -32,7 +32,7 @@ def write_byte_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import BPE
 
-    from libs.common.model.tokenizer import byte_level_alphabet
+    from libs.engine.model.tokenizer import byte_level_alphabet
 
     tok = Tokenizer(BPE(vocab={c: i for i, c in enumerate(byte_level_alphabet())}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -67,7 +67,7 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_checkpoint):
-    from libs.common.model.loader import load_model
+    from libs.engine.model.loader import load_model
 
     return load_model(str(tiny_checkpoint), dtype="float32", progress=False)
 
@@ -75,7 +75,7 @@ def tiny_model(tiny_checkpoint):
 @pytest.fixture(scope="session")
 def smollm():
     """The default model in float32, float weights: exact against transformers on the same weights."""
-    from libs.common.model.loader import load_model
+    from libs.engine.model.loader import load_model
 
     return load_model(None, dtype="float32", quantization="none", progress=False)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.cli.options import positive_int
-from libs.common.errors import KVServeError
-from libs.common.model.default_model import DEFAULT_MODEL_ID
+from libs.protocol.errors import KVServeError
+from libs.protocol.models import DEFAULT_MODEL_ID
 
 if TYPE_CHECKING:  # the replay loads only when the command runs
     from kvserve.replay.client import Endpoint
@@ -231,7 +231,7 @@ def find_capacity(
 
 def load_vocab(spec: str | None) -> list[int]:
     """The ordinary token ids of a tokenizer: a tokenizer.json, a HF folder, or the default model."""
-    from libs.common.model.default_model import resolve_model_path
+    from libs.engine.model.default_model import resolve_model_path
     from kvserve.replay.prompts import ordinary_vocab
 
     path = Path(spec) if spec is not None else resolve_model_path(None)[0]

@@ -6,10 +6,10 @@ import time
 from dataclasses import dataclass
 
 from kvserve.cli.options import add_model_options
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine, load_model
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine, load_model
+from libs.protocol.sampling_params import SamplingParams
 
 HELP = "commands: /reset clears the conversation, /exit (or Ctrl-D) quits"
 

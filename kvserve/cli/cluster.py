@@ -41,12 +41,12 @@ from kvserve.cli.supervisor import (
 )
 from libs.common import standby
 from libs.common.cpu_share import available_cpus
-from libs.common.errors import KVServeError
-from libs.common.model.default_model import DEFAULT_MODEL_ID
+from libs.protocol.errors import KVServeError
+from libs.protocol.models import DEFAULT_MODEL_ID
 from libs.common.nats_server import NatsServer
-from libs.common.schema import Heartbeat
+from libs.protocol.schema import Heartbeat
 from libs.common.settings import without_secrets
-from libs.common.vocabulary import Role
+from libs.protocol.vocabulary import Role
 from services.conductor.settings import DEFAULT_POLICY
 
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # also the start order
@@ -436,7 +436,7 @@ class LocalCluster:
         if role == Role.GATEWAY:
             env.update(KVSERVE_GATEWAY_HOST=self.gateway_host, KVSERVE_GATEWAY_PORT=str(self.gateway_port))
         if role in (Role.PREFILL, Role.DECODE) and self._runtime is not None:
-            # a restarted worker reuses its first run's calibration (libs/common/cost_model.py)
+            # a restarted worker reuses its first run's calibration (libs/engine/cost_model.py)
             env["KVSERVE_CALIBRATION_FILE"] = str(Path(self._runtime.name) / f"{instance_id}.calibration.json")
         if role == Role.STORE and self.store_dir is not None:
             env["KVSERVE_STORE_DIR"] = str(self.store_dir / instance_id)

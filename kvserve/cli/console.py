@@ -4,7 +4,7 @@
 import threading
 from typing import TextIO
 
-from libs.common.vocabulary import Role
+from libs.protocol.vocabulary import Role
 
 _COLOURS = {Role.CONDUCTOR: "35", Role.STORE: "34", Role.PREFILL: "33", Role.DECODE: "32", Role.GATEWAY: "36",
             "kvserve": "1"}  # fmt: skip

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from libs.common.cpu_share import format_cpu_list, parse_cpu_list
-from libs.common.vocabulary import Role
+from libs.protocol.vocabulary import Role
 
 WORKER_ROLES = (Role.PREFILL, Role.DECODE)  # also the order cores are handed out in
 SPINCOUNT = "1000"  # libgomp's spins before an idle OpenMP thread sleeps (torch ships libgomp)

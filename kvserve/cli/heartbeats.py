@@ -8,8 +8,8 @@ from collections.abc import Callable
 import nats
 from nats.aio.msg import Msg
 
-from libs.common import schema, subjects
-from libs.common.schema import BadMessageError, Heartbeat
+from libs.protocol import schema, subjects
+from libs.protocol.schema import BadMessageError, Heartbeat
 
 
 class HeartbeatWatcher(threading.Thread):

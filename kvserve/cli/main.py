@@ -4,7 +4,7 @@ import argparse
 import logging
 import sys
 
-from libs.common.errors import KVServeError
+from libs.protocol.errors import KVServeError
 
 
 def build_parser() -> argparse.ArgumentParser:

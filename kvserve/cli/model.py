@@ -6,8 +6,9 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.common.errors import KVServeError
-from libs.common.model.default_model import DEFAULT_MODEL_ID, prepare_default_model, resolve_model_path
+from libs.protocol.errors import KVServeError
+from libs.engine.model.default_model import prepare_default_model, resolve_model_path
+from libs.protocol.models import DEFAULT_MODEL_ID
 
 
 class ModelChoiceError(KVServeError):
@@ -28,8 +29,8 @@ def resolve_model(model: str | None, dtype: str, quantization: str, device: str)
     Raises ModelChoiceError for a dtype or precision that cannot be used."""
     import torch
 
-    from libs.common.model.checkpoint import open_checkpoint
-    from libs.common.model.loader import DTYPES, open_model, resolve_dtype
+    from libs.engine.model.checkpoint import open_checkpoint
+    from libs.engine.model.loader import DTYPES, open_model, resolve_dtype
 
     path, model_id = resolve_model_path(model, progress=True)
     path = path.absolute()

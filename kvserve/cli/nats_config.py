@@ -3,7 +3,7 @@ cluster run by something other than ``kvserve up`` (docker compose runs it first
 
 import argparse
 
-from libs.common.errors import KVServeError
+from libs.protocol.errors import KVServeError
 from libs.common.nats_auth import (
     CREDENTIALS,
     MIN_SECRET_LENGTH,

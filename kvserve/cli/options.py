@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from libs.common.model.default_model import DEFAULT_MODEL_ID
+from libs.protocol.models import DEFAULT_MODEL_ID
 from libs.common.settings import QUANTIZATIONS
 
 

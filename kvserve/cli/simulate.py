@@ -15,7 +15,7 @@ from pathlib import Path
 import msgspec
 
 from kvserve.cli.options import positive_int
-from libs.common.schema import CostCoefficients
+from libs.protocol.schema import CostCoefficients
 
 DESCRIPTION = """\
 Replay a Mooncake-format trace (one JSON request per line: timestamp in ms,
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _coefficients(spec: str) -> CostCoefficients:
-    from libs.common.cost_model import reference_coefficients
+    from libs.engine.cost_model import reference_coefficients
     from services.conductor.simulator.trace import TRACE_BLOCK_SIZE
 
     if spec == "reference":
@@ -123,9 +123,9 @@ def _coefficients(spec: str) -> CostCoefficients:
 
 
 def _calibrate_here() -> CostCoefficients:
-    from libs.common.cost_model import CostModel, calibrate
-    from libs.common.model.engine import EngineConfig
-    from libs.common.model.loader import build_engine, load_model
+    from libs.engine.cost_model import CostModel, calibrate
+    from libs.engine.model.engine import EngineConfig
+    from libs.engine.model.loader import build_engine, load_model
 
     loaded = load_model(None, progress=True)
     engine = build_engine(loaded, EngineConfig(num_blocks=256))

@@ -14,8 +14,8 @@ from datetime import datetime
 from typing import Any
 
 from kvserve.cli.options import read_api_key_file
-from libs.common.errors import KVServeError
-from libs.common.vocabulary import Role
+from libs.protocol.errors import KVServeError
+from libs.protocol.vocabulary import Role
 
 STATE_PATH = "/console/api/state"
 MAX_DECISIONS = 8

@@ -29,7 +29,7 @@ RESTART_DELAY_MAX = 10.0  # the delay doubles at each exit in a row, up to this
 HEALTHY_AFTER_SECONDS = 30.0  # a child that ran this long starts again from the first delay
 CRASH_LOOP_EXITS = 3  # this many exits in a row, each before it ran healthily: a crash loop
 CHECK_INTERVAL = 1.0  # exits are reported as they happen (wake); this bounds one that is not
-SHM_DIR = Path("/dev/shm")  # segments are named kvserve-<pid>-... (libs/common/transfer/segment.py)
+SHM_DIR = Path("/dev/shm")  # segments are named kvserve-<pid>-... (libs/transfer/segment.py)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WAKE = object()
 

@@ -28,7 +28,7 @@ from kvserve.replay.metrics import SLO, Summary, summarize
 from kvserve.replay.prompts import PromptSynthesizer
 from kvserve.replay.records import Run
 from kvserve.replay.trace import TraceRequest, arrival_offsets_ms
-from libs.common.errors import KVServeError
+from libs.protocol.errors import KVServeError
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.common.errors import KVServeError
+from libs.protocol.errors import KVServeError
 
 TRACE_BLOCK_TOKENS = 512  # tokens per hash id in the released traces
 

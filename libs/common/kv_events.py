@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
-from libs.common import subjects
-from libs.common.schema import KVEvent, KVEventBatch, KVSnapshotReply, KVSnapshotRequest
-from libs.common.vocabulary import KVEventKind, KVTier
+from libs.protocol import subjects
+from libs.protocol.schema import KVEvent, KVEventBatch, KVSnapshotReply, KVSnapshotRequest
+from libs.protocol.vocabulary import KVEventKind, KVTier
 
 TIERS = (KVTier.DEVICE, KVTier.DRAM, KVTier.DISK)  # fastest first
 _ADDS = (KVEventKind.STORED, KVEventKind.PROMOTED, KVEventKind.DEMOTED)  # kinds after which the blocks are in `tier`

@@ -12,7 +12,6 @@ Thread-safe: transfers update metrics from their threads.
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
@@ -21,7 +20,6 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 from prometheus_client.parser import text_string_to_metric_families
 
-from libs.common.model.default_model import DEFAULT_MODEL_ID
 
 # No `<name>_created` series: they double every counter's and histogram's lines and
 # nothing here reads them (Prometheus computes rates from the counters themselves).
@@ -39,15 +37,6 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 FAST_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 log = logging.getLogger(__name__)
-
-
-def model_name(spec: str | None) -> str:
-    """The name a model spec (KVSERVE_MODEL: None, the default's id, a folder or a
-    .gguf file) is served under: the gateway's model id."""
-    if spec is None or spec == DEFAULT_MODEL_ID:
-        return DEFAULT_MODEL_ID
-    path = Path(spec)
-    return path.stem if path.suffix == ".gguf" else path.name
 
 
 class Family:

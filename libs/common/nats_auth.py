@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
-from libs.common import subjects as s
-from libs.common.vocabulary import Role
+from libs.protocol import subjects as s
+from libs.protocol.vocabulary import Role
 
 log = logging.getLogger("kvserve.nats")
 

@@ -8,7 +8,7 @@ serving its requests; the conductor keeps its own, richer view.
 import time
 from collections.abc import Callable
 
-from libs.common.schema import Heartbeat
+from libs.protocol.schema import Heartbeat
 
 
 class PeerDirectory:

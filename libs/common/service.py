@@ -20,13 +20,16 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from libs.common import nats_auth, schema, subjects
-from libs.common.ids import InstanceId
+from libs.protocol import schema, subjects
+
+from libs.common import nats_auth
+from libs.protocol.ids import InstanceId
 from libs.common import metrics_server
-from libs.common.metrics import Metrics, model_name
-from libs.common.schema import BadMessageError, ErrorReply, Heartbeat, Message
+from libs.common.metrics import Metrics
+from libs.protocol.models import model_name
+from libs.protocol.schema import BadMessageError, ErrorReply, Heartbeat, Message
 from libs.common.settings import ServiceSettings
-from libs.common.vocabulary import ErrorCode
+from libs.protocol.vocabulary import ErrorCode
 
 M = TypeVar("M", bound=Message)
 EXIT_FAILED = 70  # EX_SOFTWARE: an essential task failed (the log says which and why)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from libs.common.cpu_share import available_cpus, format_cpu_list, parse_cpu_list
-from libs.common.ids import InstanceId
+from libs.protocol.ids import InstanceId
 from libs.common.nats_auth import NatsAuthError, load_credentials
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -129,7 +129,7 @@ class ServiceSettings:
         return cls(**service_env(role))
 
 
-# Weight precisions (libs/common/model/quant.py): auto keeps what the checkpoint ships
+# Weight precisions (libs/engine/model/quant.py): auto keeps what the checkpoint ships
 # where the int kernels are fast; int4 is int4-g32.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128")
 

@@ -13,8 +13,8 @@ from typing import TypeVar
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from libs.common import schema, subjects
-from libs.common.schema import (
+from libs.protocol import schema, subjects
+from libs.protocol.schema import (
     BadMessageError,
     ErrorReply,
     KVContract,

@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from libs.common.vocabulary import ErrorCode
+from libs.protocol.vocabulary import ErrorCode
 from services.conductor.affinity import Home, stay_or_move
 from services.conductor.cluster import Instance
 from services.conductor.policies import (OPTIONS, ROUTERS, Decision, Route, Router, build_router, local_route,

@@ -11,10 +11,12 @@ from contextlib import AsyncExitStack
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from libs.common import failpoints, subjects
+from libs.protocol import subjects
+
+from libs.common import failpoints
 from libs.common.kv_events import KVEventTracker
 from libs.common.recent import RecentIds
-from libs.common.schema import (
+from libs.protocol.schema import (
     AdmitReply,
     AdmitRequest,
     BadMessageError,
@@ -31,7 +33,7 @@ from libs.common.schema import (
     RequestProgress,
 )
 from libs.common.service import Service
-from libs.common.vocabulary import Role
+from libs.protocol.vocabulary import Role
 from services.conductor.admission import build_policy
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.conductor_metrics import ConductorMetrics

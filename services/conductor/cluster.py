@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from libs.common.cost_model import CostModel, uncalibrated_coefficients
-from libs.common.schema import Heartbeat
+from libs.engine.cost_model import CostModel, uncalibrated_coefficients
+from libs.protocol.schema import Heartbeat
 from services.conductor.load import DecodeLoad, PrefillLoad
 
 

@@ -14,8 +14,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
-from libs.common.schema import CandidateView, ConductorViewReply, DecisionView, PrefixView
-from libs.common.vocabulary import Role
+from libs.protocol.schema import CandidateView, ConductorViewReply, DecisionView, PrefixView
+from libs.protocol.vocabulary import Role
 from services.conductor.index import KVIndex
 from services.conductor.policies import Decision
 from services.conductor.predict import SLO, AdmitContext

@@ -15,8 +15,8 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from libs.common.kv_events import TIERS
-from libs.common.schema import KVEvent
-from libs.common.vocabulary import KVEventKind
+from libs.protocol.schema import KVEvent
+from libs.protocol.vocabulary import KVEventKind
 
 _TIER_BIT = {tier: i for i, tier in enumerate(TIERS)}
 _BITS = len(TIERS)

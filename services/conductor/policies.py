@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from libs.common.vocabulary import ErrorCode
+from libs.protocol.vocabulary import ErrorCode
 from services.conductor.cluster import Instance
 from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEstimate
 

@@ -18,8 +18,8 @@ the cluster view, the index match and the clock.
 from dataclasses import dataclass, replace
 from math import ceil
 
-from libs.common.schema import AdmitRequest
-from libs.common.vocabulary import KVTier
+from libs.protocol.schema import AdmitRequest
+from libs.protocol.vocabulary import KVTier
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.index import PrefixMatch
 from services.conductor.margin import Margins

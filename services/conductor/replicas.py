@@ -10,7 +10,7 @@ comes, forgotten at the same age). Pure conversion and bookkeeping: the NATS
 side is `app.py`'s.
 """
 
-from libs.common.schema import ConductorAdmission, InstanceId
+from libs.protocol.schema import ConductorAdmission, InstanceId
 from services.conductor.scheduler import Booking, Scheduler
 
 

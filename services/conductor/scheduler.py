@@ -12,8 +12,8 @@ admission's safety margins are learned from (`margin.py`).
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from libs.common.schema import AdmitRequest
-from libs.common.vocabulary import ErrorCode, Role
+from libs.protocol.schema import AdmitRequest
+from libs.protocol.vocabulary import ErrorCode, Role
 from services.conductor.admission import Policy
 from services.conductor.affinity import Home, SessionTable
 from services.conductor.cluster import ClusterView

@@ -12,14 +12,14 @@ import time
 
 from nats.aio.msg import Msg
 
-from libs.common import subjects
-from libs.common.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
-from libs.common.errors import KVServeError
-from libs.common.hashing import ROOT
-from libs.common.model.scheduler import Due
-from libs.common.model.sequence import Sequence
-from libs.common.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
-from libs.common.vocabulary import ErrorCode
+from libs.protocol import subjects
+from libs.engine.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
+from libs.protocol.errors import KVServeError
+from libs.protocol.hashing import ROOT
+from libs.engine.model.scheduler import Due
+from libs.engine.model.sequence import Sequence
+from libs.protocol.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
+from libs.protocol.vocabulary import ErrorCode
 
 
 class LocalPrefill:

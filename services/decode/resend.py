@@ -8,9 +8,9 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from libs.common.model.sequence import Sequence
-from libs.common.schema import TokenChunk
-from libs.common.vocabulary import FinishReason
+from libs.engine.model.sequence import Sequence
+from libs.protocol.schema import TokenChunk
+from libs.protocol.vocabulary import FinishReason
 
 KEEP_FINISHED = 1024  # finished streams remembered, newest last
 KEEP_FINISHED_S = 60.0  # ... for at most this long

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from libs.common.settings import ModelSettings, ServiceSettings, env_bool, env_float, env_int, service_env
-from libs.common.transfer.settings import TransferSettings
+from libs.transfer.settings import TransferSettings
 
 
 @dataclass(frozen=True, kw_only=True)

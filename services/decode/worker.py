@@ -10,14 +10,14 @@ from contextlib import AsyncExitStack
 
 from nats.aio.msg import Msg
 
-from libs.common import subjects
-from libs.common.engine_host import EngineHost
-from libs.common.errors import OutOfKVBlocksError
-from libs.common.hashing import ROOT
-from libs.common.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
-from libs.common.model.sequence import Sequence
+from libs.protocol import subjects
+from libs.engine.engine_host import EngineHost
+from libs.protocol.errors import OutOfKVBlocksError
+from libs.protocol.hashing import ROOT
+from libs.engine.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
+from libs.engine.model.sequence import Sequence
 from libs.common.recent import RecentIds
-from libs.common.schema import (
+from libs.protocol.schema import (
     Ack,
     Cancel,
     ErrorReply,
@@ -30,9 +30,9 @@ from libs.common.schema import (
     ResendRequest,
 )
 from libs.common.service import Service
-from libs.common.token_chunks import error_chunk, token_chunk
-from libs.common.vocabulary import ErrorCode
-from libs.common.worker_metrics import WorkerMetrics
+from libs.engine.token_chunks import error_chunk, token_chunk
+from libs.protocol.vocabulary import ErrorCode
+from libs.engine.worker_metrics import WorkerMetrics
 from services.decode.leases import LeaseTable
 from services.decode.local_prefill import LocalPrefill
 from services.decode.resend import FinishedStreams, resend_chunk

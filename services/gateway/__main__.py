@@ -11,7 +11,7 @@ KVSERVE_GATEWAY_MAX_ATTEMPTS (3 tries per request when its workers die under it)
 A bad value: one line on stderr naming the variable, exit status 2 (see settings.py).
 """
 
-from libs.common.errors import ModelCorruptError, ModelNotFoundError
+from libs.protocol.errors import ModelCorruptError, ModelNotFoundError
 from libs.common.service import configure_logging, run_service
 from libs.common.settings import settings_or_exit
 from libs.common.tenants import TenantsFileError

@@ -14,7 +14,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from libs.common.peers import PeerDirectory
-from libs.common.schema import GatewayBeat, Heartbeat
+from libs.protocol.schema import GatewayBeat, Heartbeat
 from libs.common.service import Service
 from services.gateway.generation import Generations
 from services.gateway.listener import ConnectionGuard, serve

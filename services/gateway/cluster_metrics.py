@@ -4,12 +4,12 @@ once, its samples from every instance, told apart by their ``instance`` label)."
 
 import asyncio
 
-from libs.common import subjects
+from libs.protocol import subjects
 from libs.common.metrics import merge_expositions
 from libs.common.peers import PeerDirectory
-from libs.common.schema import ErrorReply, MetricsReply, MetricsRequest
+from libs.protocol.schema import ErrorReply, MetricsReply, MetricsRequest
 from libs.common.service import Service
-from libs.common.vocabulary import Role
+from libs.protocol.vocabulary import Role
 
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)
 METRICS_TIMEOUT = 2.0  # seconds an instance has to answer

@@ -22,10 +22,10 @@ import msgspec
 from aiohttp import web
 from nats.errors import Error as NatsError
 
-from libs.common import subjects
-from libs.common.schema import BadMessageError, ConductorViewReply, ConductorViewRequest
+from libs.protocol import subjects
+from libs.protocol.schema import BadMessageError, ConductorViewReply, ConductorViewRequest
 from libs.common.service import Service
-from libs.common.vocabulary import Role
+from libs.protocol.vocabulary import Role
 from services.gateway import sse
 from services.gateway.console_data import RequestLog, console_state
 from services.gateway.errors import error_body

@@ -16,8 +16,8 @@ from typing import Any
 
 import msgspec
 
-from libs.common.schema import ConductorViewReply, Heartbeat
-from libs.common.vocabulary import FinishReason, Role
+from libs.protocol.schema import ConductorViewReply, Heartbeat
+from libs.protocol.vocabulary import FinishReason, Role
 
 HORIZON_S = 900.0  # served requests are kept this long ...
 MAX_SERVED = 20_000  # ... and at most this many

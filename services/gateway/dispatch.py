@@ -26,8 +26,8 @@ from typing import NoReturn
 import nats.errors
 from nats.aio.msg import Msg
 
-from libs.common import schema, subjects
-from libs.common.schema import (
+from libs.protocol import schema, subjects
+from libs.protocol.schema import (
     Ack,
     ResendRequest,
     AdmitReply,
@@ -40,9 +40,9 @@ from libs.common.schema import (
     RequestProgress,
     TokenChunk,
 )
-from libs.common.hashing import ROOT
+from libs.protocol.hashing import ROOT
 from libs.common.service import Service
-from libs.common.vocabulary import ErrorCode, Role
+from libs.protocol.vocabulary import ErrorCode, Role
 from services.gateway.errors import (
     InvalidParameterError,
     RateLimitedError,

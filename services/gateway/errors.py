@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from libs.common.errors import InvalidRequestError, KVServeError
+from libs.protocol.errors import InvalidRequestError, KVServeError
 
 
 class InvalidParameterError(InvalidRequestError):

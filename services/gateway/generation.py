@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from libs.common.hashing import BlockHash, block_hashes, model_extra
+from libs.protocol.hashing import BlockHash, block_hashes, model_extra
 from libs.common.peers import PeerDirectory
 from libs.common.service import Service
 from libs.common.tenants import Tenant

@@ -17,10 +17,10 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from libs.common.errors import KVServeError
+from libs.protocol.errors import KVServeError
 from libs.common.service import Service
 from libs.common.tenants import Tenant
-from libs.common.vocabulary import KVTier, Role
+from libs.protocol.vocabulary import KVTier, Role
 from services.gateway import console
 from services.gateway import openapi as openapi_document
 from services.gateway import sse

@@ -10,8 +10,8 @@ vLLM write it: JSON has no infinity. Knows nothing of the cluster or HTTP.
 
 from typing import Any
 
-from libs.common.model.tokenizer import Tokenizer
-from libs.common.schema import TokenLogprobs
+from libs.engine.model.tokenizer import Tokenizer
+from libs.protocol.schema import TokenLogprobs
 
 FLOOR = -9999.0
 

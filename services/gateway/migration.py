@@ -24,9 +24,9 @@ from typing import Any
 
 import msgspec
 
-from libs.common.hashing import BlockHash
-from libs.common.schema import AdmitReply, TokenChunk
-from libs.common.vocabulary import ErrorCode
+from libs.protocol.hashing import BlockHash
+from libs.protocol.schema import AdmitReply, TokenChunk
+from libs.protocol.vocabulary import ErrorCode
 from services.gateway.dispatch import RequestRun, WorkerLostError
 from services.gateway.errors import ServiceUnavailableError
 from services.gateway.served_model import PreparedRequest

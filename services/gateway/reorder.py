@@ -8,7 +8,7 @@ nothing of NATS or text.
 
 import msgspec
 
-from libs.common.schema import TokenChunk
+from libs.protocol.schema import TokenChunk
 
 
 class ChunkReorderer:

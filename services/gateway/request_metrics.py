@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from libs.common.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, Metrics
-from libs.common.vocabulary import FinishReason
+from libs.protocol.vocabulary import FinishReason
 from services.gateway.generation import Generation
 
 SLOS = ("ttft", "tpot", "all")  # the `slo` label: each target, and both at once (goodput)

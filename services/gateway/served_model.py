@@ -7,12 +7,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from libs.common.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
-from libs.common.hashing import ROOT, BlockHash, block_hashes, model_extra
-from libs.common.model.checkpoint import open_checkpoint
-from libs.common.model.default_model import resolve_model_path
-from libs.common.model.tokenizer import Tokenizer
-from libs.common.sampling_params import SamplingParams
+from libs.protocol.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
+from libs.protocol.hashing import ROOT, BlockHash, block_hashes, model_extra
+from libs.engine.model.checkpoint import open_checkpoint
+from libs.engine.model.default_model import resolve_model_path
+from libs.engine.model.tokenizer import Tokenizer
+from libs.protocol.sampling_params import SamplingParams
 from services.gateway.errors import InvalidParameterError
 from services.gateway.openai_protocol import GenerateRequest
 

@@ -16,7 +16,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from libs.common import tenants as tenants_file
-from libs.common.hashing import ROOT, BlockHash, scope_root
+from libs.protocol.hashing import ROOT, BlockHash, scope_root
 from libs.common.tenants import DEFAULT_TENANT, Tenant, Tenants, TenantsFileError
 from services.gateway.errors import AuthenticationError, PermissionDeniedError
 

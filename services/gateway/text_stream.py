@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from libs.common.vocabulary import FinishReason
-from libs.common.model.stopping import StopChecker
-from libs.common.model.tokenizer import Tokenizer
-from libs.common.sampling_params import SamplingParams
-from libs.common.schema import TokenChunk, TokenLogprobs
+from libs.protocol.vocabulary import FinishReason
+from libs.engine.model.stopping import StopChecker
+from libs.engine.model.tokenizer import Tokenizer
+from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.schema import TokenChunk, TokenLogprobs
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from libs.common.peers import PeerDirectory
-from libs.common.vocabulary import Role
+from libs.protocol.vocabulary import Role
 
 LOST_AFTER_HEARTBEATS = 2.5  # silence, in heartbeat intervals, after which a worker counts as gone
 

@@ -1,7 +1,7 @@
 """Whether loading a prompt's stored prefix blocks beats recomputing them, decided
 by measured speeds.
 
-With the worker's calibrated cost model (`libs/common/cost_model.py`) the
+With the worker's calibrated cost model (`libs/engine/cost_model.py`) the
 recompute side is its prefill-time formula; without one it is the worker's own
 observed prefill speed (seconds per token, a running average of every batch it
 computes). The load side is the worker's own observed time per block fetched
@@ -12,8 +12,8 @@ length with the largest predicted saving: all of it, part of it (a slow disk
 tail), or none.
 """
 
-from libs.common.cost_model import CostModel
-from libs.common.vocabulary import KVTier
+from libs.engine.cost_model import CostModel
+from libs.protocol.vocabulary import KVTier
 
 EWMA = 0.2  # weight of the newest sample
 PRIOR_LOAD_S = {KVTier.DRAM: 1e-4, KVTier.DISK: 1e-3}  # per block, until measured

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from libs.common import subjects
-from libs.common.engine_host import EngineHost
-from libs.common.model.sequence import Sequence
+from libs.protocol import subjects
+from libs.engine.engine_host import EngineHost
+from libs.engine.model.sequence import Sequence
 from libs.common.peers import PeerDirectory
-from libs.common.schema import (
+from libs.protocol.schema import (
     Ack,
     BadMessageError,
     ErrorReply,
@@ -39,9 +39,9 @@ from libs.common.schema import (
     ReserveRequest,
 )
 from libs.common.service import M, Service
-from libs.common.transfer import Span, TransferError
-from libs.common.transfer.writers import Writer
-from libs.common.vocabulary import ErrorCode
+from libs.transfer import Span, TransferError
+from libs.transfer.writers import Writer
+from libs.protocol.vocabulary import ErrorCode
 
 RESERVE_TIMEOUT = 15.0  # the decode worker waits up to 10 s for blocks before saying no
 HANDOFF_TIMEOUT = 5.0

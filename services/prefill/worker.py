@@ -23,21 +23,23 @@ from dataclasses import dataclass, replace
 import torch
 from nats.aio.msg import Msg
 
-from libs.common import failpoints, subjects
-from libs.common.cost_model import CostModel, uncalibrated_coefficients
-from libs.common.engine_host import EngineHost
-from libs.common.errors import KVServeError, OutOfKVBlocksError
-from libs.common.hashing import ROOT
-from libs.common.model.scheduler import TokenOutput, sample_tokens, token_stop
-from libs.common.model.sequence import Sequence
+from libs.protocol import subjects
+
+from libs.common import failpoints
+from libs.engine.cost_model import CostModel, uncalibrated_coefficients
+from libs.engine.engine_host import EngineHost
+from libs.protocol.errors import KVServeError, OutOfKVBlocksError
+from libs.protocol.hashing import ROOT
+from libs.engine.model.scheduler import TokenOutput, sample_tokens, token_stop
+from libs.engine.model.sequence import Sequence
 from libs.common.prefill_order import Work, plan
 from libs.common.recent import RecentIds
 from libs.common.peers import PeerDirectory
-from libs.common.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest, TokenChunk
+from libs.protocol.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
-from libs.common.token_chunks import error_chunk, token_chunk
-from libs.common.vocabulary import ErrorCode, KVTier, Role
-from libs.common.worker_metrics import WorkerMetrics
+from libs.engine.token_chunks import error_chunk, token_chunk
+from libs.protocol.vocabulary import ErrorCode, KVTier, Role
+from libs.engine.worker_metrics import WorkerMetrics
 from services.prefill.handoff import Handoff, HandoffError, Transfer
 from services.prefill.kv_reports import KVReports
 from services.prefill.settings import PrefillSettings

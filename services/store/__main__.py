@@ -13,10 +13,10 @@ import logging
 import sys
 from pathlib import Path
 
-from libs.common.contract import kv_layout, make_contract
-from libs.common.model.default_model import cache_dir
-from libs.common.model.loader import open_model
-from libs.common.schema import KVContract
+from libs.engine.contract import kv_layout, make_contract
+from libs.engine.model.default_model import cache_dir
+from libs.engine.model.loader import open_model
+from libs.protocol.schema import KVContract
 from libs.common.service import configure_logging, run_service
 from libs.common.settings import ModelSettings, settings_or_exit
 from services.store.app import StoreService

@@ -29,8 +29,8 @@ import msgspec
 import xxhash
 
 from libs.common import failpoints
-from libs.common.hashing import BlockHash
-from libs.common.schema import KVContract
+from libs.protocol.hashing import BlockHash
+from libs.protocol.schema import KVContract
 from services.store.atomic_write import TEMP_SUFFIX, sync_directory, write_temp
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from libs.common.hashing import BlockHash
-from libs.common.vocabulary import KVTier
+from libs.protocol.hashing import BlockHash
+from libs.protocol.vocabulary import KVTier
 from services.store.block_files import BlockFiles
 from services.store.tier import TierStats
 

@@ -14,8 +14,8 @@ The first `Tier` (`tier.py`) of every store.
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
-from libs.common.hashing import BlockHash
-from libs.common.vocabulary import KVTier
+from libs.protocol.hashing import BlockHash
+from libs.protocol.vocabulary import KVTier
 from services.store.tier import TierStats
 
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import msgspec
 
-from libs.common.errors import KVServeError
-from libs.common.schema import KVContract
+from libs.protocol.errors import KVServeError
+from libs.protocol.schema import KVContract
 from services.store.atomic_write import write_atomically
 
 MANIFEST_NAME = "manifest.json"

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from libs.common.hashing import BlockHash
+from libs.protocol.hashing import BlockHash
 
 # Slots go back this long after their ticket expired: a TCP frame accepted just
 # before the deadline may still be landing in them.

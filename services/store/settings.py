@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Self
 
 from libs.common.settings import ModelSettings, ServiceSettings, env_float, env_int, env_str, service_env
-from libs.common.transfer.settings import TransferSettings
+from libs.transfer.settings import TransferSettings
 
 PUT_TTL_S = 30.0  # a put not committed by then gives its slots back
 WRITE_BEHIND_S = 1.0  # a committed block reaches disk within about this long

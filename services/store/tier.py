@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from libs.common.hashing import BlockHash
+from libs.protocol.hashing import BlockHash
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import nats
 
-from libs.common import schema, subjects
-from libs.common.schema import Heartbeat, KVContract, KVEventBatch, StoreStatsReply
+from libs.protocol import schema, subjects
+from libs.protocol.schema import Heartbeat, KVContract, KVEventBatch, StoreStatsReply
 from libs.common.settings import ModelSettings
 from libs.common.store_client import StoreClient
-from libs.common.transfer import Descriptor, SharedSegment, Span, TransferEngine
-from libs.common.transfer.segment import new_segment_name
+from libs.transfer import Descriptor, SharedSegment, Span, TransferEngine
+from libs.transfer.segment import new_segment_name
 
 BLOCK_SIZE = 16
 

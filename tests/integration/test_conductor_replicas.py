@@ -12,8 +12,8 @@ import nats
 from openai import OpenAI
 
 from kvserve.cli.cluster import LocalCluster
-from libs.common import schema, subjects
-from libs.common.schema import MetricsReply, MetricsRequest
+from libs.protocol import schema, subjects
+from libs.protocol.schema import MetricsReply, MetricsRequest
 from tests.integration.conftest import CLUSTER_ENV, STARTED, metric_value, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"

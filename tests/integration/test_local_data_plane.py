@@ -5,7 +5,7 @@ import asyncio
 
 import nats
 
-from libs.common import schema, subjects
+from libs.protocol import schema, subjects
 from tests.integration.conftest import metric_value, wait_until
 from tests.unit.transfer.proc_net import listening_ports
 

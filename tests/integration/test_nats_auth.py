@@ -16,7 +16,9 @@ from urllib.parse import urlsplit
 import nats
 import pytest
 
-from libs.common import nats_auth, subjects
+from libs.protocol import subjects
+
+from libs.common import nats_auth
 from libs.common.nats_server import NatsServer
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings

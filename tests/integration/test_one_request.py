@@ -5,10 +5,10 @@ import urllib.request
 
 import pytest
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.protocol.sampling_params import SamplingParams
 
 from tests.integration.conftest import wait_until
 
@@ -134,7 +134,7 @@ def test_undecodable_nats_messages_are_logged_and_dropped(cluster, openai_client
 
     import nats
 
-    from libs.common import subjects
+    from libs.protocol import subjects
 
     targets = [subjects.CONDUCTOR_ADMIT, subjects.prefill_submit("prefill-0"), subjects.decode_reserve("decode-0"),
                subjects.decode_admit("decode-0"), subjects.store_op("store-0", "put"), subjects.CANCEL]  # fmt: skip

@@ -6,11 +6,11 @@ prefill worker, the rest from the decode worker)."""
 import pytest
 import torch
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.model.sequence import Sequence
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.engine.model.sequence import Sequence
+from libs.protocol.sampling_params import SamplingParams
 
 MODEL = "SmolLM2-135M-Instruct"
 MESSAGES = [{"role": "user", "content": "Write a short poem about the sea."}]

@@ -10,10 +10,10 @@ import sys
 import pytest
 from openai import APIStatusError, OpenAI
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.protocol.sampling_params import SamplingParams
 from tests.integration.conftest import CLUSTER_ENV, start_cluster, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -6,11 +6,11 @@ import urllib.request
 import nats
 from openai import OpenAI
 
-from libs.common import schema, subjects
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.sampling_params import SamplingParams
+from libs.protocol import schema, subjects
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.protocol.sampling_params import SamplingParams
 from tests.integration.conftest import metric_value, start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -3,10 +3,10 @@ the other decode worker, answers correctly, and no block leaks on either side.""
 
 from openai import OpenAI
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.protocol.sampling_params import SamplingParams
 from tests.integration.conftest import start_cluster, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"

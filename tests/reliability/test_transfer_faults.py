@@ -14,10 +14,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from libs.common.schema import WriteTicket
-from libs.common.transfer import SharedSegment, Span, TransferEngine, TransferError
-from libs.common.transfer.segment import new_segment_name
-from libs.common.transfer.tcp.wire import FRAME, Status, greeting
+from libs.protocol.schema import WriteTicket
+from libs.transfer import SharedSegment, Span, TransferEngine, TransferError
+from libs.transfer.segment import new_segment_name
+from libs.transfer.tcp.wire import FRAME, Status, greeting
 
 ROOT = Path(__file__).resolve().parents[2]
 SIZE = 128 << 20

@@ -10,8 +10,8 @@ import sys
 
 import msgspec
 
-from libs.common.transfer import SharedSegment, TransferEngine
-from libs.common.transfer.segment import new_segment_name
+from libs.transfer import SharedSegment, TransferEngine
+from libs.transfer.segment import new_segment_name
 
 
 def main() -> None:

@@ -1,6 +1,8 @@
 """The layering, read from the source with `ast`: applications (kvserve/: the CLI, the
 replay client) above services above libraries, services apart from each other, and
-no import circles among modules.
+no import circles among modules. The libraries have floors of their own: the engine
+above the transfer engine above the service runtime (libs/common) above the wire
+protocol, which imports nothing of the project.
 
 Every import counts, at module level or inside a function or an `if TYPE_CHECKING:`
 block: a circle a type checker or a lazy import hides is still a circle to a reader.
@@ -10,7 +12,9 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("kvserve", "services", "libs")  # top to bottom: each may import only those below it
+PACKAGES = ("kvserve", "services", "libs")
+# top to bottom: each layer may import only itself and the layers below it
+LAYERS = ("kvserve", "services", "libs.engine", "libs.transfer", "libs.common", "libs.protocol")
 
 
 def _module_name(path: Path) -> str:
@@ -66,11 +70,39 @@ def test_the_graph_is_read_from_every_layer():
     assert "services.gateway.app" in graph["services.gateway.__main__"]  # the reader itself works
 
 
+def _layer(module: str) -> int:
+    for level, prefix in enumerate(LAYERS):
+        if module == prefix or module.startswith(prefix + "."):
+            return level
+    raise AssertionError(f"{module} belongs to no layer of {LAYERS}")
+
+
+def test_every_module_belongs_to_a_layer():
+    for name in _graph():
+        if name != "libs":  # the namespace's own __init__
+            _layer(name)
+
+
 def test_each_layer_imports_only_the_layers_below_it():
     wrong = []
     for name, targets in _graph().items():
-        level = PACKAGES.index(name.split(".")[0])
-        wrong += [f"{name} -> {t}" for t in targets if PACKAGES.index(t.split(".")[0]) < level]
+        if name == "libs":
+            continue
+        level = _layer(name)
+        wrong += [f"{name} -> {t}" for t in targets if t != "libs" and _layer(t) < level]
+    assert wrong == []
+
+
+def test_the_protocol_imports_nothing_heavy():
+    """The wire protocol loads without torch or numpy: a client or a conductor reading
+    messages needs neither."""
+    heavy = {"torch", "numpy", "safetensors", "transformers"}
+    wrong = []
+    for path in (ROOT / "libs" / "protocol").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            wrong += [f"{path.name} -> {n}" for n in names if n.split(".")[0] in heavy]
     assert wrong == []
 
 

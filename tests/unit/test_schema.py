@@ -4,8 +4,8 @@ heartbeat carries its role's payload."""
 import msgspec
 import pytest
 
-from libs.common import schema
-from libs.common.schema import (
+from libs.protocol import schema
+from libs.protocol.schema import (
     Ack,
     AdmitReply,
     BadMessageError,
@@ -20,7 +20,7 @@ from libs.common.schema import (
     StoreBeat,
     StoreCommitReply,
 )
-from libs.common.vocabulary import ErrorCode, Role
+from libs.protocol.vocabulary import ErrorCode, Role
 
 CONTRACT = KVContract(model_id="tiny", block_size=16, layout="2x16x4x8 bf16", hash_scheme="sha256-v1")
 

@@ -14,10 +14,10 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from math import ceil, sqrt
 
-from libs.common.cost_model import CostModel
+from libs.engine.cost_model import CostModel
 from libs.common.prefill_order import Work, plan
-from libs.common.schema import DecodeBeat, Heartbeat, PrefillBeat, StoreBeat
-from libs.common.vocabulary import KVTier, Role
+from libs.protocol.schema import DecodeBeat, Heartbeat, PrefillBeat, StoreBeat
+from libs.protocol.vocabulary import KVTier, Role
 from services.conductor.policies import Decision
 from services.conductor.simulator.trace import TraceRequest
 

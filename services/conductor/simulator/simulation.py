@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from libs.common.cost_model import CostModel, reference_coefficients
-from libs.common.schema import AdmitRequest, CostCoefficients
+from libs.engine.cost_model import CostModel, reference_coefficients
+from libs.protocol.schema import AdmitRequest, CostCoefficients
 from services.conductor.admission import AdmitAll, build_policy
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex

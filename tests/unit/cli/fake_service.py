@@ -19,7 +19,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from libs.common import standby
-from libs.common.schema import Heartbeat
+from libs.protocol.schema import Heartbeat
 from libs.common.service import Service, run_service
 from libs.common.settings import ServiceSettings, env_int, env_str
 

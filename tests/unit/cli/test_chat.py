@@ -6,7 +6,7 @@ import pytest
 
 from kvserve.cli import chat
 from kvserve.cli.main import build_parser
-from libs.common.model.loader import load_model
+from libs.engine.model.loader import load_model
 
 STATS = re.compile(
     r"\[(\d+) prompt tokens, prefill (\d+\.\d{3}) s \((\d+\.\d|-) tok/s\); (\d+) tokens decoded at (\d+\.\d|-) tok/s\]"

@@ -13,7 +13,7 @@ import pytest
 from kvserve.cli import up
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.main import build_parser
-from libs.common.model.default_model import DEFAULT_MODEL_ID
+from libs.protocol.models import DEFAULT_MODEL_ID
 from tests.unit.cli.harness import children, is_alive, make_cluster
 
 

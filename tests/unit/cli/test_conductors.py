@@ -5,7 +5,7 @@ import pytest
 from kvserve.cli import up
 from kvserve.cli.cluster import LocalCluster
 from kvserve.cli.main import build_parser
-from libs.common.vocabulary import Role
+from libs.protocol.vocabulary import Role
 
 
 def test_up_conductors_starts_that_many_replicas(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 
 from kvserve.cli.main import main
 from kvserve.cli.status import StatusError, fetch_state, render
-from libs.common.schema import CandidateView, ConductorViewReply, DecisionView, DecodeBeat, Heartbeat, PrefillBeat
+from libs.protocol.schema import CandidateView, ConductorViewReply, DecisionView, DecodeBeat, Heartbeat, PrefillBeat
 from services.gateway.console_data import Served, console_state
 
 KEY = "status-test-key"

@@ -1,8 +1,8 @@
 """Hand-built cluster states for the conductor's tests: a fixed clock, round-number
 cost models, heartbeats and an index filled by hand."""
 
-from libs.common.schema import ROLE_BEATS, AdmitRequest, CostCoefficients, Heartbeat
-from libs.common.vocabulary import Role
+from libs.protocol.schema import ROLE_BEATS, AdmitRequest, CostCoefficients, Heartbeat
+from libs.protocol.vocabulary import Role
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
 from services.conductor.predict import SLO, PredictConfig

@@ -4,7 +4,7 @@ so a replica that dies holding the request costs one attempt, not the request.""
 import nats.errors
 import pytest
 
-from libs.common.schema import AdmitReply
+from libs.protocol.schema import AdmitReply
 from services.gateway.dispatch import ADMIT_ATTEMPT_TIMEOUT, RequestRun
 from services.gateway.errors import ServiceUnavailableError
 from tests.unit.gateway.test_dispatch_errors import PREPARED, FakeService

@@ -1,6 +1,6 @@
 """The conductor's cluster view and least-loaded routing, on hand-built states."""
 
-from libs.common.cost_model import uncalibrated_coefficients
+from libs.engine.cost_model import uncalibrated_coefficients
 from services.conductor.admission import build_policy
 from services.conductor.scheduler import Scheduler
 from tests.unit.conductor.helpers import beat, cluster, config, request

@@ -2,9 +2,9 @@
 
 import pytest
 
-from libs.common.cost_model import CostModel, calibrate, decode_features, fit_nonnegative, prefill_features
-from libs.common.model.engine import EngineConfig
-from libs.common.model.loader import build_engine
+from libs.engine.cost_model import CostModel, calibrate, decode_features, fit_nonnegative, prefill_features
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.loader import build_engine
 from tests.unit.conductor.helpers import coefficients
 
 

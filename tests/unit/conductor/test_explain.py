@@ -4,8 +4,8 @@ rejections and why, the reused prefixes and where their copies are."""
 
 import pytest
 
-from libs.common import schema
-from libs.common.schema import ConductorViewReply
+from libs.protocol import schema
+from libs.protocol.schema import ConductorViewReply
 from services.conductor.admission import build_policy
 from services.conductor.explain import WATCHED_S, DecisionLog
 from services.conductor.predict import SLO

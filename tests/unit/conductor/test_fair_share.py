@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from libs.common.cost_model import CostModel, reference_coefficients
+from libs.engine.cost_model import CostModel, reference_coefficients
 from services.conductor.admission import build_policy
 from services.conductor.fair_share import ACTIVE_S, FairShare
 from services.conductor.scheduler import Scheduler

@@ -7,10 +7,10 @@ import asyncio
 import openai
 import pytest
 
-from libs.common import schema, subjects
+from libs.protocol import schema, subjects
 from libs.common import tenants as tenants_file
-from libs.common.hashing import ROOT
-from libs.common.schema import Ack, AdmitReply, ErrorReply, PrefillRequest, RequestProgress
+from libs.protocol.hashing import ROOT
+from libs.protocol.schema import Ack, AdmitReply, ErrorReply, PrefillRequest, RequestProgress
 from libs.common.tenants import Tenant, Tenants
 from tests.unit.gateway.conftest import nats_server, nc  # noqa: F401  (fixtures)
 from tests.unit.gateway.test_gateway_nats import (  # noqa: F401  (fixtures)

@@ -5,9 +5,9 @@ gaps, catches up from snapshots, and its index ends exactly equal to the cache."
 import random
 
 from libs.common.kv_events import KVEventLog, KVEventTracker
-from libs.common.model.engine import EngineConfig
-from libs.common.model.loader import build_engine
-from libs.common.model.sequence import Sequence
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.loader import build_engine
+from libs.engine.model.sequence import Sequence
 from services.conductor.index import KVIndex
 
 

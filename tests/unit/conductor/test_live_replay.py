@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from libs.common.schema import AdmitReply, AdmitRequest, ErrorReply, RequestProgress
+from libs.protocol.schema import AdmitReply, AdmitRequest, ErrorReply, RequestProgress
 from services.conductor.app import Conductor
 from services.conductor.settings import DEFAULT_POLICY, ConductorSettings
 from services.conductor.simulator.simulation import SimConfig, Simulation

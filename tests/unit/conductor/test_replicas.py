@@ -3,9 +3,9 @@ book each other's (through the wire message) route exactly as one conductor woul
 a peer's booking is settled by progress like an own one, never replaces an own one,
 and is replaced by an own re-admission of the same request."""
 
-from libs.common import schema
-from libs.common.schema import ConductorAdmission
-from libs.common.vocabulary import Role
+from libs.protocol import schema
+from libs.protocol.schema import ConductorAdmission
+from libs.protocol.vocabulary import Role
 from services.conductor.admission import build_policy
 from services.conductor.replicas import Replicas
 from services.conductor.scheduler import Scheduler

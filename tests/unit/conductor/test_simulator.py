@@ -6,7 +6,7 @@ from statistics import mean, median
 
 import pytest
 
-from libs.common.cost_model import CostModel, reference_coefficients
+from libs.engine.cost_model import CostModel, reference_coefficients
 from services.conductor.simulator.report import plot, summarize, table
 from services.conductor.simulator.simulation import SimConfig, simulate
 from services.conductor.simulator.trace import TraceRequest, load_trace

@@ -5,18 +5,18 @@ import sys
 
 import pytest
 
-from libs.common.errors import (
+from libs.protocol.errors import (
     EmptyPromptError,
     ModelCorruptError,
     ModelNotFoundError,
     OutOfKVBlocksError,
     PromptTooLongError,
 )
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine, load_model
-from libs.common.model.sequence import Sequence
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine, load_model
+from libs.engine.model.sequence import Sequence
+from libs.protocol.sampling_params import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 
 
@@ -72,7 +72,7 @@ def test_cli_reports_a_missing_model_in_one_line(tmp_path):
 
 
 def test_invalid_sampling_parameters():
-    from libs.common.errors import InvalidRequestError
+    from libs.protocol.errors import InvalidRequestError
 
     for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(stop=[""])):
         with pytest.raises(InvalidRequestError):

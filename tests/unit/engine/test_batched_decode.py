@@ -1,9 +1,9 @@
 """Continuous batching: a sequence's tokens do not depend on its batch-mates."""
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.protocol.sampling_params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

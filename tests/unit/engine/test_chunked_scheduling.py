@@ -2,10 +2,10 @@
 a chunk per step, decode steps running between its chunks, with the tokens of an
 unchunked run."""
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.protocol.sampling_params import SamplingParams
 from tests.unit.engine.test_scheduler import BLOCK, logits_for, scheduler, seq
 
 
@@ -166,7 +166,7 @@ def test_a_step_whose_budget_runs_out_exactly_leaves_the_next_prompt_untouched()
 
 
 def test_prompts_with_a_due_are_chunked_in_deadline_order_so_a_short_one_passes_a_long_one():
-    from libs.common.model.scheduler import Due
+    from libs.engine.model.scheduler import Due
 
     sched = scheduler(num_blocks=16)
     sched.prefill_time = lambda s: 1e-3 * (s.num_tokens - s.num_computed_tokens)

@@ -4,10 +4,10 @@ recompiles once warmed up."""
 import pytest
 import torch
 
-from libs.common.model.compiled import CompiledDecode
-from libs.common.model.engine import EngineConfig
-from libs.common.model.loader import build_engine
-from libs.common.model.sequence import Sequence
+from libs.engine.model.compiled import CompiledDecode
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.loader import build_engine
+from libs.engine.model.sequence import Sequence
 
 NUM_BLOCKS = 512
 
@@ -136,7 +136,7 @@ def test_kvserve_compile_0_gives_the_eager_path(tiny_model, monkeypatch):
 
 
 def test_bfloat16_compiles_when_kvserve_compile_is_on_and_not_by_default(tiny_checkpoint, monkeypatch):
-    from libs.common.model.loader import load_model
+    from libs.engine.model.loader import load_model
 
     loaded = load_model(str(tiny_checkpoint), dtype="bfloat16", progress=False)
     monkeypatch.delenv("KVSERVE_COMPILE", raising=False)

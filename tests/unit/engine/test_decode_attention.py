@@ -5,9 +5,9 @@ bfloat16, on one thread and on several."""
 import pytest
 import torch
 
-from libs.common.model import attention
-from libs.common.model.attention import AttentionBatch
-from libs.common.model.kv_pool import KVLayout, KVPool
+from libs.engine.model import attention
+from libs.engine.model.attention import AttentionBatch
+from libs.engine.model.kv_pool import KVLayout, KVPool
 
 LAYERS, BLOCK, KV_HEADS, Q_HEADS, DIM = 3, 16, 3, 9, 64
 

@@ -5,10 +5,10 @@ projections, with and without biases, on the default model and a tiny one."""
 import pytest
 import torch
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.fused import FusedDecode, _ops
-from libs.common.model.loader import build_engine, load_model
-from libs.common.model.sequence import Sequence
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.fused import FusedDecode, _ops
+from libs.engine.model.loader import build_engine, load_model
+from libs.engine.model.sequence import Sequence
 from tests.conftest import make_tiny_checkpoint
 from tests.unit.engine.test_compiled import decode
 

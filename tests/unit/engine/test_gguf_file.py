@@ -5,9 +5,9 @@ damaged file is an error, never a wrong model."""
 import numpy as np
 import pytest
 
-from libs.common.errors import ModelCorruptError
-from libs.common.model.gguf_checkpoint import GGUFCheckpoint
-from libs.common.model.gguf_file import GGUFFile
+from libs.protocol.errors import ModelCorruptError
+from libs.engine.model.gguf_checkpoint import GGUFCheckpoint
+from libs.engine.model.gguf_file import GGUFFile
 
 gguf = pytest.importorskip("gguf")
 
@@ -27,7 +27,7 @@ def assert_same_as_gguf_py(path, nested: tuple[str, ...] = ()) -> None:
 
 
 def test_the_shipped_model_reads_as_gguf_py_reads_it():
-    from libs.common.model.default_model import default_gguf_path
+    from libs.engine.model.default_model import default_gguf_path
 
     assert_same_as_gguf_py(default_gguf_path())
 
@@ -83,7 +83,7 @@ def test_a_truncated_file_is_an_error(written, tmp_path, cut):
 
 
 def test_a_damaged_model_file_is_a_model_error(tmp_path):
-    from libs.common.model.default_model import default_gguf_path
+    from libs.engine.model.default_model import default_gguf_path
 
     damaged = tmp_path / "damaged.gguf"
     damaged.write_bytes(default_gguf_path().read_bytes()[:5000])  # ends inside the vocabulary

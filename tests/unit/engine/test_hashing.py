@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from libs.common.hashing import ROOT, block_hashes, hash_block, model_extra
+from libs.protocol.hashing import ROOT, block_hashes, hash_block, model_extra
 
 ROOT_DIR = Path(__file__).resolve().parents[3]
 TOKENS = list(range(1000, 1070))  # 4 full blocks of 16 and 6 spare tokens
@@ -15,7 +15,7 @@ EXTRA = model_extra("SmolLM2-135M-Instruct")
 
 def test_equal_prefixes_give_equal_chains_in_another_process():
     code = (
-        "import json,sys; from libs.common.hashing import block_hashes, model_extra;"
+        "import json,sys; from libs.protocol.hashing import block_hashes, model_extra;"
         "print(json.dumps([h.hex() for h in block_hashes(list(range(1000, 1070)), 16, "
         "model_extra('SmolLM2-135M-Instruct'))]))"
     )

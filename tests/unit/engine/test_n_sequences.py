@@ -5,12 +5,12 @@ filled last block (copy on write), and each then decodes as the first would."""
 import pytest
 import torch
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.kv_cache import KVCacheManager
-from libs.common.model.loader import build_engine
-from libs.common.model.sequence import Sequence
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.kv_cache import KVCacheManager
+from libs.engine.model.loader import build_engine
+from libs.engine.model.sequence import Sequence
+from libs.protocol.sampling_params import SamplingParams
 
 BLOCK = 4
 

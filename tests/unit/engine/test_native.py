@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from libs.common.model import native
+from libs.engine.model import native
 
 
 @pytest.fixture

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.loader import build_engine, load_model
-from libs.common.model.sequence import Sequence
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.loader import build_engine, load_model
+from libs.engine.model.sequence import Sequence
 from tests.conftest import make_tiny_checkpoint
 
 # float32 rounding for a handful of layers: logits agree to ~1e-6 relative, and
@@ -55,8 +55,8 @@ def test_smollm_logits_match_transformers(smollm, hf_smollm):
 
 
 def test_smollm_greedy_64_tokens_match_transformers(smollm, hf_smollm):
-    from libs.common.model.generator import Generator
-    from libs.common.sampling_params import SamplingParams
+    from libs.engine.model.generator import Generator
+    from libs.protocol.sampling_params import SamplingParams
 
     ids = smollm.tokenizer.encode_chat([{"role": "user", "content": "Tell me a story about a lighthouse."}])
     generator = Generator(build_engine(smollm, EngineConfig(num_blocks=64)), smollm.tokenizer)
@@ -71,7 +71,7 @@ def test_smollm_greedy_64_tokens_match_transformers(smollm, hf_smollm):
 
 
 def test_gguf_file_loads_the_same_model_as_the_prepared_folder(smollm):
-    from libs.common.model.default_model import default_gguf_path
+    from libs.engine.model.default_model import default_gguf_path
 
     direct = load_model(str(default_gguf_path()), dtype="float32", quantization="none", progress=False)
     ids = smollm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")

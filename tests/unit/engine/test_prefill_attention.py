@@ -6,12 +6,12 @@ logits of the SDPA path, in bfloat16, to its rounding."""
 import pytest
 import torch
 
-from libs.common.model import attention
-from libs.common.model.attention import AttentionBatch, PrefillSpan
-from libs.common.model.engine import EngineConfig
-from libs.common.model.kv_pool import KVLayout, KVPool
-from libs.common.model.loader import build_engine, load_model
-from libs.common.model.sequence import Sequence
+from libs.engine.model import attention
+from libs.engine.model.attention import AttentionBatch, PrefillSpan
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.kv_pool import KVLayout, KVPool
+from libs.engine.model.loader import build_engine, load_model
+from libs.engine.model.sequence import Sequence
 from tests.conftest import make_tiny_checkpoint
 
 LAYERS, BLOCK = 3, 16

@@ -2,11 +2,11 @@
 
 import torch
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.loader import build_engine
-from libs.common.model.sampling import sample
-from libs.common.model.sequence import Sequence
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.loader import build_engine
+from libs.engine.model.sampling import sample
+from libs.engine.model.sequence import Sequence
+from libs.protocol.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from libs.common.model import quant
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine, load_model, open_model
-from libs.common.model.sequence import Sequence
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model import quant
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine, load_model, open_model
+from libs.engine.model.sequence import Sequence
+from libs.protocol.sampling_params import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 
 SHAPES = [(64, 64), (192, 576), (3072, 576), (576, 1536)]  # [out, in]; the last three are SmolLM2's
@@ -104,7 +104,7 @@ def test_synthetic_gguf_blocks_unpack_to_what_gguf_dequantizes(kind):
 def test_the_default_models_gguf_blocks_unpack_to_what_gguf_dequantizes():
     import gguf
 
-    from libs.common.model.default_model import default_gguf_path
+    from libs.engine.model.default_model import default_gguf_path
 
     reader = gguf.GGUFReader(str(default_gguf_path()))
     first = {}
@@ -121,8 +121,8 @@ def test_the_default_models_gguf_blocks_unpack_to_what_gguf_dequantizes():
 
 
 def test_a_gguf_checkpoint_keeps_its_linear_weights_quantized_with_rotary_rows_in_hf_order():
-    from libs.common.model.default_model import default_gguf_path
-    from libs.common.model.gguf_checkpoint import GGUFCheckpoint
+    from libs.engine.model.default_model import default_gguf_path
+    from libs.engine.model.gguf_checkpoint import GGUFCheckpoint
 
     checkpoint = GGUFCheckpoint(default_gguf_path())
     assert checkpoint.native_quantization() == "int4-g32"

@@ -2,10 +2,10 @@
 
 import torch
 
-from libs.common.model.sampling import sample
-from libs.common.vocabulary import FinishReason
-from libs.common.model.stopping import StopChecker
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model.sampling import sample
+from libs.protocol.vocabulary import FinishReason
+from libs.engine.model.stopping import StopChecker
+from libs.protocol.sampling_params import SamplingParams
 
 LOGITS = torch.tensor([[0.0, 3.0, 2.9, 1.0, -5.0]])
 

@@ -6,14 +6,14 @@ import math
 import pytest
 import torch
 
-from libs.common.model import sampling
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.model.logits_processors import apply_controls, cut_min_p
-from libs.common.model.sampling import sample_sequences
-from libs.common.model.sequence import Sequence
-from libs.common.sampling_params import SamplingParams
+from libs.engine.model import sampling
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.engine.model.logits_processors import apply_controls, cut_min_p
+from libs.engine.model.sampling import sample_sequences
+from libs.engine.model.sequence import Sequence
+from libs.protocol.sampling_params import SamplingParams
 
 ROW = [2.0, -1.0, 0.5, 0.0, 1.0]
 EOS = 4

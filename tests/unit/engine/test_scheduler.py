@@ -3,11 +3,11 @@ block ids, preemptions and finish reasons."""
 
 import torch
 
-from libs.common.model.kv_cache import KVCacheManager
-from libs.common.model.scheduler import Scheduler, run_step, sample_tokens, token_stop
-from libs.common.model.sequence import Sequence
-from libs.common.sampling_params import SamplingParams
-from libs.common.vocabulary import FinishReason
+from libs.engine.model.kv_cache import KVCacheManager
+from libs.engine.model.scheduler import Scheduler, run_step, sample_tokens, token_stop
+from libs.engine.model.sequence import Sequence
+from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.vocabulary import FinishReason
 
 VOCAB = 16
 EOS = 15
@@ -150,8 +150,8 @@ def test_the_context_window_ends_a_sequence():
 
 
 def test_a_prefix_cache_hit_is_admitted_with_its_cached_blocks(tiny_model):
-    from libs.common.model.engine import EngineConfig
-    from libs.common.model.loader import build_engine
+    from libs.engine.model.engine import EngineConfig
+    from libs.engine.model.loader import build_engine
 
     engine = build_engine(tiny_model, EngineConfig(num_blocks=16, block_size=BLOCK))
     sched = Scheduler(engine.cache, token_stop({EOS}, engine.max_model_len))

@@ -20,7 +20,7 @@ def test_smollm_chat_template_renders_the_checkpoint_template(smollm):
 def test_smollm_tokenizer_matches_transformers_gguf_tokenizer(smollm):
     from transformers import AutoTokenizer
 
-    from libs.common.model.default_model import default_gguf_path
+    from libs.engine.model.default_model import default_gguf_path
 
     gguf = default_gguf_path()
     ref = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from libs.common import subjects
-from libs.common.schema import (
+from libs.protocol import subjects
+from libs.protocol.schema import (
     CandidateView,
     ConductorViewReply,
     ConductorViewRequest,

@@ -9,9 +9,9 @@ import types
 import nats.errors
 import pytest
 
-from libs.common import subjects
-from libs.common.sampling_params import SamplingParams
-from libs.common.schema import Ack, AdmitReply, BadMessageError, Cancel, ErrorReply
+from libs.protocol import subjects
+from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.schema import Ack, AdmitReply, BadMessageError, Cancel, ErrorReply
 from services.gateway.dispatch import RequestRun, WorkerLostError
 from services.gateway.errors import ServiceUnavailableError, UpstreamError
 from services.gateway.served_model import PreparedRequest
@@ -118,11 +118,11 @@ class OneMessage(FakeSubscription):
 async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_suspect_only():
     # the prefill worker's lease or hand-over to d0 went unanswered: d0 is passed over by the
     # next attempt until heard from again (or restarted), as the process seen then
-    from libs.common import schema
+    from libs.protocol import schema
     from libs.common.peers import PeerDirectory
-    from libs.common.schema import Heartbeat
-    from libs.common.token_chunks import error_chunk
-    from libs.common.vocabulary import ErrorCode
+    from libs.protocol.schema import Heartbeat
+    from libs.engine.token_chunks import error_chunk
+    from libs.protocol.vocabulary import ErrorCode
     from services.gateway.worker_watch import WorkerWatch
 
     peers = PeerDirectory()

@@ -10,8 +10,8 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
-from libs.common import schema, subjects
-from libs.common.schema import Ack, AdmitReply, AdmitRequest, Cancel, Heartbeat, PrefillRequest, TokenChunk
+from libs.protocol import schema, subjects
+from libs.protocol.schema import Ack, AdmitReply, AdmitRequest, Cancel, Heartbeat, PrefillRequest, TokenChunk
 from services.gateway.app import Gateway
 from tests.integration.conftest import wait_until_async
 from tests.unit.gateway.conftest import gateway_settings

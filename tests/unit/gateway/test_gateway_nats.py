@@ -9,8 +9,8 @@ import aiohttp
 import openai
 import pytest
 
-from libs.common import schema, subjects
-from libs.common.schema import (
+from libs.protocol import schema, subjects
+from libs.protocol.schema import (
     Ack,
     AdmitReply,
     AdmitRequest,

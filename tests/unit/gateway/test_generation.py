@@ -3,8 +3,8 @@ a worker's finish flushes what was held back, usage counts what was generated.""
 
 from dataclasses import replace
 
-from libs.common.sampling_params import SamplingParams
-from libs.common.schema import TokenChunk, TokenLogprobs
+from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.schema import TokenChunk, TokenLogprobs
 from services.gateway.text_stream import Delta, TextStream, stream_deltas
 
 EOS = 257  # the tiny checkpoint's </s>

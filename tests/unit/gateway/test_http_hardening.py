@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from libs.common.schema import Heartbeat
+from libs.protocol.schema import Heartbeat
 from services.gateway import request_limits
 from services.gateway.app import Gateway
 from services.gateway.errors import BodyTooLargeError

@@ -1,7 +1,7 @@
 """The logprobs of a choice in OpenAI's chat and completions shapes: each token's text
 and exact bytes, its logprob, its alternatives, and the completions API's offsets."""
 
-from libs.common.schema import TokenLogprobs
+from libs.protocol.schema import TokenLogprobs
 from services.gateway.logprobs import LogprobsBodies
 from services.gateway.response_bodies import ResponseBodies, Usage
 

@@ -4,8 +4,8 @@ the stream, and when it gives up."""
 
 import pytest
 
-from libs.common.sampling_params import SamplingParams
-from libs.common.schema import TokenChunk
+from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.schema import TokenChunk
 from services.gateway.dispatch import WorkerLostError
 from services.gateway.text_stream import TextStream, stream_deltas
 from services.gateway.migration import MigratingRun

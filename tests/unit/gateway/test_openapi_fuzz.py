@@ -16,8 +16,8 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from libs.common import schema, subjects
-from libs.common.schema import Heartbeat
+from libs.protocol import schema, subjects
+from libs.protocol.schema import Heartbeat
 from tests.integration.conftest import wait_until
 from tests.unit.gateway.test_gateway_nats import cluster, start_gateway  # noqa: F401 (fixtures)
 

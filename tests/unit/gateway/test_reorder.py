@@ -1,6 +1,6 @@
 """Token chunks from prefill and decode are put back in generation order."""
 
-from libs.common.schema import TokenChunk, TokenLogprobs
+from libs.protocol.schema import TokenChunk, TokenLogprobs
 from services.gateway.reorder import ChunkReorderer
 
 

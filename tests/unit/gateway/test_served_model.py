@@ -3,8 +3,8 @@ cluster runs; what cannot be served is refused with the field to blame."""
 
 import pytest
 
-from libs.common.hashing import block_hashes, model_extra
-from libs.common.sampling_params import SamplingParams
+from libs.protocol.hashing import block_hashes, model_extra
+from libs.protocol.sampling_params import SamplingParams
 from services.gateway.errors import InvalidParameterError
 from services.gateway.openai_protocol import GenerateRequest
 from services.gateway.served_model import ServedModel

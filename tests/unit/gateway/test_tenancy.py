@@ -9,7 +9,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from libs.common import tenants as tenants_file
-from libs.common.hashing import ROOT
+from libs.protocol.hashing import ROOT
 from libs.common.tenants import Tenant, Tenants
 from services.gateway.app import Gateway
 from services.gateway.errors import AuthenticationError, PermissionDeniedError

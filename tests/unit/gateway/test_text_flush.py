@@ -6,8 +6,8 @@ against a plain reference that decodes whole token lists."""
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from libs.common.sampling_params import SamplingParams
-from libs.common.schema import TokenChunk
+from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.schema import TokenChunk
 from services.gateway.text_stream import Delta, TextStream
 
 BOS, EOS = 256, 257  # the tiny checkpoint's <s> and </s> (special: never shown)

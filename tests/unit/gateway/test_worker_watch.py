@@ -3,7 +3,7 @@
 import math
 
 from libs.common.peers import PeerDirectory
-from libs.common.schema import Heartbeat
+from libs.protocol.schema import Heartbeat
 from services.gateway.worker_watch import Gone, WorkerWatch
 
 

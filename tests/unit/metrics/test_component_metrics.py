@@ -7,8 +7,8 @@ from types import SimpleNamespace
 from prometheus_client.parser import text_string_to_metric_families
 
 from libs.common.metrics import Metrics
-from libs.common.model.block_pool import BlockPool
-from libs.common.worker_metrics import WorkerMetrics
+from libs.engine.model.block_pool import BlockPool
+from libs.engine.worker_metrics import WorkerMetrics
 from services.conductor.conductor_metrics import ConductorMetrics
 from services.conductor.policies import Decision
 from services.conductor.scheduler import TBT_ERROR_BUCKETS, PredictionErrors

@@ -4,7 +4,8 @@ declarations, read-on-scrape metrics, and an exposition Prometheus parses."""
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from libs.common.metrics import Metrics, model_name
+from libs.common.metrics import Metrics
+from libs.protocol.models import model_name
 
 
 def samples(metrics: Metrics) -> dict[tuple[str, tuple], float]:

@@ -6,9 +6,9 @@ import msgspec
 import pytest
 import torch
 
-from libs.common import cost_model
-from libs.common.model.engine import EngineConfig
-from libs.common.model.loader import build_engine
+from libs.engine import cost_model
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.loader import build_engine
 
 
 @pytest.fixture

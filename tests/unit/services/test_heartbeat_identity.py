@@ -7,9 +7,9 @@ from contextlib import AsyncExitStack
 import nats
 import pytest
 
-from libs.common import schema, subjects
+from libs.protocol import schema, subjects
 from libs.common.nats_server import NatsServer
-from libs.common.schema import Heartbeat
+from libs.protocol.schema import Heartbeat
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings
 

@@ -8,7 +8,9 @@ import stat
 
 import pytest
 
-from libs.common import nats_auth, subjects
+from libs.protocol import subjects
+
+from libs.common import nats_auth
 from libs.common.nats_auth import NatsAuthError, NatsCredentials, load_credentials, redact_url
 from libs.common.settings import ServiceSettings
 

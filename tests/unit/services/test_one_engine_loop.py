@@ -7,13 +7,13 @@ import asyncio
 import nats
 import pytest
 
-from libs.common import schema, subjects
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
+from libs.protocol import schema, subjects
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
 from libs.common.nats_server import NatsServer
-from libs.common.sampling_params import SamplingParams
-from libs.common.schema import Ack, PrefillRequest, TokenChunk
+from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.schema import Ack, PrefillRequest, TokenChunk
 from libs.common.settings import ModelSettings
 from services.decode.settings import DecodeSettings
 from services.decode.worker import DecodeWorker

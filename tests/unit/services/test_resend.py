@@ -1,8 +1,8 @@
 """What a decode worker sends again after a NATS outage lost part of a stream: the tokens
 of a running sequence, or of one that finished lately, from the index asked for."""
 
-from libs.common.model.sequence import Sequence
-from libs.common.vocabulary import FinishReason
+from libs.engine.model.sequence import Sequence
+from libs.protocol.vocabulary import FinishReason
 from services.decode import resend
 from services.decode.resend import FinishedStreams, resend_chunk
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from libs.common import failpoints
-from libs.common.model.default_model import cache_dir
+from libs.engine.model.default_model import cache_dir
 from libs.common.settings import ProcessSettings, ServiceSettings
-from libs.common.transfer.settings import TransferSettings
+from libs.transfer.settings import TransferSettings
 from services.conductor.settings import ConductorSettings
 from services.decode.settings import DecodeSettings
 from services.gateway.settings import GatewaySettings

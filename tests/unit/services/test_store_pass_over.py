@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 from libs.common import store_client
 from libs.common.peers import PeerDirectory
-from libs.common.schema import Heartbeat
+from libs.protocol.schema import Heartbeat
 from services.prefill.store_client import StoreClient
 
 

@@ -4,9 +4,9 @@ that put blocks into it the way the service does (reserve, write the slot, commi
 import pytest
 
 from libs.common.kv_events import KVEventLog
-from libs.common.schema import KVContract
-from libs.common.transfer import SharedSegment
-from libs.common.transfer.segment import new_segment_name
+from libs.protocol.schema import KVContract
+from libs.transfer import SharedSegment
+from libs.transfer.segment import new_segment_name
 from services.store.block_files import HEADER, BlockFiles, contract_digest
 from services.store.disk import DiskTier
 from services.store.tiers import TieredStore

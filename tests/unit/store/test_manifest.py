@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from libs.common.schema import KVContract
+from libs.protocol.schema import KVContract
 from services.store.__main__ import default_directory
 from services.store.block_files import BlockFiles, contract_digest
 from services.store.manifest import MANIFEST_NAME, StoreDirectoryError, claim_directory

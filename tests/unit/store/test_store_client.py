@@ -4,8 +4,8 @@ request and reply type, and every failure mapped to one StoreError."""
 import pytest
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
-from libs.common import schema, subjects
-from libs.common.schema import ErrorReply, Message, StoreCommitReply, StoreExistsReply, StorePutReply
+from libs.protocol import schema, subjects
+from libs.protocol.schema import ErrorReply, Message, StoreCommitReply, StoreExistsReply, StorePutReply
 from libs.common.store_client import BAD_REPLY, STORE_CALLS, UNAVAILABLE, StoreClient, StoreError
 from tests.unit.store.conftest import CONTRACT, h
 

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from libs.common import tenants as tenants_file
-from libs.common.hashing import ROOT, block_hashes, hash_block, scope_root
-from libs.common.model.kv_cache import KVCacheManager
-from libs.common.model.sequence import Sequence
+from libs.protocol.hashing import ROOT, block_hashes, hash_block, scope_root
+from libs.engine.model.kv_cache import KVCacheManager
+from libs.engine.model.sequence import Sequence
 from libs.common.tenants import Tenant, Tenants
 from services.conductor.simulator.trace import load_trace
 from services.gateway.errors import InvalidParameterError

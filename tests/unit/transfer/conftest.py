@@ -1,7 +1,7 @@
 import pytest
 
-from libs.common.transfer import SharedSegment, TransferEngine
-from libs.common.transfer.segment import new_segment_name
+from libs.transfer import SharedSegment, TransferEngine
+from libs.transfer.segment import new_segment_name
 
 
 class Segments:

@@ -6,9 +6,9 @@ import socket
 import pytest
 import torch
 
-from libs.common.transfer import Span, TransferError
-from libs.common.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status, greeting
-from libs.common.transfer.tickets import greeting_proof, ticket_id
+from libs.transfer import Span, TransferError
+from libs.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status, greeting
+from libs.transfer.tickets import greeting_proof, ticket_id
 from tests.integration.conftest import wait_until
 
 KiB = 1 << 10

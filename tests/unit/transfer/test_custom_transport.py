@@ -5,16 +5,16 @@ the engine's own APIs (tickets, writers, metrics)."""
 import pytest
 import torch
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.model.sampling import sample
-from libs.common.model.sequence import Sequence
-from libs.common.schema import WriteTicket
-from libs.common.transfer import Cause, Span, TransferEngine, TransferError, Transport
-from libs.common.transfer.registry import TRANSPORTS
-from libs.common.transfer.segment import SharedSegment
-from libs.common.transfer.writers import SerialWriter, Writer
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.engine.model.sampling import sample
+from libs.engine.model.sequence import Sequence
+from libs.protocol.schema import WriteTicket
+from libs.transfer import Cause, Span, TransferEngine, TransferError, Transport
+from libs.transfer.registry import TRANSPORTS
+from libs.transfer.segment import SharedSegment
+from libs.transfer.writers import SerialWriter, Writer
 from tests.unit.transfer.test_layerwise import GREEDY, engine_on_segment
 
 KiB = 1 << 10

@@ -2,8 +2,8 @@
 peer died or stopped): a restarted decode worker's new pool is mapped, its dead
 predecessor's no longer held."""
 
-from libs.common.transfer import SharedSegment
-from libs.common.transfer.segment import new_segment_name
+from libs.transfer import SharedSegment
+from libs.transfer.segment import new_segment_name
 
 
 def test_mapping_a_new_peer_segment_unmaps_those_whose_owners_are_gone(segments):

@@ -3,13 +3,13 @@ layer after layer, and the receiving engine decodes exactly what one process doe
 
 import torch
 
-from libs.common.model.engine import EngineConfig
-from libs.common.model.generator import Generator
-from libs.common.model.loader import build_engine
-from libs.common.model.sampling import sample
-from libs.common.model.sequence import Sequence
-from libs.common.sampling_params import SamplingParams
-from libs.common.transfer import Span
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine
+from libs.engine.model.sampling import sample
+from libs.engine.model.sequence import Sequence
+from libs.protocol.sampling_params import SamplingParams
+from libs.transfer import Span
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 

@@ -8,9 +8,9 @@ from contextlib import ExitStack
 
 import pytest
 
-from libs.common.transfer import Span, TransferEngine, TransferError
-from libs.common.transfer.tcp.listener import TcpListener
-from libs.common.transfer.tcp.wire import FRAME, Status, greeting
+from libs.transfer import Span, TransferEngine, TransferError
+from libs.transfer.tcp.listener import TcpListener
+from libs.transfer.tcp.wire import FRAME, Status, greeting
 from tests.integration.conftest import wait_until
 
 KiB = 1 << 10

@@ -8,8 +8,8 @@ import socket
 import pytest
 import torch
 
-from libs.common.transfer import Span, TransferError
-from libs.common.transfer.tcp.wire import END_OFFSET, FRAME, Status, greeting
+from libs.transfer import Span, TransferError
+from libs.transfer.tcp.wire import END_OFFSET, FRAME, Status, greeting
 from tests.unit.transfer.proc_net import listening_ports
 
 KiB = 1 << 10
@@ -51,7 +51,7 @@ def test_a_replayed_greeting_is_refused_logged_and_writes_nothing(receiver, capl
         sock.sendall(FRAME.pack(0, KiB) + b"a" * KiB + FRAME.pack(END_OFFSET, 0))
         assert sock.recv(1) == bytes([Status.OK])
     replays = engine.metrics.refused.value("replayed")
-    with caplog.at_level(logging.WARNING, logger="libs.common.transfer.tcp.listener"), connect(ticket.address) as sock:
+    with caplog.at_level(logging.WARNING, logger="libs.transfer.tcp.listener"), connect(ticket.address) as sock:
         sock.sendall(sniffed + FRAME.pack(KiB, KiB) + b"x" * KiB)  # the same greeting, then bytes for the rest
         assert sock.recv(1) == bytes([Status.REFUSED])
         assert closed(sock)

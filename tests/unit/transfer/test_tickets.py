@@ -3,9 +3,9 @@ good once, every byte is written at most once, and a ticket serves one transport
 
 import pytest
 
-from libs.common.transfer.ranges import RangeSet, WrittenRanges
-from libs.common.transfer.segment import SHM_DIR, new_segment_name
-from libs.common.transfer.tickets import OpenTicket, Refusal, TicketBook, claim, claim_path, greeting_proof, ticket_id
+from libs.transfer.ranges import RangeSet, WrittenRanges
+from libs.transfer.segment import SHM_DIR, new_segment_name
+from libs.transfer.tickets import OpenTicket, Refusal, TicketBook, claim, claim_path, greeting_proof, ticket_id
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ import random
 import pytest
 import torch
 
-from libs.common.schema import WriteTicket
-from libs.common.transfer import Span, TransferError
+from libs.protocol.schema import WriteTicket
+from libs.transfer import Span, TransferError
 
 MiB = 1 << 20
 SIZES = [1, 7, 4096 + 3, 65_537, MiB + 13, 16 * MiB, 256 * MiB]

@@ -1,6 +1,0 @@
-"""The TCP transport: its wire format (`wire.py`), a sender's connections
-(`connection.py`) and writer (`writer.py`), and the receiver's listener (`listener.py`)."""
-
-from libs.common.transfer.tcp.transport import TcpTransport
-
-__all__ = ["TcpTransport"]

@@ -1,0 +1,272 @@
+"""The model engine: prefill and decode steps over a paged KV pool.
+
+``prefill`` computes the uncached part of each sequence's tokens, in chunks of
+at most ``max_chunk_tokens``; ``decode_step`` runs one token for each sequence of
+a batch of any lengths. Both return logits and leave sampling, stopping and
+scheduling to the caller (`generator.py` in one process, the workers in the
+cluster). The engine knows nothing about text.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from libs.protocol.errors import EmptyPromptError, PromptTooLongError
+from libs.engine.model.attention import AttentionBatch, PrefillSpan
+from libs.engine.model.compiled import (
+    MIN_ROWS,
+    CompiledDecode,
+    compile_unavailable,
+    use_cache_dir,
+    warn_eager,
+)
+from libs.engine.model.fused import FusedDecode
+from libs.engine.model.kv_cache import KVCacheManager
+from libs.engine.model.kv_pool import KVPool
+from libs.engine.model.llama import LlamaModel
+from libs.engine.model.sequence import Sequence
+from libs.common.settings import ProcessSettings
+
+
+# Called on the engine thread after each layer of a prefill chunk with the layer index
+# and the sequences this chunk completes: their K/V for that layer is final.
+LayerDone = Callable[[int, list[Sequence]], None]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_chunk_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's context window
+    enable_prefix_cache: bool = True
+    compile: bool | None = None  # compile the decode step; None: as KVSERVE_COMPILE says (off), never in float32
+    fuse_decode: bool = True  # fused.py for batches of at most KERNEL_MAX_ROWS where it applies
+
+
+class Engine:
+    def __init__(self, model: LlamaModel, pool: KVPool, cache: KVCacheManager, config: EngineConfig) -> None:
+        self.model = model
+        self.pool = pool
+        self.cache = cache
+        self.config = config
+        self.max_model_len = min(config.max_model_len or 1 << 62, model.config.max_position_embeddings)
+        self.device = pool.kv.device
+        self.compiled = self._compiled_decode(config.compile)
+        # a few sequences' step with each layer's small ops fused (bfloat16 on the CPU)
+        self.fused = FusedDecode.build(model, pool) if config.fuse_decode else None
+
+    def _compiled_decode(self, wanted: bool | None) -> CompiledDecode | None:
+        settings = ProcessSettings.from_env()
+        # float32 is the precision parity is checked in: its compiled reductions sum in
+        # another order than eager's, so it compiles only when asked to explicitly
+        if wanted is False or (wanted is None and (not settings.compile or self.pool.layout.dtype == torch.float32)):
+            return None
+        why_not = compile_unavailable(settings)
+        if why_not is not None:
+            if wanted is None:
+                warn_eager(why_not)
+                return None
+            raise RuntimeError(f"cannot compile the decode step: {why_not}")
+        use_cache_dir(settings)
+        return CompiledDecode(self.model, self.pool, -(-self.max_model_len // self.config.block_size))
+
+    @property
+    def block_size(self) -> int:
+        return self.cache.block_size
+
+    def check_prompt(self, num_prompt_tokens: int, max_new_tokens: int = 0) -> None:
+        """Raise if a prompt cannot be served: empty, or (with the tokens it asks
+        for) longer than the context window. Never truncates."""
+        if num_prompt_tokens == 0:
+            raise EmptyPromptError("the prompt is empty")
+        if num_prompt_tokens + max_new_tokens > self.max_model_len:
+            raise PromptTooLongError(num_prompt_tokens, self.max_model_len, max_new_tokens)
+
+    def prefill(self, seqs: list[Sequence], layer_done: LayerDone | None = None) -> torch.Tensor:
+        """Compute every sequence's tokens from ``num_computed_tokens`` on; return
+        the logits of each one's last token, [B, V].
+
+        Blocks before ``num_computed_tokens`` must already hold valid K/V (a
+        cached prefix); the rest are allocated here. ``layer_done(layer, seqs)``
+        fires after each layer with the sequences whose K/V that layer completes,
+        so a layer-wise hand-off can ship it while the next layers compute.
+        """
+        hidden = self._prefill(seqs, keep_all=False, layer_done=layer_done)
+        return self.model.compute_logits(torch.cat([h[-1] for h in hidden])).float()
+
+    @torch.inference_mode()
+    def prefill_chunk(self, chunk: list[tuple[Sequence, int]], layer_done: LayerDone | None = None) -> torch.Tensor | None:
+        """One step of chunked prefill, as a scheduler chose it: the next ``n`` tokens of
+        each ``(sequence, n)``, each sequence's blocks grown to hold its tokens; a partly
+        computed prompt keeps its KV for its next chunk. Returns the logits of the last
+        token of each sequence this step completes, in chunk order ([k, V]), or None when
+        it completes none. ``layer_done`` fires as in `prefill`, for those sequences."""
+        for seq, n in chunk:
+            self.check_prompt(seq.num_tokens)
+            if n < 1 or seq.num_computed_tokens + n > seq.num_tokens:
+                raise ValueError(f"{seq.request_id}: cannot compute {n} more of its {seq.num_tokens} tokens")
+            self.cache.allocate(seq, seq.num_tokens)
+        completing = [i for i, (seq, n) in enumerate(chunk) if seq.num_computed_tokens + n == seq.num_tokens]
+        done = [chunk[i][0] for i in completing]
+        on_layer = (lambda layer: layer_done(layer, done)) if layer_done is not None and done else None  # noqa: E731
+        hidden = self._run_prefill_chunk(chunk, on_layer)  # [sum n, hidden]
+        for seq, _ in chunk:
+            self.cache.cache_full_blocks(seq)
+        if not completing:
+            return None
+        ends = torch.tensor([n for _, n in chunk], device=hidden.device).cumsum(0) - 1
+        return self.model.compute_logits(hidden[ends[completing]]).float()
+
+    def prefill_all_logits(self, seqs: list[Sequence]) -> list[torch.Tensor]:
+        """Like ``prefill``, but the logits of every computed token: one [n_i, V] per sequence."""
+        hidden = self._prefill(seqs, keep_all=True, layer_done=None)
+        return [self.model.compute_logits(torch.cat(h)).float() for h in hidden]
+
+    @torch.inference_mode()
+    def _prefill(
+        self, seqs: list[Sequence], keep_all: bool, layer_done: LayerDone | None
+    ) -> list[list[torch.Tensor]]:
+        for seq in seqs:
+            self.check_prompt(seq.num_tokens)
+            if seq.num_computed_tokens >= seq.num_tokens:
+                raise ValueError(f"{seq.request_id}: nothing left to prefill")
+        for seq in seqs:
+            self.cache.allocate(seq, seq.num_tokens)
+        hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
+        pending = list(range(len(seqs)))
+        while pending:
+            chunk, budget = [], self.config.max_chunk_tokens
+            for i in pending:
+                if budget == 0:
+                    break
+                n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget)
+                chunk.append((i, n))
+                budget -= n
+            completing = [seqs[i] for i, n in chunk if seqs[i].num_computed_tokens + n == seqs[i].num_tokens]
+            on_layer = None
+            if layer_done is not None and completing:
+                on_layer = lambda layer: layer_done(layer, completing)  # noqa: E731
+            out = self._run_prefill_chunk([(seqs[i], n) for i, n in chunk], on_layer)
+            start = 0
+            for i, n in chunk:
+                rows = out[start : start + n]  # [n, hidden]
+                hidden[i].append(rows if keep_all else rows[-1:])
+                start += n
+            pending = [i for i in pending if seqs[i].num_computed_tokens < seqs[i].num_tokens]
+        for seq in seqs:
+            self.cache.cache_full_blocks(seq)
+        return hidden
+
+    def _run_prefill_chunk(
+        self, chunk: list[tuple[Sequence, int]], layer_done: Callable[[int], None] | None
+    ) -> torch.Tensor:
+        ids, positions, slots, spans = [], [], [], []
+        for seq, n in chunk:
+            start = seq.num_computed_tokens
+            table = seq.block_table[: self.cache.blocks_needed(start + n)]
+            spans.append(PrefillSpan(len(ids), n, start + n, torch.tensor(table, device=self.device)))
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // self.block_size] for p in range(start, start + n))
+        batch = AttentionBatch(*self._slots(slots, positions), prefill_spans=spans)
+        hidden = self._forward(ids, positions, batch, layer_done)
+        for seq, n in chunk:
+            seq.num_computed_tokens += n
+        return hidden
+
+    @torch.inference_mode()
+    def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run each sequence's last token (not yet computed); return logits [B, V]."""
+        for seq in seqs:
+            if seq.num_computed_tokens != seq.num_tokens - 1:
+                raise ValueError(f"{seq.request_id}: decode needs exactly one uncomputed token")
+            if seq.num_tokens > self.max_model_len:
+                raise PromptTooLongError(seq.num_tokens, self.max_model_len)
+        for seq in seqs:
+            self.cache.allocate(seq, seq.num_tokens)
+        logits = self._decode_rows(seqs)
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+            self.cache.cache_full_blocks(seq)
+        return logits
+
+    def _decode_rows(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits [B, V] of each sequence's last token: through the compiled graph once
+        it is warmed up, else the fused path for a few sequences, else the modules."""
+        if self.compiled is not None and self.compiled.can_run(len(seqs)):
+            input_ids, positions, batch = self._decode_batch(seqs, max(MIN_ROWS, len(seqs)), padded=True)
+            return self.compiled(input_ids, positions, batch)[: len(seqs)]
+        input_ids, positions, batch = self._decode_batch(seqs, len(seqs), padded=False)
+        if self.fused is not None and len(seqs) <= self.fused.max_rows:
+            hidden = self.fused(input_ids, positions, batch)
+        else:
+            hidden = self.model(input_ids, positions, self.pool, batch)
+        return self.model.compute_logits(hidden).float()
+
+    def _decode_batch(
+        self, seqs: list[Sequence], num_rows: int, padded: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """Inputs of a decode step over ``seqs``, padded to ``num_rows`` rows by repeating
+        the first sequence (whose KV write each padded row repeats byte for byte). A
+        batch for the compiled graph always names its slot rows, padding or not, so that
+        every batch meets the same graph."""
+        bs = self.block_size
+        rows = seqs + [seqs[0]] * (num_rows - len(seqs))
+        positions = [seq.num_tokens - 1 for seq in rows]
+        slots = [seq.block_table[p // bs] for seq, p in zip(rows, positions)]
+        # at least two columns: a dynamic dimension of size 1 would be specialised
+        max_blocks = max(MIN_ROWS, *(len(seq.block_table) for seq in rows))
+        tables = torch.zeros(num_rows, max_blocks, dtype=torch.long)  # padding points at block 0, masked out
+        for row, seq in enumerate(rows):
+            tables[row, : len(seq.block_table)] = torch.tensor(seq.block_table)
+        slot_rows = None
+        if padded:
+            slot_rows = torch.tensor([*range(len(seqs)), *[0] * (num_rows - len(seqs))], device=self.device)
+        batch = AttentionBatch(
+            *self._slots(slots, positions),
+            decode_block_tables=tables.to(self.device),
+            decode_lens=torch.tensor([seq.num_tokens for seq in rows], device=self.device),
+            slot_rows=slot_rows,
+        )
+        input_ids = torch.tensor([seq.token_ids[-1] for seq in rows], device=self.device)
+        return input_ids, torch.tensor(positions, device=self.device), batch
+
+    @torch.inference_mode()
+    def fork(self, seq: Sequence, choice: int) -> Sequence:
+        """Another sequence of ``seq``'s request, sharing its prompt's KV blocks; the
+        partly filled last block is copied (`KVCacheManager.fork`)."""
+        sibling, copy = self.cache.fork(seq, choice)
+        if copy is not None:
+            source, target = copy
+            self.pool.kv[target].copy_(self.pool.kv[source])  # every layer's K and V of the block
+        return sibling
+
+    @torch.inference_mode()
+    def warmup(self) -> None:
+        """Compile the decode step (a no-op when compiling is off or already done).
+
+        Engine hosts call this once before serving. The example batch is one
+        throw-away sequence, padded: it writes only its own block, which is freed
+        afterwards without ever being named by a hash.
+        """
+        if self.compiled is None:
+            return
+        seq = Sequence.from_prompt("warmup", [0, 0])
+        self.cache.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = 1
+        try:
+            self.compiled.warmup(self._decode_batch([seq], MIN_ROWS, padded=True))
+        finally:
+            self.cache.free(seq)
+
+    def _slots(self, blocks: list[int], positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        offsets = [p % self.block_size for p in positions]
+        return torch.tensor(blocks, device=self.device), torch.tensor(offsets, device=self.device)
+
+    def _forward(
+        self, ids: list[int], positions: list[int], batch: AttentionBatch, layer_done: Callable[[int], None] | None
+    ) -> torch.Tensor:
+        input_ids = torch.tensor(ids, device=self.device)
+        return self.model(input_ids, torch.tensor(positions, device=self.device), self.pool, batch, layer_done)

@@ -1,0 +1,257 @@
+"""Reads a Llama-family GGUF file as a Hugging Face checkpoint: config, tensors
+(Q/K rows un-permuted back to HF's rotary layout; linear weights in Q4_0, Q4_1 or
+Q8_0 optionally kept quantized, everything else dequantized to float32) and a
+tokenizer.json built from the file's vocabulary and merges.
+
+This is the only module that knows GGUF; everything after it sees HF names.
+"""
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from libs.protocol.errors import ModelCorruptError, ModelNotFoundError
+from libs.engine.model import quant
+from libs.engine.model.gguf_file import GGUFFile
+
+# llama.cpp pre-tokenizer names -> the tokenizers pre-tokenizer that matches them
+_DIGITS_THEN_BYTES = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Digits", "individual_digits": True},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+    ],
+}
+_BYTES = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+_LLAMA3_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3 = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": _LLAMA3_REGEX}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+    ],
+}
+PRE_TOKENIZERS = {
+    "smollm": _DIGITS_THEN_BYTES,
+    "starcoder": _DIGITS_THEN_BYTES,
+    "refact": _DIGITS_THEN_BYTES,
+    "gpt-2": _BYTES,
+    "default": _BYTES,
+    "llama-bpe": _LLAMA3,
+}
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+class GGUFCheckpoint:
+    def __init__(self, path: Path) -> None:
+        if not path.is_file():
+            raise ModelNotFoundError(f"GGUF file not found: {path}")
+        try:
+            self._reader = GGUFFile(path)
+        except Exception as e:  # ValueError on damage; gguf's type table raises its own
+            raise ModelCorruptError(f"cannot read GGUF file {path}: {e}") from e
+        self.path = path
+        arch = self._field("general.architecture")
+        if arch != "llama":
+            raise ModelCorruptError(f"{path}: architecture {arch!r} is not supported (llama only)")
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        return self._reader.fields.get(key, default)
+
+    def hf_config(self) -> dict[str, Any]:
+        f = self._field
+        num_heads = f("llama.attention.head_count")
+        hidden = f("llama.embedding_length")
+        config: dict[str, Any] = {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "vocab_size": f("llama.vocab_size") or len(self._reader.fields["tokenizer.ggml.tokens"]),
+            "hidden_size": hidden,
+            "intermediate_size": f("llama.feed_forward_length"),
+            "num_hidden_layers": f("llama.block_count"),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": f("llama.attention.head_count_kv", num_heads),
+            "head_dim": f("llama.rope.dimension_count", hidden // num_heads),
+            "rms_norm_eps": f("llama.attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_theta": f("llama.rope.freq_base", 10000.0),
+            "max_position_embeddings": f("llama.context_length", 2048),
+            "tie_word_embeddings": not any(t.name == "output.weight" for t in self._reader.tensors),
+            "bos_token_id": f("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": f("tokenizer.ggml.eos_token_id"),
+            "torch_dtype": "float32",
+        }
+        if f("llama.rope.scaling.type") == "linear":
+            config["rope_scaling"] = {"rope_type": "linear", "factor": f("llama.rope.scaling.factor")}
+        return config
+
+    def generation_config(self) -> dict[str, Any]:
+        return {
+            "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self._field("tokenizer.ggml.padding_token_id"),
+        }
+
+    def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | quant.QuantizedWeight]]:
+        """(HF name, tensor) for every weight, one at a time: float32, or with ``keep_quantized``
+        a linear weight in Q4_0/Q4_1 as int4 groups of 32 and in Q8_0 as int8 per channel."""
+        config = self.hf_config()
+        for t in self._reader.tensors:
+            name = _hf_name(t.name)
+            if name is None:
+                continue
+            kind = t.tensor_type.name
+            heads = _rotary_heads(name, config)
+            try:
+                if keep_quantized and name.endswith("_proj.weight") and kind in quant.GGUF_BLOCK_BYTES:
+                    weight = quant.unpack_gguf(np.asarray(t.data), kind)
+                    if heads is not None:  # permute integer and scale rows alike
+                        weight = weight.rows(torch.from_numpy(_unpermute_rotary(np.arange(weight.shape[0]), heads)))
+                    yield name, weight
+                    continue
+                array = _dequantize(t.data, t.tensor_type)
+            except Exception as e:  # gguf raises bare ValueErrors/NotImplementedErrors on damage
+                raise ModelCorruptError(f"{self.path}: cannot read {t.name} ({kind}): {e}") from e
+            array = np.asarray(array, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+            if heads is not None:
+                array = _unpermute_rotary(array, heads)
+            yield name, torch.from_numpy(np.array(array, copy=True, order="C"))
+
+    def native_quantization(self) -> str:
+        """The precision its linear weights ship in: ``int4-g32`` (Q4_0/Q4_1), ``int8`` (Q8_0) or
+        ``none`` (float, or a block format the kernels do not take, which loads dequantized)."""
+        kinds = [t.tensor_type.name for t in self._reader.tensors if (_hf_name(t.name) or "").endswith("_proj.weight")]
+        q4 = sum(k in ("Q4_0", "Q4_1") for k in kinds)
+        q8 = sum(k == "Q8_0" for k in kinds)
+        if not kinds or q4 + q8 < len(kinds):
+            return quant.NONE
+        return f"int4-g{quant.GGUF_BLOCK}" if q4 >= q8 else quant.INT8
+
+    def tensor_count(self) -> int:
+        return sum(_hf_name(t.name) is not None for t in self._reader.tensors)
+
+    def tokenizer_json(self) -> str:
+        f = self._field
+        model = f("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ModelCorruptError(f"{self.path}: tokenizer model {model!r} is not supported (byte-level BPE only)")
+        pre = f("tokenizer.ggml.pre", "default")
+        if pre not in PRE_TOKENIZERS:
+            raise ModelCorruptError(f"{self.path}: pre-tokenizer {pre!r} is not supported ({sorted(PRE_TOKENIZERS)})")
+        tokens = f("tokenizer.ggml.tokens")
+        types = f("tokenizer.ggml.token_type")
+        added = [
+            {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": types[i] == _TOKEN_TYPE_CONTROL}  # fmt: skip
+            for i in range(len(tokens))
+            if types[i] in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
+        ]
+        post = None
+        if f("tokenizer.ggml.add_bos_token", False):
+            bos = tokens[f("tokenizer.ggml.bos_token_id")]
+            bos_id = f("tokenizer.ggml.bos_token_id")
+            post = {
+                "type": "TemplateProcessing",
+                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                         {"Sequence": {"id": "B", "type_id": 1}}],  # fmt: skip
+                "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+            }
+        return json.dumps(
+            {
+                "version": "1.0",
+                "truncation": None,
+                "padding": None,
+                "added_tokens": added,
+                "normalizer": None,
+                "pre_tokenizer": PRE_TOKENIZERS[pre],
+                "post_processor": post,
+                "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+                "model": {
+                    "type": "BPE",
+                    "dropout": None,
+                    "unk_token": None,
+                    "continuing_subword_prefix": None,
+                    "end_of_word_suffix": None,
+                    "fuse_unk": False,
+                    "byte_fallback": False,
+                    "ignore_merges": False,
+                    "vocab": {token: i for i, token in enumerate(tokens)},
+                    "merges": f("tokenizer.ggml.merges"),
+                },
+            },
+            ensure_ascii=False,
+        )
+
+    def tokenizer_config(self) -> dict[str, Any]:
+        f = self._field
+        tokens = f("tokenizer.ggml.tokens")
+        config: dict[str, Any] = {
+            "add_bos_token": bool(f("tokenizer.ggml.add_bos_token", False)),
+            "model_max_length": f("llama.context_length", 2048),
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+        }
+        for key, name in (("bos_token", "bos"), ("eos_token", "eos"), ("pad_token", "padding"), ("unk_token", "unknown")):
+            token_id = f(f"tokenizer.ggml.{name}_token_id")
+            if token_id is not None:
+                config[key] = tokens[token_id]
+        template = f("tokenizer.chat_template")
+        if template:
+            config["chat_template"] = template
+        return config
+
+
+def _dequantize(data: np.ndarray, tensor_type) -> np.ndarray:
+    import gguf.quants  # imported here: only GGUF users pay for it
+
+    return gguf.quants.dequantize(data, tensor_type)
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if gguf_name == "rope_freqs.weight":
+        return None  # llama3 frequency factors; we recompute rotary tables from the config
+    raise ModelCorruptError(f"unknown GGUF tensor {gguf_name!r}")
+
+
+def _rotary_heads(name: str, config: dict[str, Any]) -> int | None:
+    if name.endswith("q_proj.weight"):
+        return config["num_attention_heads"]
+    if name.endswith("k_proj.weight"):
+        return config["num_key_value_heads"]
+    return None
+
+
+def _unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of each head's rotary halves (HF keeps them split)."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,97 @@
+"""The sampler: turns a batch of logits into tokens, by each request's SamplingParams.
+
+Randomness is a function of (seed, output index) alone, so a seeded request
+samples the same tokens whether its first token comes from a prefill worker and
+the rest from a decode worker, or all of them from one process (and after a
+migration, whose index goes on from the tokens generated before it).
+
+A batch where no request asks for more than temperature, top-k and top-p is
+sampled as it comes. Otherwise `logits_processors.apply_controls` gives the
+*processed* logits (logit bias, the min_tokens mask, penalties): logprobs are
+read from those, before temperature, top-k, top-p and min-p reshape the
+distribution the token is then drawn from (vLLM calls these "processed"
+logprobs; its default is the raw model output).
+"""
+
+from collections.abc import Collection
+from dataclasses import dataclass
+
+import torch
+
+from libs.engine.model.logits_processors import apply_controls, cut_min_p
+from libs.engine.model.sequence import Sequence
+from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.schema import TokenLogprobs
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: spreads nearby seeds apart
+_MASK63 = (1 << 63) - 1
+# A request's sequences draw apart: choice c's indices start c * _CHOICE on (mod 2^32: torch's
+# CPU generator keeps a seed's low 32 bits); for n up to 128 any two start over 2e7 indices apart.
+_CHOICE = 0x9E3779B1
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token_id: int
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
+
+
+def sample_sequences(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> list[Sampled]:
+    """One token per sequence from ``logits`` ([B, V]), by its request's controls."""
+    params = [seq.params for seq in seqs]
+    indices = [seq.num_generated + seq.choice * _CHOICE for seq in seqs]
+    if not any(p.changes_logits for p in params):
+        return [Sampled(token) for token in sample(logits, params, indices)]
+    processed = apply_controls(logits.float(), seqs, eos_token_ids)  # [B, V]
+    tokens = sample(cut_min_p(processed, params), params, indices)
+    return [Sampled(t, lp) for t, lp in zip(tokens, _logprobs(processed, tokens, params))]
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
+    """One token per row of ``logits`` ([B, V]); ``output_indices[i]`` is how many
+    tokens row i's sequence has generated before this one (and, for a request's other
+    sequences, which one it is)."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, (p, index) in enumerate(zip(params, output_indices)):
+        if not p.is_greedy:
+            tokens[row] = _sample_row(logits[row], p, index)
+    return tokens
+
+
+def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
+    logits = logits / p.temperature
+    if p.top_k is not None and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        # drop a token once the mass before it already reaches top_p (the first always stays)
+        drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
+        sorted_probs[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    generator = None
+    if p.seed is not None:
+        generator = torch.Generator().manual_seed((p.seed * _MIX + index) & _MASK63)
+    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, in one pass.
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return int((probs / race).argmax())
+
+
+def _logprobs(processed: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:
+    """Each asking row's log-probabilities under ``processed`` [B, V]: of its token, and its top ones."""
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    if not rows:
+        return out
+    device = processed.device
+    logprobs = torch.log_softmax(processed[torch.tensor(rows, device=device)], dim=-1)  # [b, V]
+    chosen = logprobs.gather(1, torch.tensor([tokens[i] for i in rows], device=device)[:, None])[:, 0].tolist()
+    k = max(params[i].logprobs for i in rows)
+    top = logprobs.topk(k, dim=-1)
+    top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    for j, i in enumerate(rows):
+        n = params[i].logprobs
+        out[i] = TokenLogprobs(chosen[j], top_ids[j][:n], top_values[j][:n])
+    return out
