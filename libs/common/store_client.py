@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
 
 from libs.protocol import schema, subjects
+from libs.protocol.vocabulary import StoreTier
 from libs.protocol.schema import (
     BadMessageError,
     ErrorReply,
@@ -31,7 +32,6 @@ from libs.protocol.schema import (
     StoreRemoveRequest,
     StoreStatsReply,
     StoreStatsRequest,
-    StoreTier,
     WriteTicket,
 )
 

@@ -10,7 +10,8 @@ comes, forgotten at the same age). Pure conversion and bookkeeping: the NATS
 side is `app.py`'s.
 """
 
-from libs.protocol.schema import ConductorAdmission, InstanceId
+from libs.protocol.ids import InstanceId
+from libs.protocol.schema import ConductorAdmission
 from services.conductor.scheduler import Booking, Scheduler
 
 
