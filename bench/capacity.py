@@ -8,7 +8,7 @@ configuration's peak-goodput and capacity probes. Formatting only; the searches 
 from collections.abc import Mapping, Sequence
 
 from kvserve.replay.capacity import Capacity
-from kvserve.replay.metrics import SLO
+from libs.protocol.slo import SLO
 from kvserve.replay.report import BANDS_LEGEND, capacity_bands, capacity_verdict, probes_table
 
 BASELINES = ("llama.cpp", "kvserve-nocache", "kvserve-baseline")
@@ -67,7 +67,7 @@ def document(
         f"{window}\n",
         f"Command: `{command}`\n",
         f"Effective request capacity: the highest offered load (req/s) at which at least {target:.0%} of the "
-        f"requests sent meet TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms (rejected ones do not), "
+        f"requests sent meet TTFT <= {slo.ttft_s * 1e3:g} ms and TPOT <= {slo.tbt_s * 1e3:g} ms (rejected ones do not), "
         "found by halving or doubling the trace's time scale until a probe passes and one fails, then "
         "bisecting between them in log space; probe i of every configuration uses prompt seed seed+i. "
         "The bracket width is how far above the capacity the next load tried failed. Where a configuration "

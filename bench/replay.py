@@ -61,11 +61,13 @@ from kvserve.cli.bench import input_cap, load_vocab  # noqa: E402
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
 from libs.protocol.errors import KVServeError  # noqa: E402
 from libs.protocol.models import DEFAULT_MODEL_ID  # noqa: E402
+from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S  # noqa: E402
 from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
 from kvserve.replay.history import load_history, shared_prefixes  # noqa: E402
-from kvserve.replay.metrics import SLO, Summary, goodput_at_attainment, summarize  # noqa: E402
+from libs.protocol.slo import SLO  # noqa: E402
+from kvserve.replay.metrics import Summary, goodput_at_attainment, summarize  # noqa: E402
 from kvserve.replay.prompts import PromptSynthesizer  # noqa: E402
 from kvserve.replay.records import Run  # noqa: E402
 from kvserve.replay.plots import capacity_curves  # noqa: E402
@@ -260,8 +262,8 @@ def parser() -> argparse.ArgumentParser:
                     help="cap prompts at T tokens by truncating (default 1024); 0 is no cap: prompt lengths follow "
                     "the trace scaled by block-tokens/512")
     ap.add_argument("--max-output", type=int, default=16)
-    ap.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    ap.add_argument("--slo-tbt-ms", type=float, default=150.0)
+    ap.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_TTFT_S * 1e3)
+    ap.add_argument("--slo-tbt-ms", type=float, default=DEFAULT_TBT_S * 1e3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-spread", dest="spread", action="store_false",
                     help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
@@ -313,7 +315,7 @@ def main() -> int:
     if error := baseline.usage_error(args):
         ap.error(error)
     if args.report_only:
-        return report_only(args.out, SLO(args.slo_ttft_ms, args.slo_tbt_ms))
+        return report_only(args.out, SLO.from_ms(args.slo_ttft_ms, args.slo_tbt_ms))
 
     if not args.trace.exists():
         raise SystemExit(f"no trace at {args.trace}")
@@ -330,7 +332,7 @@ def main() -> int:
             ap.error(str(e))
     settings = SweepSettings(
         vocab=load_vocab(None), time_scales=args.time_scales, block_tokens=args.block_tokens, seed=args.seed,
-        max_input=args.max_input, max_output=args.max_output, spread=args.spread, slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),
+        max_input=args.max_input, max_output=args.max_output, spread=args.spread, slo=SLO.from_ms(args.slo_ttft_ms, args.slo_tbt_ms),
         history=history,
     )  # fmt: skip
     started = datetime.datetime.now().astimezone()

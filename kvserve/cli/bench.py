@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from kvserve.cli.options import positive_int
 from libs.protocol.errors import KVServeError
 from libs.protocol.models import DEFAULT_MODEL_ID
+from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S
 
 if TYPE_CHECKING:  # the replay loads only when the command runs
     from kvserve.replay.client import Endpoint
@@ -137,10 +138,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "0, the default, is no cap: prompt lengths follow the trace scaled by block-tokens/512",
     )  # fmt: skip
     p.add_argument("--max-output", type=positive_int, default=None, metavar="T", help="cap max_tokens at T")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, metavar="MS", help="TTFT objective (default 2000)")
+    p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_TTFT_S * 1e3, metavar="MS",
+                   help="TTFT objective (default %(default)g)")
     p.add_argument(
-        "--slo-tbt-ms", type=float, default=150.0, metavar="MS",
-        help="time-between-tokens objective, checked on each request's TPOT as vLLM's goodput does (default 150)",
+        "--slo-tbt-ms", type=float, default=DEFAULT_TBT_S * 1e3, metavar="MS",
+        help="time-between-tokens objective, checked on each request's TPOT as vLLM's goodput does (default %(default)g)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt synthesis seed (default 0)")
     p.add_argument("--label", default=None, help="name of the runs in the reports (default: the base URL)")
@@ -153,7 +155,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvserve.replay.client import Endpoint
     from kvserve.replay.history import load_history
-    from kvserve.replay.metrics import SLO
+    from libs.protocol.slo import SLO
     from kvserve.replay.report import bands_table, run_name, runs_table
     from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs
     from kvserve.replay.trace import load_trace
@@ -180,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         max_input=args.max_input,
         max_output=args.max_output,
         spread=args.spread,
-        slo=SLO(args.slo_ttft_ms, args.slo_tbt_ms),
+        slo=SLO.from_ms(args.slo_ttft_ms, args.slo_tbt_ms),
         history=history,
     )
     endpoint = Endpoint(args.base_url, args.model, args.api_key, args.timeout)

@@ -16,6 +16,7 @@ import msgspec
 
 from kvserve.cli.options import positive_int
 from libs.protocol.schema import CostCoefficients
+from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S
 
 DESCRIPTION = """\
 Replay a Mooncake-format trace (one JSON request per line: timestamp in ms,
@@ -55,8 +56,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--start", type=int, default=0, metavar="I", help="skip the first I requests (default 0)")
     parser.add_argument("--out", type=Path, default=Path("simulate-out"), metavar="DIR",
                         help="where the plot and summary go (default ./simulate-out)")  # fmt: skip
-    parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="TTFT SLO (default 2000)")
-    parser.add_argument("--slo-tbt-ms", type=float, default=150.0, help="TBT SLO (default 150)")
+    parser.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_TTFT_S * 1e3, help="TTFT SLO (default %(default)g)")
+    parser.add_argument("--slo-tbt-ms", type=float, default=DEFAULT_TBT_S * 1e3, help="TBT SLO (default %(default)g)")
     parser.add_argument("--cost-model", default="reference", metavar="reference|calibrate|FILE",
                         help="reference (a GPU-class profile, the default), calibrate (time the default model "
                              "on this machine), or a JSON file of CostCoefficients")  # fmt: skip
@@ -68,7 +69,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.conductor.predict import SLO
+    from libs.protocol.slo import SLO
     from services.conductor.simulator.report import plot, summarize, table
     from services.conductor.simulator.simulation import SimConfig, simulate
     from services.conductor.simulator.trace import load_trace
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     for policy in [p.strip() for p in args.policy.split(",") if p.strip()]:
         try:
             config = SimConfig(
-                args.prefill, args.decode, policy, seed=args.seed, slo=SLO(args.slo_ttft_ms / 1e3, args.slo_tbt_ms / 1e3),
+                args.prefill, args.decode, policy, seed=args.seed, slo=SLO.from_ms(args.slo_ttft_ms, args.slo_tbt_ms),
                 coefficients=coefficients, prefill_cache_blocks=args.prefill_cache_blocks,
                 store_blocks=args.store_blocks, decode_kv_tokens=args.decode_kv_tokens, noise=args.noise,
             )  # fmt: skip

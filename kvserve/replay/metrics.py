@@ -32,6 +32,7 @@ import numpy as np
 from kvserve.replay.records import RequestRecord, Run
 from libs.common.prefill_order import BAND_NAMES
 from libs.common.prefill_order import band_of as band_index
+from libs.protocol.slo import SLO
 
 PERCENTILES = (50, 90, 99)
 UNATTAINABLE = "slo_unattainable"  # a 429 for a request that misses its SLO even on an idle server
@@ -45,20 +46,9 @@ def band_of(input_tokens: int) -> str:
     return BAND_NAMES[band_index(input_tokens)]
 
 
-@dataclass(frozen=True)
-class SLO:
-    ttft_ms: float = 2000.0
-    tpot_ms: float = 150.0
-
-    def is_good(self, record: RequestRecord) -> bool:
-        tpot = record.tpot_s
-        return (
-            record.status == "ok"
-            and record.ttft_s is not None
-            and tpot is not None
-            and record.ttft_s * 1000 <= self.ttft_ms
-            and tpot * 1000 <= self.tpot_ms
-        )
+def is_good(record: RequestRecord, slo: SLO) -> bool:
+    """Whether a request succeeded within both targets."""
+    return record.status == "ok" and slo.met(record.ttft_s, record.tpot_s)
 
 
 @dataclass(frozen=True)
@@ -125,14 +115,14 @@ class Summary:
     bands: tuple[BandSummary, ...] = ()  # one per BANDS entry, in its order
 
     def to_json(self) -> dict:
-        return asdict(self)
+        return asdict(self) | {"slo": {"ttft_ms": self.slo.ttft_s * 1e3, "tpot_ms": self.slo.tbt_s * 1e3}}
 
 
 def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
     """Reduce one run. ``block_tokens`` turns expected cached blocks into tokens."""
     records = run.records
     done = [r for r in records if r.status == "ok"]
-    good = sum(1 for r in records if slo.is_good(r))
+    good = sum(1 for r in records if is_good(r, slo))
     rejected = sum(1 for r in records if r.status == "rejected")
     idle = rejected_while_idle(records)
     duration = run.duration_s
@@ -190,7 +180,7 @@ def rejected_while_idle(records: Sequence[RequestRecord]) -> list[RequestRecord]
 
 def _band(name: str, records: Sequence[RequestRecord], slo: SLO, idle: list[RequestRecord] | None) -> BandSummary:
     members = [r for r in records if band_of(r.input_tokens) == name]
-    good = sum(1 for r in members if slo.is_good(r))
+    good = sum(1 for r in members if is_good(r, slo))
     rejected = sum(1 for r in members if r.status == "rejected")
     done = [r for r in members if r.status == "ok"]
     return BandSummary(

@@ -5,7 +5,8 @@ from ``metrics``."""
 from collections.abc import Sequence
 
 from kvserve.replay.capacity import Capacity
-from kvserve.replay.metrics import SLO, Distribution, Summary, goodput_at_attainment
+from libs.protocol.slo import SLO
+from kvserve.replay.metrics import Distribution, Summary, goodput_at_attainment
 
 
 def _num(value: float | None, digits: int = 0) -> str:
@@ -91,7 +92,7 @@ def markdown(summaries: Sequence[Summary], title: str = "Trace replay", target: 
     slo = summaries[0].slo
     parts = [
         f"# {title}\n",
-        f"SLOs: TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms (vLLM's `--goodput` definitions).\n",
+        f"SLOs: TTFT <= {slo.ttft_s * 1e3:g} ms and TPOT <= {slo.tbt_s * 1e3:g} ms (vLLM's `--goodput` definitions).\n",
         BANDS_LEGEND,
         runs_table(summaries),
     ]
@@ -151,7 +152,7 @@ def capacity_markdown(capacity: Capacity, slo: SLO, title: str = "Capacity searc
     parts = [
         f"# {title}\n",
         f"Effective request capacity: the highest offered load at which at least {capacity.target:.0%} of "
-        f"the requests sent meet TTFT <= {slo.ttft_ms:g} ms and TPOT <= {slo.tpot_ms:g} ms "
+        f"the requests sent meet TTFT <= {slo.ttft_s * 1e3:g} ms and TPOT <= {slo.tbt_s * 1e3:g} ms "
         "(rejected and failed requests do not).\n",
         f"**{capacity_verdict(capacity)}.**\n",
         probes_table(capacity),

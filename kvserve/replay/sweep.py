@@ -24,7 +24,8 @@ from pathlib import Path
 from kvserve.replay import history, plots, report
 from kvserve.replay.capacity import Capacity, Measure, Probe
 from kvserve.replay.client import Endpoint, plan, replay
-from kvserve.replay.metrics import SLO, Summary, summarize
+from libs.protocol.slo import SLO
+from kvserve.replay.metrics import Summary, summarize
 from kvserve.replay.prompts import PromptSynthesizer
 from kvserve.replay.records import Run
 from kvserve.replay.trace import TraceRequest, arrival_offsets_ms
@@ -101,7 +102,7 @@ def write_outputs(results: Sequence[tuple[Run, Summary]], out_dir: Path, title: 
     summaries = [summary for _, summary in results]
     written = [out_dir / "summary.md"]
     written[0].write_text(report.markdown(summaries, title))
-    written.append(plots.ttft_cdf(runs, out_dir / "ttft_cdf.png", summaries[0].slo.ttft_ms))
+    written.append(plots.ttft_cdf(runs, out_dir / "ttft_cdf.png", summaries[0].slo.ttft_s * 1e3))
     if len(results) > 1:
         written.append(plots.goodput_vs_load(summaries, out_dir / "goodput_vs_load.png"))
     return written

@@ -18,7 +18,8 @@ from libs.protocol.schema import CandidateView, ConductorViewReply, DecisionView
 from libs.protocol.vocabulary import Role
 from services.conductor.index import KVIndex
 from services.conductor.policies import Decision
-from services.conductor.predict import SLO, AdmitContext
+from libs.protocol.slo import SLO
+from services.conductor.predict import AdmitContext
 
 MAX_DECISIONS = 200
 MAX_PREFIXES = 4096  # reused prefixes counted; the least recently reused is forgotten first

@@ -19,16 +19,11 @@ from dataclasses import dataclass, replace
 from math import ceil
 
 from libs.protocol.schema import AdmitRequest
+from libs.protocol.slo import SLO
 from libs.protocol.vocabulary import KVTier
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.index import PrefixMatch
 from services.conductor.margin import Margins
-
-
-@dataclass(frozen=True)
-class SLO:
-    ttft_s: float
-    tbt_s: float
 
 
 @dataclass(frozen=True)

@@ -22,12 +22,13 @@ from services.conductor.index import KVIndex
 from services.conductor.margin import MarginConfig, Margins
 from services.conductor.overload import Overload, OverloadConfig
 from services.conductor.policies import Decision
-from services.conductor.predict import SLO, AdmitContext, PredictConfig, modelled_step
+from libs.protocol.slo import SLO
+from services.conductor.predict import AdmitContext, PredictConfig, modelled_step
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    slo: SLO = SLO(ttft_s=2.0, tbt_s=0.15)
+    slo: SLO = SLO()
     predict: PredictConfig = field(default_factory=PredictConfig)
     margin: MarginConfig = field(default_factory=MarginConfig)
     overload: OverloadConfig = field(default_factory=OverloadConfig)
@@ -144,7 +145,7 @@ class Scheduler:
         """The targets ``request`` is judged by: its own where it set them, else the default."""
         slo = self.config.slo
         if request.slo_ttft_s is not None or request.slo_tbt_s is not None:
-            slo = SLO(request.slo_ttft_s or slo.ttft_s, request.slo_tbt_s or slo.tbt_s)
+            slo = slo.overridden(request.slo_ttft_s, request.slo_tbt_s)
         return slo
 
     def context(self, request: AdmitRequest) -> AdmitContext:

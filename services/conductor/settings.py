@@ -11,7 +11,8 @@ from libs.common.settings import ServiceSettings, env_float, env_int, env_str, s
 from services.conductor.admission import build_policy
 from services.conductor.fair_share import FairShareConfig
 from services.conductor.overload import OverloadConfig
-from services.conductor.predict import SLO, PredictConfig
+from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S, SLO
+from services.conductor.predict import PredictConfig
 from services.conductor.scheduler import SchedulerConfig
 
 # Cache-aware routing that refuses (429 + Retry-After) what it predicts would miss its SLO,
@@ -26,8 +27,8 @@ DEFAULT_POLICY = "cache_aware+predictive_rejection"
 class ConductorSettings(ServiceSettings):
     instance_timeout: float = 3.0  # seconds without a heartbeat before an instance is presumed dead
     policy: str = DEFAULT_POLICY  # router[+option...]: see README, "The conductor"
-    slo_ttft_s: float = 2.0
-    slo_tbt_s: float = 0.15
+    slo_ttft_s: float = DEFAULT_TTFT_S
+    slo_tbt_s: float = DEFAULT_TBT_S
     block_size: int = 16  # tokens per hashed block, as the gateway hashes prompts
     balancing_threshold: float = 2.0
     expected_output_tokens: int = 512
@@ -62,8 +63,8 @@ class ConductorSettings(ServiceSettings):
             **service_env(role),
             instance_timeout=env_float("INSTANCE_TIMEOUT", 3.0),
             policy=env_str("POLICY", DEFAULT_POLICY),
-            slo_ttft_s=env_float("SLO_TTFT_MS", 2000.0) / 1e3,
-            slo_tbt_s=env_float("SLO_TBT_MS", 150.0) / 1e3,
+            slo_ttft_s=env_float("SLO_TTFT_MS", DEFAULT_TTFT_S * 1e3) / 1e3,
+            slo_tbt_s=env_float("SLO_TBT_MS", DEFAULT_TBT_S * 1e3) / 1e3,
             block_size=env_int("BLOCK_SIZE", 16),
             balancing_threshold=env_float("BALANCING_THRESHOLD", 2.0),
             expected_output_tokens=env_int("EXPECTED_OUTPUT_TOKENS", 512),

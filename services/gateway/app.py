@@ -15,10 +15,11 @@ from nats.aio.msg import Msg
 
 from libs.common.peers import PeerDirectory
 from libs.protocol.schema import GatewayBeat, Heartbeat
+from libs.protocol.slo import SLO
 from libs.common.service import Service
 from services.gateway.generation import Generations
 from services.gateway.listener import ConnectionGuard, serve
-from services.gateway.request_metrics import RequestMetrics, SLOTargets
+from services.gateway.request_metrics import RequestMetrics
 from services.gateway.routes import init_app
 from services.gateway.served_model import ServedModel
 from services.gateway.settings import GatewaySettings
@@ -34,7 +35,7 @@ class Gateway(Service):
         self.address: str | None = None  # base URL, e.g. http://127.0.0.1:8000, once listening
         self.peers = PeerDirectory()  # every live instance: for readiness, worker liveness and /metrics
         self._generations = None if model is None else Generations(self, settings, self.peers, model)
-        self.request_metrics = RequestMetrics(self.metrics, SLOTargets(settings.slo_ttft_s, settings.slo_tbt_s))
+        self.request_metrics = RequestMetrics(self.metrics, SLO(settings.slo_ttft_s, settings.slo_tbt_s))
 
     @property
     def generations(self) -> Generations:

@@ -7,27 +7,19 @@ request once it is over, and reads the times its run recorded. A request refused
 admission never gets here (the conductor counts those, kvserve_requests_rejected_total).
 """
 
-from dataclasses import dataclass
 from itertools import pairwise
 
 from libs.common.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, Metrics
 from libs.protocol.vocabulary import FinishReason
+from libs.protocol.slo import SLO
 from services.gateway.generation import Generation
 
 SLOS = ("ttft", "tpot", "all")  # the `slo` label: each target, and both at once (goodput)
 ERROR = "error"  # TextStream's finish reason for a request that failed
 
 
-@dataclass(frozen=True)
-class SLOTargets:
-    """The default targets, as the conductor's (KVSERVE_SLO_TTFT_MS, KVSERVE_SLO_TBT_MS)."""
-
-    ttft_s: float
-    tpot_s: float
-
-
 class RequestMetrics:
-    def __init__(self, metrics: Metrics, targets: SLOTargets) -> None:
+    def __init__(self, metrics: Metrics, targets: SLO) -> None:  # the defaults, as the conductor's
         m = metrics
         self.targets = targets
         self.ttft = m.histogram("kvserve_time_to_first_token_seconds",
@@ -85,12 +77,11 @@ class RequestMetrics:
         self._judge(generation, ttft, text.num_completion_tokens, times[-1] - times[0])
 
     def _judge(self, generation: Generation, ttft: float, num_tokens: int, decode_s: float) -> None:
-        slo = generation.slo
-        ttft_target = slo.ttft_s if slo is not None and slo.ttft_s is not None else self.targets.ttft_s
-        tpot_target = slo.tbt_s if slo is not None and slo.tbt_s is not None else self.targets.tpot_s
-        verdicts = {"ttft": ttft <= ttft_target}
+        asked = generation.slo  # the request's own targets, where it gave them
+        target = self.targets.overridden(asked.ttft_s, asked.tbt_s) if asked is not None else self.targets
+        verdicts = {"ttft": ttft <= target.ttft_s}
         if num_tokens >= 2:  # one token has no time per output token
-            verdicts["tpot"] = decode_s / (num_tokens - 1) <= tpot_target
+            verdicts["tpot"] = decode_s / (num_tokens - 1) <= target.tbt_s
         verdicts["all"] = all(verdicts.values())
         for name, met in verdicts.items():
             (self.slo_met if met else self.slo_missed).labels(name).inc()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from libs.common.settings import ServiceSettings, env_float, env_int, env_str, service_env
+from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,8 +27,8 @@ class GatewaySettings(ServiceSettings):
     body_timeout: float = 30.0  # seconds a request body may take to arrive once its head has
     keepalive_timeout: float = 5.0  # seconds an idle keep-alive connection stays open
     max_connections: int = 1024  # open client connections; beyond it new ones get 503 and are closed
-    slo_ttft_s: float = 2.0  # the default latency targets requests are judged by in the metrics,
-    slo_tbt_s: float = 0.15  # as the conductor's (KVSERVE_SLO_TTFT_MS, KVSERVE_SLO_TBT_MS)
+    slo_ttft_s: float = DEFAULT_TTFT_S  # the default latency targets requests are judged by in the metrics,
+    slo_tbt_s: float = DEFAULT_TBT_S  # as the conductor's (KVSERVE_SLO_TTFT_MS, KVSERVE_SLO_TBT_MS)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -68,6 +69,6 @@ class GatewaySettings(ServiceSettings):
             body_timeout=env_float("GATEWAY_BODY_TIMEOUT", 30.0),
             keepalive_timeout=env_float("GATEWAY_KEEPALIVE_TIMEOUT", 5.0),
             max_connections=env_int("GATEWAY_MAX_CONNECTIONS", 1024),
-            slo_ttft_s=env_float("SLO_TTFT_MS", 2000.0) / 1e3,
-            slo_tbt_s=env_float("SLO_TBT_MS", 150.0) / 1e3,
+            slo_ttft_s=env_float("SLO_TTFT_MS", DEFAULT_TTFT_S * 1e3) / 1e3,
+            slo_tbt_s=env_float("SLO_TBT_MS", DEFAULT_TBT_S * 1e3) / 1e3,
         )

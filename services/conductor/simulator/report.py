@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.conductor.predict import SLO
+from libs.protocol.slo import SLO
 from services.conductor.simulator.instances import SimRequest
 from services.conductor.simulator.simulation import SimResult
 

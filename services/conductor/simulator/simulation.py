@@ -23,7 +23,8 @@ from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
 from services.conductor.fair_share import FairShareConfig
 from services.conductor.overload import OverloadConfig
-from services.conductor.predict import SLO, PredictConfig
+from libs.protocol.slo import SLO
+from services.conductor.predict import PredictConfig
 from services.conductor.scheduler import Scheduler, SchedulerConfig
 from services.conductor.simulator.instances import SimDecode, SimPrefill, SimRequest, SimStore
 from services.conductor.simulator.trace import TRACE_BLOCK_SIZE, TraceRequest
@@ -35,7 +36,7 @@ class SimConfig:
     num_decode: int
     policy: str
     seed: int = 0
-    slo: SLO = SLO(ttft_s=2.0, tbt_s=0.15)
+    slo: SLO = SLO()
     coefficients: CostCoefficients = field(default_factory=reference_coefficients)
     prefill_cache_blocks: int = 2_000  # per prefill instance
     store_blocks: int = 50_000  # 0: no store

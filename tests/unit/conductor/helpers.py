@@ -5,7 +5,8 @@ from libs.protocol.schema import ROLE_BEATS, AdmitRequest, CostCoefficients, Hea
 from libs.protocol.vocabulary import Role
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
-from services.conductor.predict import SLO, PredictConfig
+from libs.protocol.slo import SLO
+from services.conductor.predict import PredictConfig
 from services.conductor.scheduler import SchedulerConfig
 
 

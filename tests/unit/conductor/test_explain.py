@@ -8,7 +8,7 @@ from libs.protocol import schema
 from libs.protocol.schema import ConductorViewReply
 from services.conductor.admission import build_policy
 from services.conductor.explain import WATCHED_S, DecisionLog
-from services.conductor.predict import SLO
+from libs.protocol.slo import SLO
 from services.conductor.scheduler import Scheduler
 from tests.unit.conductor.helpers import PROMPT, beat, cluster, config, request
 
@@ -20,7 +20,7 @@ def explained(policy: str, *beats, ttft_s: float = 2.0):
     s = Scheduler(build_policy(policy), view, index, config(ttft_s=ttft_s))
     log = DecisionLog(policy, clock=lambda: 1000.0)
     s.explain = log.record
-    log.view("conductor-0", index, SLO(2.0, 0.15), 0, 0)  # a console watches
+    log.view("conductor-0", index, SLO(), 0, 0)  # a console watches
     return s, index, log
 
 
@@ -31,7 +31,7 @@ def test_decisions_keep_their_candidates_only_while_a_console_watches():
     log = DecisionLog("cache_aware", clock=lambda: now[0])
     s.explain = log.record
     s.admit(request("unwatched"))
-    log.view("conductor-0", index, SLO(2.0, 0.15), 10, 10)
+    log.view("conductor-0", index, SLO(), 10, 10)
     s.admit(request("watched"))
     now[0] += WATCHED_S + 1  # no console asked since
     s.admit(request("forgotten"))
@@ -87,7 +87,7 @@ def test_the_view_counts_the_kv_map_and_ranks_reused_prefixes_with_their_holders
         s.admit(request(f"a{i}"))  # the 8-block prefix, held by s0 (on disk)
     s.admit(request("b", blocks=PROMPT[:3] + [b"x" * 16]))  # a 3-block one
     s.admit(request("c", blocks=[b"y" * 16] * 4))  # nothing held: not a reused prefix
-    view = log.view("conductor-0", index, SLO(2.0, 0.15), max_decisions=2, max_prefixes=5)
+    view = log.view("conductor-0", index, SLO(), max_decisions=2, max_prefixes=5)
     assert view.blocks == {"p0": {"device": 6}, "s0": {"dram": 3, "disk": 8}}
     assert [(p.block_hash, p.num_blocks, p.hits) for p in view.hot_prefixes] == [
         (PROMPT[7].hex(), 8, 3), (PROMPT[2].hex(), 3, 1)]  # fmt: skip

@@ -5,9 +5,10 @@ from types import SimpleNamespace
 
 from libs.common.metrics import Metrics
 from services.gateway.dispatch import SLOOverride
-from services.gateway.request_metrics import RequestMetrics, SLOTargets
+from libs.protocol.slo import SLO
+from services.gateway.request_metrics import RequestMetrics
 
-TARGETS = SLOTargets(ttft_s=1.0, tpot_s=0.1)
+TARGETS = SLO(ttft_s=1.0, tbt_s=0.1)
 
 
 def ended(finish_reason, deliveries=(), started=100.0, ended_at=None, taken=None, slo=None, tokens=None, migrations=0):

@@ -4,7 +4,8 @@ side has no capacity)."""
 
 from bench.capacity import comparison_table, document
 from kvserve.replay.capacity import Capacity, Probe
-from kvserve.replay.metrics import SLO, summarize
+from libs.protocol.slo import SLO
+from kvserve.replay.metrics import summarize
 from kvserve.replay.records import RequestRecord, Run
 
 
@@ -39,7 +40,7 @@ def test_a_lower_bound_is_marked_and_a_missing_baseline_leaves_its_column_out():
 
 
 def test_the_document_names_the_command_the_plot_and_each_configuration():
-    text = document(RESULTS, SLO(2000, 150), heading="H", command="python bench/replay.py --find-capacity",
+    text = document(RESULTS, SLO.from_ms(2000, 150), heading="H", command="python bench/replay.py --find-capacity",
                     window="W", plot_name="capacity.png")  # fmt: skip
     assert "Command: `python bench/replay.py --find-capacity`" in text and "`capacity.png`" in text
     assert "## llama.cpp\n\nno capacity: no load tried reached 90% SLO attainment" in text
@@ -49,9 +50,9 @@ def test_the_document_names_the_command_the_plot_and_each_configuration():
 def test_the_document_gives_each_configuration_the_bands_of_its_peak_and_capacity_probes():
     records = [RequestRecord(0, 0.0, 600, 2, status="ok", ttft_s=0.1, e2e_s=0.15, output_tokens=2, ended_s=0.15),
                RequestRecord(1, 1.0, 600, 2, status="rejected", start_s=1.0, ended_s=1.1)]  # fmt: skip
-    summary = summarize(Run("kvserve-default", "http://x", 1.0, 2.0, records), SLO(2000, 150))
+    summary = summarize(Run("kvserve-default", "http://x", 1.0, 2.0, records), SLO.from_ms(2000, 150))
     probe = Probe(1.0, 1.0, 0.5, 0.5, summary)
-    text = document({"kvserve-default": Capacity("kvserve-default", 0.5, (probe,))}, SLO(2000, 150), heading="H",
+    text = document({"kvserve-default": Capacity("kvserve-default", 0.5, (probe,))}, SLO.from_ms(2000, 150), heading="H",
                     command="c", window="W", plot_name="capacity.png")  # fmt: skip
     assert "\"429 while idle\": refusals that arrived while no other request of the run awaited its first token" in text
     assert (

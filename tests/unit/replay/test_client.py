@@ -6,7 +6,8 @@ import asyncio
 import pytest
 
 from kvserve.replay.client import Endpoint, PlannedRequest, replay
-from kvserve.replay.metrics import SLO, summarize
+from libs.protocol.slo import SLO
+from kvserve.replay.metrics import summarize
 from kvserve.replay.records import RequestRecord
 from tests.unit.replay import fake_openai
 from tests.unit.replay.fake_openai import FakeServer, Script
@@ -74,7 +75,7 @@ async def test_429_is_a_rejection_not_an_error():
     # each answer's end is recorded, on the run's clock, after its send (and a stream's after its first token)
     assert rejected.start_s <= rejected.ended_s and failed.start_s <= failed.ended_s
     assert ok.first_token_at_s <= ok.ended_s
-    summary = summarize(run, SLO(ttft_ms=60_000, tpot_ms=60_000))
+    summary = summarize(run, SLO.from_ms(60_000, 60_000))
     assert (summary.requests, summary.completed, summary.rejected, summary.errors, summary.good) == (3, 1, 1, 1, 1)
     assert summary.slo_attainment == pytest.approx(1 / 3)
 

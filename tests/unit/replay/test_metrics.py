@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from kvserve.replay.metrics import SLO, band_of, goodput_at_attainment, rejected_while_idle, summarize
+from libs.protocol.slo import SLO
+
+from kvserve.replay.metrics import band_of, goodput_at_attainment, rejected_while_idle, summarize
 from kvserve.replay.records import RequestRecord, Run
 
 
@@ -20,7 +22,7 @@ def run_of(records, duration=10.0, scale=1.0) -> Run:
     return Run("r", "http://x", scale, duration, records, {"block_tokens": 16})
 
 
-SLO_1S_100MS = SLO(ttft_ms=1000, tpot_ms=100)
+SLO_1S_100MS = SLO.from_ms(1000, 100)
 
 
 def test_goodput_and_attainment_follow_vllm_definitions():

@@ -2,11 +2,12 @@
 peak-goodput and capacity probes. Exact rows from hand-made records."""
 
 from kvserve.replay.capacity import Capacity, Probe
-from kvserve.replay.metrics import SLO, summarize
+from libs.protocol.slo import SLO
+from kvserve.replay.metrics import summarize
 from kvserve.replay.records import RequestRecord, Run
 from kvserve.replay.report import bands_table, capacity_bands, runs_table
 
-SLO_1S = SLO(ttft_ms=1000, tpot_ms=100)
+SLO_1S = SLO.from_ms(1000, 100)
 
 
 def good(index: int, tokens: int, ttft: float) -> RequestRecord:
