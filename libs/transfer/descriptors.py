@@ -7,28 +7,27 @@ the control plane): where to write and a one-time token; the sender writes
 """
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 from libs.protocol.vocabulary import ErrorCode
 
 
-class Cause(StrEnum):
-    """Why a transfer ended badly; the value is the label of the failure metric, and
-    the `ErrorCode` a service replies with when a transfer it needed failed."""
-
-    TIMEOUT = ErrorCode.TIMEOUT.value
-    PEER_GONE = ErrorCode.PEER_GONE.value
-    BAD_TOKEN = ErrorCode.BAD_TOKEN.value
-    BAD_RANGE = ErrorCode.BAD_RANGE.value
-    TRUNCATED = ErrorCode.TRUNCATED.value
-    CANCELLED = ErrorCode.CANCELLED.value
-    INTERNAL = ErrorCode.INTERNAL.value  # a bug in the engine, not the peer's doing
+# Why a transfer can end badly: the `ErrorCode` a service replies with when a transfer
+# it needed failed, and the labels of the failure metric.
+CAUSES = (
+    ErrorCode.TIMEOUT,
+    ErrorCode.PEER_GONE,
+    ErrorCode.BAD_TOKEN,
+    ErrorCode.BAD_RANGE,
+    ErrorCode.TRUNCATED,
+    ErrorCode.CANCELLED,
+    ErrorCode.INTERNAL,  # a bug in the engine, not the peer's doing
+)
 
 
 class TransferError(Exception):
     """A transfer that did not complete, and why."""
 
-    def __init__(self, cause: Cause, message: str) -> None:
+    def __init__(self, cause: ErrorCode, message: str) -> None:
         super().__init__(f"{cause}: {message}")
         self.cause = cause
 

@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
+from libs.protocol.vocabulary import ErrorCode
 from libs.common.metrics import Metrics
 from libs.protocol.schema import WriteTicket
-from libs.transfer.descriptors import Cause, Descriptor, Span, TransferError
+from libs.transfer.descriptors import Descriptor, Span, TransferError
 from libs.transfer.ranges import RangeSet
 from libs.transfer.registry import TRANSPORTS
 from libs.transfer.segment import SHM_DIR, SharedSegment
@@ -108,7 +109,7 @@ class TransferEngine:
             try:
                 segment = SharedSegment.attach(name)
             except (OSError, ValueError) as e:
-                raise TransferError(Cause.PEER_GONE, f"cannot open segment {name}: {e}") from e
+                raise TransferError(ErrorCode.PEER_GONE, f"cannot open segment {name}: {e}") from e
             with self._lock:
                 segment = self._segments.setdefault(name, segment)
         return segment
@@ -158,7 +159,7 @@ class TransferEngine:
         for transport in self.transports.values():
             if transport.can_reach(ticket):
                 return transport.name
-        raise TransferError(Cause.PEER_GONE, f"no transport reaches host {ticket.host_id!r}")
+        raise TransferError(ErrorCode.PEER_GONE, f"no transport reaches host {ticket.host_id!r}")
 
     def writer(self, ticket: WriteTicket, source: str, timeout: float | None = None) -> Writer:
         """Open a streaming writer from our segment ``source`` to the ticket's destination."""
@@ -174,10 +175,10 @@ class TransferEngine:
         try:
             taken = claim(ticket.segment, ticket_id(ticket.token))
         except OSError as e:
-            raise TransferError(Cause.PEER_GONE, f"cannot claim a ticket of {ticket.segment}: {e}") from e
+            raise TransferError(ErrorCode.PEER_GONE, f"cannot claim a ticket of {ticket.segment}: {e}") from e
         if not taken:
-            self.metrics.failures.labels(ShmTransport.name, Cause.BAD_TOKEN).inc()
-            raise TransferError(Cause.BAD_TOKEN, f"a ticket of {ticket.segment} was already used by another writer")
+            self.metrics.failures.labels(ShmTransport.name, ErrorCode.BAD_TOKEN).inc()
+            raise TransferError(ErrorCode.BAD_TOKEN, f"a ticket of {ticket.segment} was already used by another writer")
 
     async def finish(self, writer: Writer) -> None:
         """Wait until every byte ``writer`` was given is at its destination; count it."""
@@ -221,7 +222,7 @@ class TransferEngine:
             for name, offset in ((d.src_segment, d.src_offset), (d.dst_segment, d.dst_offset)):
                 segment = self.segment(name)
                 if offset < 0 or d.length < 0 or offset + d.length > segment.nbytes:
-                    raise TransferError(Cause.BAD_RANGE, f"[{offset}, {offset + d.length}) is outside {name}")
+                    raise TransferError(ErrorCode.BAD_RANGE, f"[{offset}, {offset + d.length}) is outside {name}")
             by_pair.setdefault((d.src_segment, d.dst_segment), []).append(Span(d.src_offset, d.dst_offset, d.length))
         start = time.perf_counter()
         for (src, dst), spans in by_pair.items():

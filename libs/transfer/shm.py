@@ -8,8 +8,9 @@ from concurrent.futures import Executor
 
 import torch
 
+from libs.protocol.vocabulary import ErrorCode
 from libs.protocol.schema import WriteTicket
-from libs.transfer.descriptors import Cause, Span, TransferError
+from libs.transfer.descriptors import Span, TransferError
 from libs.transfer.segment import SHM_DIR, SharedSegment
 from libs.transfer.transport import Transport
 from libs.transfer.writers import SerialWriter, Writer
@@ -46,7 +47,7 @@ class ShmWriter(SerialWriter):
     def _copy(self, spans: list[Span]) -> None:
         destination = self.destination.tensor
         if destination is None:  # unmapped: its owner is gone (TransferEngine.forget_gone)
-            raise TransferError(Cause.PEER_GONE, f"segment {self.destination.name} is gone")
+            raise TransferError(ErrorCode.PEER_GONE, f"segment {self.destination.name} is gone")
         copy_spans(self.source.tensor, destination, spans)
 
     def submit(self, spans: list[Span]) -> None:

@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from libs.transfer.descriptors import Cause
+
+from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.ranges import RangeSet, WrittenRanges
 from libs.transfer.segment import SHM_DIR
 
@@ -99,7 +100,7 @@ class OpenTicket:
     tcp: bool = True  # a TCP greeting may use it (it was issued with the listener's address)
     bytes_received: int = 0
     arrivals: list[tuple[int, int]] = field(default_factory=list)  # (offset, length) per frame, in order
-    failed: Cause | None = None  # once a connection broke mid-transfer
+    failed: ErrorCode | None = None  # once a connection broke mid-transfer
     id: bytes = b""
     claimed: bool = False  # a TCP greeting has taken it
     nonces: set[int] = field(default_factory=set)

@@ -5,7 +5,7 @@ per engine, declared on the process's `Metrics` (a private one when none is give
 from collections.abc import Sequence
 
 from libs.common.metrics import FAST_BUCKETS, Metrics
-from libs.transfer.descriptors import Cause
+from libs.transfer.descriptors import CAUSES
 from libs.transfer.tickets import Refusal
 
 
@@ -19,7 +19,7 @@ class TransferMetrics:
         self.seconds = m.histogram("kvserve_transfer_duration_seconds", "How long a successful transfer took",
                                    FAST_BUCKETS, ["transport"], transports)  # fmt: skip
         self.failures = m.counter("kvserve_transfer_failures_total", "Transfers that failed, by transport and cause",
-                                  ["transport", "cause"], [(t, c) for t in transports for c in Cause])  # fmt: skip
+                                  ["transport", "cause"], [(t, c) for t in transports for c in CAUSES])  # fmt: skip
         self.received = m.counter("kvserve_transfer_received_bytes_total", "KV bytes received by the TCP listener")
         self.refused = m.counter("kvserve_transfer_refused_total",
                                  "TCP transfer connections, greetings and frames refused, by reason",

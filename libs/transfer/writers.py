@@ -17,7 +17,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor
 
-from libs.transfer.descriptors import Cause, Span, TransferError
+from libs.protocol.vocabulary import ErrorCode
+from libs.transfer.descriptors import Span, TransferError
 from libs.transfer.segment import SharedSegment
 
 # Threads are made on demand and reused when idle; the cap only bounds a pathological
@@ -45,7 +46,7 @@ class Lane:
         try:
             self.writer.pool.submit(self._drain)
         except RuntimeError:  # the engine closed its pool: nothing of this transfer runs again
-            self.writer._fail(TransferError(Cause.CANCELLED, "the transfer engine is closed"))
+            self.writer._fail(TransferError(ErrorCode.CANCELLED, "the transfer engine is closed"))
             with self.writer._lock:
                 self.pending.clear()
                 self.running = False
@@ -64,7 +65,7 @@ class Lane:
             except TransferError as e:
                 self.writer._fail(e)
             except Exception as e:  # a bug must not leave finish() waiting
-                self.writer._fail(TransferError(Cause.INTERNAL, f"{type(e).__name__}: {e}"))
+                self.writer._fail(TransferError(ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"))
 
 
 class Writer:
@@ -97,7 +98,7 @@ class Writer:
 
     def abort(self) -> None:
         """Stop as soon as possible; finish() then raises."""
-        self._fail(TransferError(Cause.CANCELLED, "transfer aborted"))
+        self._fail(TransferError(ErrorCode.CANCELLED, "transfer aborted"))
 
     def _fail(self, error: TransferError) -> None:
         if self.error is None:
@@ -120,12 +121,12 @@ class Writer:
 
     def _check_deadline(self) -> None:
         if time.monotonic() > self.deadline:
-            raise TransferError(Cause.TIMEOUT, f"not finished within {self.timeout:g}s")
+            raise TransferError(ErrorCode.TIMEOUT, f"not finished within {self.timeout:g}s")
 
     def finish_sync(self) -> None:
         self._end()
         if not self._idle.wait(max(0.0, self.deadline - time.monotonic())):
-            self._fail(TransferError(Cause.TIMEOUT, f"not finished within {self.timeout:g}s"))
+            self._fail(TransferError(ErrorCode.TIMEOUT, f"not finished within {self.timeout:g}s"))
             self.abort()
         if self.error is not None:
             raise self.error
@@ -142,7 +143,7 @@ class Writer:
         try:
             await asyncio.wait_for(future, max(0.0, self.deadline - time.monotonic()))
         except TimeoutError:
-            self._fail(TransferError(Cause.TIMEOUT, f"not finished within {self.timeout:g}s"))
+            self._fail(TransferError(ErrorCode.TIMEOUT, f"not finished within {self.timeout:g}s"))
             self.abort()
         if self.error is not None:
             raise self.error

@@ -17,7 +17,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from libs.transfer.descriptors import Cause, Span, TransferError
+from libs.protocol.vocabulary import ErrorCode
+from libs.transfer.descriptors import Span, TransferError
 from libs.transfer.tcp.wire import END_OFFSET, FRAME, STATUS_CAUSE, Status, greeting, new_nonces
 
 REUSE_SECONDS = 30.0  # the sender reuses an idle connection only this long
@@ -73,7 +74,6 @@ class IdleConnections:
                 sock.close()
 
 
-
 class TcpConnection:
     """One sending connection of a transfer: an idle one from ``pool`` to the same receiver
     when there is one, else a new one. ``nonces``: where each greeting takes its nonce (one
@@ -95,7 +95,7 @@ class TcpConnection:
                 return
             except TransferError as e:
                 self.close()
-                if e.cause != Cause.PEER_GONE:
+                if e.cause != ErrorCode.PEER_GONE:
                     raise
                 # the receiver closed it just now: a new connection, with a nonce the
                 # receiver has not seen (it may have taken the last greeting before closing)
@@ -107,9 +107,9 @@ class TcpConnection:
         try:
             sock = socket.create_connection((host, int(port)), timeout=self._remaining())
         except TimeoutError:
-            raise TransferError(Cause.TIMEOUT, f"connecting to {address} timed out") from None
+            raise TransferError(ErrorCode.TIMEOUT, f"connecting to {address} timed out") from None
         except OSError as e:
-            raise TransferError(Cause.PEER_GONE, f"cannot connect to {address}: {e}") from None
+            raise TransferError(ErrorCode.PEER_GONE, f"cannot connect to {address}: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
@@ -121,7 +121,7 @@ class TcpConnection:
     def _remaining(self) -> float:
         remaining = self.deadline - time.monotonic()
         if remaining <= 0:
-            raise TransferError(Cause.TIMEOUT, "transfer deadline passed")
+            raise TransferError(ErrorCode.TIMEOUT, "transfer deadline passed")
         return remaining
 
     def send(self, source: memoryview, spans: list[Span]) -> None:
@@ -152,26 +152,26 @@ class TcpConnection:
         try:
             action()
         except TimeoutError:
-            raise TransferError(Cause.TIMEOUT, "the receiver stopped taking bytes") from None
+            raise TransferError(ErrorCode.TIMEOUT, "the receiver stopped taking bytes") from None
         except OSError as e:
             # the receiver may have said why before closing: prefer its reason
-            raise TransferError(self._status_after_error() or Cause.PEER_GONE, f"connection lost: {e}") from None
+            raise TransferError(self._status_after_error() or ErrorCode.PEER_GONE, f"connection lost: {e}") from None
 
     def _expect_ok(self, what: str) -> None:
         self.sock.settimeout(self._remaining())
         try:
             status = self.sock.recv(1)
         except TimeoutError:
-            raise TransferError(Cause.TIMEOUT, f"no answer to the {what}") from None
+            raise TransferError(ErrorCode.TIMEOUT, f"no answer to the {what}") from None
         except OSError as e:
-            raise TransferError(Cause.PEER_GONE, f"connection lost waiting for the {what}: {e}") from None
+            raise TransferError(ErrorCode.PEER_GONE, f"connection lost waiting for the {what}: {e}") from None
         if not status:
-            raise TransferError(Cause.PEER_GONE, f"the receiver closed the connection at the {what}")
+            raise TransferError(ErrorCode.PEER_GONE, f"the receiver closed the connection at the {what}")
         if status[0] != Status.OK:
             why = _STATUS_TEXT.get(status[0], f"refused the {what}")
-            raise TransferError(STATUS_CAUSE.get(status[0], Cause.PEER_GONE), f"the receiver {why}")
+            raise TransferError(STATUS_CAUSE.get(status[0], ErrorCode.PEER_GONE), f"the receiver {why}")
 
-    def _status_after_error(self) -> Cause | None:
+    def _status_after_error(self) -> ErrorCode | None:
         try:
             self.sock.settimeout(0.2)
             status = self.sock.recv(1)

@@ -19,8 +19,8 @@ import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from libs.protocol.vocabulary import ErrorCode
 from libs.common import failpoints
-from libs.transfer.descriptors import Cause
 from libs.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status
 from libs.transfer.tickets import OpenTicket, Refusal, TicketBook
 from libs.transfer.transfer_metrics import TransferMetrics
@@ -225,14 +225,14 @@ class TcpListener:
                 ticket.arrived(offset, length)
                 self.metrics.received.inc(length)
         except EOFError as e:
-            ticket.failed = Cause.TRUNCATED
+            ticket.failed = ErrorCode.TRUNCATED
             log.warning("TCP transfer from %s truncated: %s", peer[0], e)
             return Status.SHORT
         except TimeoutError:
-            ticket.failed = Cause.TIMEOUT
+            ticket.failed = ErrorCode.TIMEOUT
             return Status.FAILED
         except OSError as e:
-            ticket.failed = Cause.PEER_GONE
+            ticket.failed = ErrorCode.PEER_GONE
             log.warning("TCP transfer from %s broke: %s", peer[0], e)
             return Status.FAILED
 

@@ -22,7 +22,8 @@ import struct
 from collections.abc import Iterator
 from enum import IntEnum
 
-from libs.transfer.descriptors import Cause
+
+from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.tickets import PROOF_LEN, TICKET_ID_LEN, greeting_proof, ticket_id
 
 MAGIC = b"KVT2"
@@ -44,11 +45,11 @@ class Status(IntEnum):
 
 # What a sender's TransferError says for each refusal.
 STATUS_CAUSE = {
-    Status.REFUSED: Cause.BAD_TOKEN,
-    Status.BAD_FRAME: Cause.BAD_RANGE,
-    Status.SHORT: Cause.TRUNCATED,
-    Status.FAILED: Cause.PEER_GONE,
-    Status.BUSY: Cause.PEER_GONE,
+    Status.REFUSED: ErrorCode.BAD_TOKEN,
+    Status.BAD_FRAME: ErrorCode.BAD_RANGE,
+    Status.SHORT: ErrorCode.TRUNCATED,
+    Status.FAILED: ErrorCode.PEER_GONE,
+    Status.BUSY: ErrorCode.PEER_GONE,
 }
 
 

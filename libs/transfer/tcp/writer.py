@@ -5,8 +5,9 @@ slices need them.
 
 from concurrent.futures import Executor
 
+from libs.protocol.vocabulary import ErrorCode
 from libs.protocol.schema import WriteTicket
-from libs.transfer.descriptors import Cause, Span, TransferError, split_spans
+from libs.transfer.descriptors import Span, TransferError, split_spans
 from libs.transfer.segment import SharedSegment
 from libs.transfer.tcp.connection import IdleConnections, TcpConnection
 from libs.transfer.tcp.wire import new_nonces
@@ -24,7 +25,7 @@ class TcpWriter(Writer):
     ) -> None:  # fmt: skip
         super().__init__(source, timeout, pool)
         if not ticket.address:
-            raise TransferError(Cause.PEER_GONE, (
+            raise TransferError(ErrorCode.PEER_GONE, (
                 f"the receiver on host {ticket.host_id!r} gave no TCP address: it has no listener, or issued the "
                 f"ticket for a shared-memory writer on its host (processes that share a KVSERVE_HOST_ID must share "
                 f"/dev/shm)"))  # fmt: skip

@@ -5,13 +5,14 @@ the engine's own APIs (tickets, writers, metrics)."""
 import pytest
 import torch
 
+from libs.protocol.vocabulary import ErrorCode
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
 from libs.engine.model.sampling import sample
 from libs.engine.model.sequence import Sequence
 from libs.protocol.schema import WriteTicket
-from libs.transfer import Cause, Span, TransferEngine, TransferError, Transport
+from libs.transfer import Span, TransferEngine, TransferError, Transport
 from libs.transfer.registry import TRANSPORTS
 from libs.transfer.segment import SharedSegment
 from libs.transfer.writers import SerialWriter, Writer
@@ -121,4 +122,4 @@ async def test_a_writer_of_a_closed_engine_fails_instead_of_waiting(segments):
     writer.submit([Span(0, 0, KiB)])
     with pytest.raises(TransferError) as caught:
         await sender.finish(writer)
-    assert caught.value.cause == Cause.CANCELLED
+    assert caught.value.cause == ErrorCode.CANCELLED
