@@ -5,12 +5,15 @@ OpenAI ``user`` field); the table remembers the most recent sessions only.
 """
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from services.conductor.policies import Route
 from services.conductor.predict import AdmitContext
 
 MAX_SESSIONS = 100_000
+E = TypeVar("E")  # a role's estimate for one instance
 
 
 @dataclass(frozen=True)
@@ -47,35 +50,41 @@ class SessionTable:
 def stay_or_move(ctx: AdmitContext, route: Route, home: Home) -> tuple[Route, str]:
     """The route for a session's new turn, and why: the home instances where they are
     alive and predicted no slower than the router's choice, else the choice."""
-    prefill, decode, said = route.prefill, route.decode, []
-    here = next((p for p in ctx.prefills if p.instance_id == home.prefill_id), None)
     if home.prefill_id == home.decode_id:
-        said.append(f"last turn prefilled on its decode worker {home.decode_id}")
-    elif here is None:
-        said.append(f"prefill moved from {home.prefill_id} (gone) to {prefill.instance_id}")
-    elif here.instance_id == prefill.instance_id:
-        said.append(f"prefill kept on {here.instance_id}")
+        prefill, why_prefill = route.prefill, f"last turn prefilled on its decode worker {home.decode_id}"
     else:
-        stay = ctx.prefill_estimate(here)
-        if stay.ttft_s <= prefill.ttft_s:
-            said.append(f"prefill kept on {here.instance_id} (predicted TTFT {stay.ttft_s:.3f} s, "
-                        f"{prefill.ttft_s:.3f} s on {prefill.instance_id})")  # fmt: skip
-            prefill = stay
-        else:
-            said.append(f"prefill moved from {here.instance_id} to {prefill.instance_id}: predicted TTFT "
-                        f"{prefill.ttft_s:.3f} s there, {stay.ttft_s:.3f} s on {here.instance_id}")  # fmt: skip
-    there = next((d for d in ctx.decodes if d.instance_id == home.decode_id), None)
-    if there is None:
-        said.append(f"decode moved from {home.decode_id} (gone) to {decode.instance_id}")
-    elif there.instance_id == decode.instance_id:
-        said.append(f"decode kept on {there.instance_id}")
-    else:
-        stay = ctx.decode_all(there)
-        if stay.tbt_s <= decode.tbt_s:
-            said.append(f"decode kept on {there.instance_id} (predicted TBT {stay.tbt_s * 1e3:.1f} ms, "
-                        f"{decode.tbt_s * 1e3:.1f} ms on {decode.instance_id})")  # fmt: skip
-            decode = stay
-        else:
-            said.append(f"decode moved from {there.instance_id} to {decode.instance_id}: predicted TBT "
-                        f"{decode.tbt_s * 1e3:.1f} ms there, {stay.tbt_s * 1e3:.1f} ms on {there.instance_id}")
-    return Route(prefill, decode), "; ".join(said)
+        prefill, why_prefill = _stay_or_move("prefill", home.prefill_id, route.prefill, ctx.prefills,
+                                             ctx.prefill_estimate, _TTFT)  # fmt: skip
+    decode, why_decode = _stay_or_move("decode", home.decode_id, route.decode, ctx.decodes, ctx.decode_all, _TBT)
+    return Route(prefill, decode), f"{why_prefill}; {why_decode}"
+
+
+@dataclass(frozen=True)
+class _Latency:
+    """The prediction a role's choice is judged by, and how it is written."""
+
+    name: str
+    of: Callable[[Any], float]
+    show: Callable[[float], str]
+
+
+_TTFT = _Latency("TTFT", lambda estimate: estimate.ttft_s, lambda s: f"{s:.3f} s")
+_TBT = _Latency("TBT", lambda estimate: estimate.tbt_s, lambda s: f"{s * 1e3:.1f} ms")
+
+
+def _stay_or_move(role: str, home_id: str, choice: E, candidates: Iterable[Any], estimate: Callable[[Any], E],
+                  latency: _Latency) -> tuple[E, str]:  # fmt: skip
+    """One role's instance for the turn: its home where alive and predicted no slower
+    than the router's ``choice``, else the choice; and why."""
+    here = next((c for c in candidates if c.instance_id == home_id), None)
+    if here is None:
+        return choice, f"{role} moved from {home_id} (gone) to {choice.instance_id}"
+    if here.instance_id == choice.instance_id:
+        return choice, f"{role} kept on {here.instance_id}"
+    stay = estimate(here)
+    ours, theirs = latency.show(latency.of(stay)), latency.show(latency.of(choice))
+    if latency.of(stay) <= latency.of(choice):
+        return stay, (f"{role} kept on {here.instance_id} (predicted {latency.name} {ours}, "
+                      f"{theirs} on {choice.instance_id})")  # fmt: skip
+    return choice, (f"{role} moved from {here.instance_id} to {choice.instance_id}: predicted {latency.name} "
+                    f"{theirs} there, {ours} on {here.instance_id}")  # fmt: skip
