@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserve.cli.options import positive_int
+from kvserve.cli.options import count, fraction, positive_float, positive_int
 from libs.protocol.errors import KVServeError
 from libs.protocol.models import DEFAULT_MODEL_ID
 from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S
@@ -103,7 +103,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="search the time scale for the highest load meeting --target-attainment (see above)",
     )  # fmt: skip
     p.add_argument(
-        "--target-attainment", type=_fraction, default=None, metavar="F",
+        "--target-attainment", type=fraction, default=None, metavar="F",
         help="with --find-capacity: the share of requests sent that must meet both SLOs (default 0.9)",
     )  # fmt: skip
     p.add_argument(
@@ -111,11 +111,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="with --find-capacity: runs the search may make (default 6)",
     )  # fmt: skip
     p.add_argument(
-        "--start-scale", type=_positive_float, default=None, metavar="X",
+        "--start-scale", type=positive_float, default=None, metavar="X",
         help="with --find-capacity: the first probe's time scale (default 1)",
     )  # fmt: skip
     p.add_argument(
-        "--max-scale", type=_positive_float, default=None, metavar="X",
+        "--max-scale", type=positive_float, default=None, metavar="X",
         help="with --find-capacity: the lightest load probed, as a time scale (default 8 x --start-scale); "
         "a lighter probe takes longer, and a server failing there has no capacity",
     )  # fmt: skip
@@ -124,7 +124,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="spread requests that share a timestamp evenly up to the next timestamp (the released traces "
         "stamp ~10 requests per 3-second bucket; without this they arrive as one burst)",
     )  # fmt: skip
-    p.add_argument("--start", type=_non_negative_int, default=0, metavar="I", help="first trace request (default 0)")
+    p.add_argument("--start", type=count, default=0, metavar="I", help="first trace request (default 0)")
     p.add_argument("--max-requests", type=positive_int, default=None, metavar="N", help="replay N requests (default all)")
     p.add_argument(
         "--warm-history", action="store_true",
@@ -245,39 +245,11 @@ def load_vocab(spec: str | None) -> list[int]:
 
 def input_cap(text: str) -> int | None:
     """``--max-input``: a cap in tokens, or None (no cap) for 0."""
-    return _non_negative_int(text) or None
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
+    return count(text) or None
 
 
 def _non_negative(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must not be negative, got {text}")
-    return value
-
-
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-
-
-def _positive_float(text: str) -> float:
-    value = _number(text)
-    if not (value > 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _number(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be a share of requests in (0, 1], e.g. 0.9; got {text}")
     return value

@@ -13,7 +13,7 @@ import urllib.request
 from datetime import datetime
 from typing import Any
 
-from kvserve.cli.options import read_api_key_file
+from kvserve.cli.options import positive_float, read_api_key_file
 from libs.protocol.errors import KVServeError
 from libs.protocol.vocabulary import Role
 
@@ -57,7 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="read the API key from the first line of this file",
     )  # fmt: skip
     parser.add_argument("--watch", action="store_true", help="redraw every --interval seconds until Ctrl-C")
-    parser.add_argument("--interval", type=_positive_seconds, default=2.0, metavar="SECONDS",
+    parser.add_argument("--interval", type=positive_float, default=2.0, metavar="SECONDS",
                         help="seconds between two redraws with --watch (default 2)")  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the state as JSON, as the gateway sent it")
     parser.set_defaults(run=run)
@@ -180,11 +180,3 @@ def _ms(seconds: float | None) -> str:
 
 def _pct(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio * 100:.1f}%"
-
-
-# --- argument types -----------------------------------------------------------------------------
-def _positive_seconds(text: str) -> float:
-    value = float(text)
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
-    return value

@@ -14,7 +14,7 @@ import sys
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.cpus import cpus_argument
 from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
-from kvserve.cli.options import add_model_options, positive_int, read_api_key_file
+from kvserve.cli.options import add_model_options, count, positive_int, read_api_key_file
 from libs.common import tenants as tenants_file
 from libs.common.cpu_share import available_cpus
 from libs.common.tenants import TenantsFileError
@@ -67,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--prefill", type=_count, default=1, metavar="N",
+        "--prefill", type=count, default=1, metavar="N",
         help="prefill workers (default 1). 0: none; each decode worker prefills its own requests, the decode "
         "workers divide every core and the conductor's policy gets +local_prefill",
     )  # fmt: skip
@@ -218,13 +218,6 @@ def banner(cluster: LocalCluster) -> str:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the cluster exactly as Ctrl-C does
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
 
 
 def _port(text: str) -> int:
