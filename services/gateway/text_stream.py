@@ -1,8 +1,9 @@
 """Turns one request's in-order tokens into text deltas and a finish reason.
 
-Stop strings are found here, with libs.common's StopChecker: workers stop only
-on end-of-sequence, stop token ids, max_tokens and the context window. When the
-text stops before the workers do, the delta says so and the caller cancels them.
+Stop strings are found here, with the engine's StopChecker, which applies the workers'
+token rules first (`stopping.token_finish`: end-of-sequence, stop token ids, max_tokens,
+the context window). When the text stops before the workers do, the delta says so and
+the caller cancels them.
 Knows nothing of NATS or HTTP.
 """
 
@@ -10,7 +11,6 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from libs.protocol.vocabulary import FinishReason
 from libs.engine.model.stopping import StopChecker
 from libs.engine.model.tokenizer import Tokenizer
 from libs.protocol.sampling_params import SamplingParams
@@ -43,7 +43,6 @@ class TextStream:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self._stops = list(sampling.stop)
-        self._stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(tokenizer.eos_token_ids))
         self._checker = StopChecker(tokenizer, sampling, max_model_len, num_prompt_tokens)
         self._cut_by_stop_string = False
         self._final_text: str | None = None  # once finished
@@ -66,10 +65,9 @@ class TextStream:
             self.num_cached_tokens = chunk.num_cached_tokens
         pieces = []
         for token_id in chunk.token_ids:
-            is_stop_token = token_id in self._stop_ids
             pieces.append(self._checker.add(token_id))
             if self._checker.finish_reason is not None:
-                self._cut_by_stop_string = self._checker.finish_reason == FinishReason.STOP and not is_stop_token
+                self._cut_by_stop_string = self._checker.cut_by_stop_string
                 break
         used = len(pieces)
         tokens = {"token_ids": chunk.token_ids[:used],

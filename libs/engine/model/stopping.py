@@ -23,11 +23,19 @@ def check_finish(seq: Sequence, eos_token_ids: Collection[int], max_model_len: i
     Workers use this; stop strings need the text and are the gateway's job
     (`StopChecker` below, which applies the same token rules first).
     """
-    params = seq.params
-    last = seq.token_ids[-1]
-    if last in params.stop_token_ids or (not params.ignore_eos and last in eos_token_ids):
+    return token_finish(seq.token_ids[-1], seq.num_output_tokens, seq.num_tokens, seq.params, eos_token_ids,
+                        max_model_len)  # fmt: skip
+
+
+def token_finish(token_id: int, num_output_tokens: int, num_tokens: int, params: SamplingParams,
+                 eos_token_ids: Collection[int], max_model_len: int) -> FinishReason | None:  # fmt: skip
+    """The token rules, for a sequence whose last token is ``token_id``: its
+    ``num_output_tokens``-th generated, its ``num_tokens``-th in all (prompt included).
+    STOP: a stop token, or an end-of-sequence token unless ignore_eos; LENGTH:
+    max_tokens reached or the context window full."""
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return FinishReason.STOP
-    if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= max_model_len:
+    if num_output_tokens >= params.max_tokens or num_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None
 
@@ -39,11 +47,10 @@ class StopChecker:
         self._stream = tokenizer.decode_stream()
         self._text_ids: list[int] = []  # the tokens that make text (stop tokens do not)
         self._cut = False  # a stop string cut the text
-        self._stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            self._stop_ids.update(tokenizer.eos_token_ids)
+        self._eos_token_ids = tokenizer.eos_token_ids
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self._room = max_model_len - num_prompt_tokens  # tokens the context window leaves
+        self._max_model_len = max_model_len
+        self._num_prompt_tokens = num_prompt_tokens
         self.text = ""
         self.num_tokens = 0
         self._emitted = 0
@@ -53,15 +60,17 @@ class StopChecker:
         """Account for one generated token; return the text that is now safe to show."""
         assert self.finish_reason is None, "token added after the sequence finished"
         self.num_tokens += 1
-        if token_id in self._stop_ids:
+        by_token = token_finish(token_id, self.num_tokens, self._num_prompt_tokens + self.num_tokens, self.params,
+                                self._eos_token_ids, self._max_model_len)  # fmt: skip
+        if by_token == FinishReason.STOP:  # a stop token: it makes no text
             self.finish_reason = FinishReason.STOP
         else:
             self._text_ids.append(token_id)
             before = len(self.text)
             self.text += self._stream.step(token_id)
-            self._check_stop_strings(before)
-        if self.finish_reason is None and (self.num_tokens >= self.params.max_tokens or self.num_tokens >= self._room):
-            self.finish_reason = FinishReason.LENGTH
+            self._check_stop_strings(before)  # a stop string ends it first
+        if self.finish_reason is None:
+            self.finish_reason = by_token
         if self.finish_reason is not None and not self._cut:  # the start of a character no token completes
             before = len(self.text)
             self.text += self.undecoded_tail()
@@ -69,6 +78,11 @@ class StopChecker:
         end = len(self.text) if self.finish_reason else max(self._emitted, len(self.text) - self._holdback)
         delta, self._emitted = self.text[self._emitted : end], end
         return delta
+
+    @property
+    def cut_by_stop_string(self) -> bool:
+        """A stop string ended the text (which is cut before it)."""
+        return self._cut
 
     def undecoded_tail(self) -> str:
         """The text of the tokens the incremental decoder still holds (the start of a
