@@ -6,10 +6,12 @@ import tempfile
 import time
 from collections.abc import Callable
 
+import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.cli.cluster import LocalCluster
+from libs.protocol import schema, subjects
 
 # float32 so outputs compare exactly with the one-process reference; small pools keep start-up quick
 CLUSTER_ENV = {
@@ -65,6 +67,19 @@ def metric_value(exposition: str, sample: str, **labels: str) -> float:
     include ``labels`` (0 when there is none)."""
     return sum(s.value for family in text_string_to_metric_families(exposition) for s in family.samples
                if s.name == sample and labels.items() <= s.labels.items())  # fmt: skip
+
+
+def metrics_of(cluster: LocalCluster, instance_id: str) -> str:
+    """One instance's Prometheus exposition, asked for over NATS."""
+    async def ask() -> str:
+        nc = await nats.connect(cluster.nats_url)
+        try:
+            reply = await nc.request(subjects.metrics(instance_id), schema.encode(schema.MetricsRequest()), timeout=5)
+            return schema.decode(reply.data, schema.MetricsReply).text
+        finally:
+            await nc.close()
+
+    return asyncio.run(ask())
 
 
 async def wait_until_async(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:

@@ -1,27 +1,14 @@
 """A cluster on one host moves KV through shared memory only: after a request's
 hand-off and its write-back to the store, no worker and no store listens on a port."""
 
-import asyncio
-
-import nats
-
-from libs.protocol import schema, subjects
-from tests.integration.conftest import metric_value, wait_until
+from tests.integration.conftest import metric_value, metrics_of, wait_until
 from tests.unit.transfer.proc_net import listening_ports
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
 def shm_transfers(cluster, instance_id: str) -> float:
-    async def ask() -> str:
-        nc = await nats.connect(cluster.nats_url)
-        try:
-            reply = await nc.request(subjects.metrics(instance_id), schema.encode(schema.MetricsRequest()), timeout=5)
-            return schema.decode(reply.data, schema.MetricsReply).text
-        finally:
-            await nc.close()
-
-    return metric_value(asyncio.run(ask()), "kvserve_transfers_total", transport="shm")
+    return metric_value(metrics_of(cluster, instance_id), "kvserve_transfers_total", transport="shm")
 
 
 def test_workers_and_store_on_one_host_open_no_transfer_listener(cluster, openai_client):

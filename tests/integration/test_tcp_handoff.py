@@ -1,31 +1,16 @@
 """The TCP data path end to end: prefill and decode forced to hand KV over TCP."""
 
-import asyncio
 import urllib.request
 
-import nats
 from openai import OpenAI
 
-from libs.protocol import schema, subjects
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
 from libs.protocol.sampling_params import SamplingParams
-from tests.integration.conftest import metric_value, start_cluster
+from tests.integration.conftest import metric_value, metrics_of, start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def metrics_of(cluster, instance_id: str) -> str:
-    async def ask() -> str:
-        nc = await nats.connect(cluster.nats_url)
-        try:
-            reply = await nc.request(subjects.metrics(instance_id), schema.encode(schema.MetricsRequest()), timeout=5)
-            return schema.decode(reply.data, schema.MetricsReply).text
-        finally:
-            await nc.close()
-
-    return asyncio.run(ask())
 
 
 def test_kv_goes_over_tcp_and_the_answer_is_unchanged(smollm):
