@@ -311,7 +311,7 @@ def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
         scheduler.due.pop(seq.request_id, None)  # prefilled: no longer ordered
     try:
         if batch.chunk is not None:
-            prefill_chunk(engine, *batch.chunk)
+            engine.prefill_chunk([batch.chunk])  # short of its last token: no logits
         logits = None
         if batch.seqs:
             logits = engine.prefill(batch.seqs) if batch.is_prefill else engine.decode_step(batch.seqs)
@@ -349,11 +349,3 @@ def fan_out(engine: Engine, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
         return logits
     batch.seqs = seqs
     return logits[torch.tensor(rows, device=logits.device)]
-
-
-@torch.inference_mode()
-def prefill_chunk(engine: Engine, seq: Sequence, num_tokens: int) -> None:
-    """Compute the next ``num_tokens`` of ``seq``'s prompt, short of its last token
-    (no logits): the engine's own chunk step, on blocks allocated at admission."""
-    engine.check_prompt(seq.num_tokens)
-    engine._run_prefill_chunk([(seq, num_tokens)], None)
