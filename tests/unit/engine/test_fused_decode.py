@@ -1,6 +1,7 @@
 """The fused decode step (fused.py) computes what the modules of llama.py do, bit for
 bit: the same logits at every step, so the same greedy tokens; for int4, int8 and float
-projections, with and without biases, on the default model and a tiny one."""
+projections, with and without biases, on the default model and a tiny one of each
+architecture."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from libs.common.model.engine import EngineConfig
 from libs.common.model.fused import FusedDecode, _ops
 from libs.common.model.loader import build_engine, load_model
 from libs.common.model.sequence import Sequence
-from tests.conftest import make_tiny_checkpoint
+from tests.conftest import TINY_ARCHITECTURES, make_tiny_checkpoint, tiny_architecture
 from tests.unit.engine.test_compiled import decode
 
 STEPS = 12
@@ -59,6 +60,13 @@ def test_fused_step_equals_the_modules_for_every_projection(tmp_path, quantizati
         with torch.no_grad():  # a saved random model's biases are zeros: make them count
             for layer in loaded.model.layers:
                 layer.self_attn.qkv_proj.bias.normal_(0, 0.5)
+    assert_same(loaded, 3)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_fused_step_equals_the_modules_for_every_architecture(arch, quantization):
+    loaded = load_model(str(tiny_architecture(arch)), dtype="bfloat16", quantization=quantization, progress=False)
     assert_same(loaded, 3)
 
 
