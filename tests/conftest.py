@@ -123,6 +123,38 @@ def tiny_architecture(arch: str) -> Path:
     return folder
 
 
+def llama_cpp_sources() -> Path:
+    """Where bench/llama_cpp.sh unpacks llama.cpp's sources ($LLAMA_CPP_DIR overrides its cache)."""
+    cache = os.environ.get("LLAMA_CPP_DIR") or Path(__file__).resolve().parent.parent / ".cache" / "llama.cpp"
+    return Path(cache) / "src" / "vendor" / "llama.cpp"
+
+
+def tiny_architecture_gguf(arch: str, outtype: str) -> Path:
+    """``tiny_architecture(arch)`` converted to GGUF (``outtype`` f32 or f16) by llama.cpp's
+    convert_hf_to_gguf.py, cached beside the folder; skips the calling test, saying why,
+    where the converter or its gguf package is missing or the conversion fails."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("gguf", reason="the gguf package (llama.cpp's converter needs it) is not installed")
+    converter = llama_cpp_sources() / "convert_hf_to_gguf.py"
+    if not converter.exists():
+        pytest.skip(f"no llama.cpp converter at {converter}: run bench/llama_cpp.sh (or set LLAMA_CPP_DIR)")
+    folder = tiny_architecture(arch)
+    out = folder.parent / f"{folder.name}-{outtype}.gguf"
+    if not out.exists():
+        partial = out.with_name(f"{out.name}.building-{os.getpid()}")
+        script = Path(__file__).resolve().parent / "convert_tiny_gguf.py"
+        done = subprocess.run([sys.executable, str(script), str(converter.parent), str(folder), str(partial), outtype],
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+            pytest.skip(f"llama.cpp's converter failed on tiny {arch}: {last}")
+        partial.rename(out)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "tiny-llama")

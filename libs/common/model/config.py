@@ -11,12 +11,10 @@ and `checkpoint.py`.
 from dataclasses import dataclass
 from typing import Any
 
+from libs.common.errors import UnsupportedModelError
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 ROPE_KINDS = ("default", "linear", "llama3", "freq_factors")  # freq_factors: a GGUF's rope_freqs tensor
-
-
-class UnsupportedModelError(ValueError):
-    """A checkpoint whose architecture or option kvserve does not run; one line naming it."""
 
 
 @dataclass(frozen=True)

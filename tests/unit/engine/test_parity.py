@@ -162,7 +162,7 @@ def test_a_sliding_window_serves_a_context_as_long_as_the_window(tmp_path):
 def test_an_unsupported_architecture_is_refused_in_one_line_naming_it(tmp_path, overrides, named):
     import json
 
-    from libs.common.model.config import UnsupportedModelError
+    from libs.common.errors import UnsupportedModelError
 
     path = make_tiny_checkpoint(tmp_path / "tiny")
     config = json.loads((path / "config.json").read_text())
