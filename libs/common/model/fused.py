@@ -30,6 +30,7 @@ from libs.common.model.llama import LlamaModel, RMSNorm
 from libs.common.model.quant import KERNEL_MAX_ROWS
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # kernels/paged_attention.c's MAX_GROUP and MAX_DIM: it refuses more
 
 
 @functools.cache
@@ -80,7 +81,10 @@ class FusedDecode:
             return None
         if _ops() is None or _load_kernel() is None:
             return None
-        if model.config.hidden_size > 8192 or model.config.intermediate_size > 16384:  # the kernels' row buffers
+        c = model.config
+        if c.hidden_size > 8192 or c.intermediate_size > 16384:  # the kernels' row buffers
+            return None
+        if c.num_heads // c.num_kv_heads > MAX_GROUP or c.head_dim > MAX_HEAD_DIM:  # the modules fall back to SDPA
             return None
         projections = []
         for layer in model.layers:

@@ -78,3 +78,12 @@ def test_larger_batches_and_float32_use_the_modules(default_bf16, tiny_checkpoin
         engine.fused(ids, ids, None)
     tiny32 = load_model(str(tiny_checkpoint), dtype="float32", progress=False)
     assert FusedDecode.build(tiny32.model, build_engine(tiny32, EngineConfig(num_blocks=64)).pool) is None
+
+
+def test_a_shape_the_native_attention_refuses_runs_the_modules(tmp_path):
+    """17 query heads to one KV head: more than the decode kernel's 16 (the modules then use SDPA)."""
+    folder = make_tiny_checkpoint(tmp_path / "wide", num_attention_heads=17, num_key_value_heads=1, hidden_size=68)
+    loaded = load_model(str(folder), dtype="bfloat16", quantization="none", progress=False)
+    engine = build_engine(loaded, EngineConfig(num_blocks=64))
+    assert engine.fused is None
+    decode(engine, [Sequence.from_prompt("s", [1, 2, 3])], 2)
