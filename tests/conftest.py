@@ -136,13 +136,13 @@ def tiny_architecture_gguf(arch: str, outtype: str) -> Path:
     import subprocess
     import sys
 
-    pytest.importorskip("gguf", reason="the gguf package (llama.cpp's converter needs it) is not installed")
-    converter = llama_cpp_sources() / "convert_hf_to_gguf.py"
-    if not converter.exists():
-        pytest.skip(f"no llama.cpp converter at {converter}: run bench/llama_cpp.sh (or set LLAMA_CPP_DIR)")
     folder = tiny_architecture(arch)
     out = folder.parent / f"{folder.name}-{outtype}.gguf"
     if not out.exists():
+        pytest.importorskip("gguf", reason="the gguf package (llama.cpp's converter needs it) is not installed")
+        converter = llama_cpp_sources() / "convert_hf_to_gguf.py"
+        if not converter.exists():
+            pytest.skip(f"no llama.cpp converter at {converter}: run bench/llama_cpp.sh (or set LLAMA_CPP_DIR)")
         partial = out.with_name(f"{out.name}.building-{os.getpid()}")
         script = Path(__file__).resolve().parent / "convert_tiny_gguf.py"
         done = subprocess.run([sys.executable, str(script), str(converter.parent), str(folder), str(partial), outtype],
