@@ -17,6 +17,11 @@ class ModelCorruptError(KVServeError):
     """A model file exists but cannot be read back intact."""
 
 
+class UnsupportedModelError(ModelCorruptError):
+    """A readable model whose architecture, option or format kvserve does not run;
+    refused wherever a damaged one is."""
+
+
 class InvalidRequestError(KVServeError):
     """A request that can never be served as given (bad prompt, bad parameters)."""
 

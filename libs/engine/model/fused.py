@@ -6,8 +6,10 @@ PyTorch ops per layer (an RMSNorm is eight), whose Python and dispatch cost more
 the weight-only matmuls themselves. Here a layer is eight calls: the four projections
 (torch's int4/int8 kernels, straight to the op), and three native kernels from
 ``kernels/decode_ops.c`` — the residual add with the next RMSNorm, RoPE with the KV
-write, SiLU times up — plus the paged attention kernel. Every value is rounded to
-bfloat16 where the modules round it, so the tokens are the modules' tokens.
+write, SiLU times up — plus the paged attention kernel (and, for a model with
+per-head q/k norms, the modules' own norm between the qkv projection and RoPE).
+Every value is rounded to bfloat16 where the modules round it, so the tokens are
+the modules' tokens.
 
 Only for bfloat16 on the CPU with the native kernels loaded (``FusedDecode.build``
 says None otherwise, and the caller runs the modules); larger batches run the modules
@@ -28,6 +30,7 @@ from libs.engine.model.llama import LlamaModel, RMSNorm
 from libs.engine.model.quant import KERNEL_MAX_ROWS
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+MAX_GROUP, MAX_HEAD_DIM = 16, 256  # kernels/paged_attention.c's MAX_GROUP and MAX_DIM: it refuses more
 
 
 @functools.cache
@@ -78,7 +81,10 @@ class FusedDecode:
             return None
         if _ops() is None or _load_kernel() is None:
             return None
-        if model.config.hidden_size > 8192 or model.config.intermediate_size > 16384:  # the kernels' row buffers
+        c = model.config
+        if c.hidden_size > 8192 or c.intermediate_size > 16384:  # the kernels' row buffers
+            return None
+        if c.num_heads // c.num_kv_heads > MAX_GROUP or c.head_dim > MAX_HEAD_DIM:  # the modules fall back to SDPA
             return None
         projections = []
         for layer in model.layers:
@@ -97,6 +103,7 @@ class FusedDecode:
         self.hidden, self.eps = c.hidden_size, c.rms_norm_eps
         self.q_heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.intermediate = c.intermediate_size
+        self.qk_norm = c.qk_norm
         self.scale = c.head_dim**-0.5
         self.lanes = torch_lanes(c.hidden_size)
         layout = pool.layout
@@ -139,9 +146,14 @@ class FusedDecode:
         hidden, eps, lanes = self.hidden, self.eps, self.lanes
         qh, kvh, dim = self.q_heads, self.kv_heads, self.head_dim
         bs, nl = self.block_size, self.num_layers
+        qk_size = (qh + kvh) * dim
         ops.add_rms_norm(x_ptr, None, self.first_norm, h_ptr, rows, hidden, eps, lanes)
         for layer, (qkv_proj, o_proj, gate_up_proj, down_proj) in enumerate(self.projections):
             qkv = qkv_proj(h)
+            if self.qk_norm:  # Qwen3's per-head norms, the modules' own code on the same rows
+                attn = self.model.layers[layer].self_attn
+                qk = qkv[:, : qk_size].view(rows, qh + kvh, dim)
+                qk.copy_(attn.norm_qk(qk))
             ops.rope_kv_write(qkv.data_ptr(), cos, sin, positions_ptr, q_ptr, pool, blocks_ptr, offsets_ptr,
                               rows, qh, kvh, dim, bs, nl, layer)  # fmt: skip
             status = attention(q_ptr, pool, tables_ptr, lens_ptr, attended_ptr, rows, qh, kvh, dim, bs, nl, layer,

@@ -1,6 +1,8 @@
-"""Reads a Llama-family GGUF file as a Hugging Face checkpoint: config, tensors
-(Q/K rows un-permuted back to HF's rotary layout; linear weights in Q4_0, Q4_1 or
-Q8_0 optionally kept quantized, everything else dequantized to float32) and a
+"""Reads a GGUF file of a Llama-family architecture (llama, which Mistral converts
+to, qwen2, qwen3, phi3) as a Hugging Face checkpoint: config (each family's metadata
+mapped to the config.json transformers would have), tensors (llama's Q/K rows
+un-permuted back to HF's rotary layout; linear weights in Q4_0, Q4_1 or Q8_0
+optionally kept quantized, everything else dequantized to float32) and a
 tokenizer.json built from the file's vocabulary and merges.
 
 This is the only module that knows GGUF; everything after it sees HF names.
@@ -14,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from libs.protocol.errors import ModelCorruptError, ModelNotFoundError
+from libs.protocol.errors import ModelCorruptError, ModelNotFoundError, UnsupportedModelError
 from libs.engine.model import quant
 from libs.engine.model.gguf_file import GGUFFile
 
@@ -37,6 +39,14 @@ _LLAMA3 = {
         {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
     ],
 }
+_QWEN2_REGEX = _LLAMA3_REGEX.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one at a time
+_QWEN2 = {
+    "type": "Sequence",
+    "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": _QWEN2_REGEX}, "behavior": "Isolated", "invert": False},
+        {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+    ],
+}
 PRE_TOKENIZERS = {
     "smollm": _DIGITS_THEN_BYTES,
     "starcoder": _DIGITS_THEN_BYTES,
@@ -44,6 +54,7 @@ PRE_TOKENIZERS = {
     "gpt-2": _BYTES,
     "default": _BYTES,
     "llama-bpe": _LLAMA3,
+    "qwen2": _QWEN2,
 }
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -55,9 +66,21 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # phi3: q, k and v in one tensor, as in its HF checkpoint
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# general.architecture -> (HF model_type, HF class). Only llama's converter interleaves
+# each head's rotary halves (llama.cpp's "normal" RoPE); qwen2, qwen3 and phi3 rotate
+# halves as HF does ("neox") and keep HF's rows. phi3's ffn_up holds gate and up fused.
+ARCHITECTURES = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -76,37 +99,64 @@ class GGUFCheckpoint:
             raise ModelCorruptError(f"cannot read GGUF file {path}: {e}") from e
         self.path = path
         arch = self._field("general.architecture")
-        if arch != "llama":
-            raise ModelCorruptError(f"{path}: architecture {arch!r} is not supported (llama only)")
+        if arch not in ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"{path}: GGUF architecture {arch!r} is not supported ({', '.join(ARCHITECTURES)})"
+            )
+        self.arch = arch
 
     def _field(self, key: str, default: Any = None) -> Any:
         return self._reader.fields.get(key, default)
 
+    def _has_tensor(self, name: str) -> bool:
+        return any(t.name == name for t in self._reader.tensors)
+
     def hf_config(self) -> dict[str, Any]:
-        f = self._field
-        num_heads = f("llama.attention.head_count")
-        hidden = f("llama.embedding_length")
+        """The config.json of this file's model; one line naming any option kvserve lacks."""
+        arch = self.arch
+        f = lambda key, default=None: self._field(f"{arch}.{key}", default)  # noqa: E731
+        model_type, hf_class = ARCHITECTURES[arch]
+        num_heads = f("attention.head_count")
+        hidden = f("embedding_length")
+        head_dim = f("attention.key_length") or hidden // num_heads
+        if f("rope.dimension_count", head_dim) != head_dim:
+            raise UnsupportedModelError(
+                f"{self.path}: partial rotary embeddings ({f('rope.dimension_count')} of {head_dim} dims) "
+                "are not supported"
+            )
+        if self._has_tensor("rope_factors_long.weight"):
+            raise UnsupportedModelError(f"{self.path}: {arch} rope scaling 'longrope' is not supported")
         config: dict[str, Any] = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [hf_class],
+            "model_type": model_type,
             "hidden_act": "silu",
-            "vocab_size": f("llama.vocab_size") or len(self._reader.fields["tokenizer.ggml.tokens"]),
+            "vocab_size": f("vocab_size") or len(self._reader.fields["tokenizer.ggml.tokens"]),
             "hidden_size": hidden,
-            "intermediate_size": f("llama.feed_forward_length"),
-            "num_hidden_layers": f("llama.block_count"),
+            "intermediate_size": f("feed_forward_length"),
+            "num_hidden_layers": f("block_count"),
             "num_attention_heads": num_heads,
-            "num_key_value_heads": f("llama.attention.head_count_kv", num_heads),
-            "head_dim": f("llama.rope.dimension_count", hidden // num_heads),
-            "rms_norm_eps": f("llama.attention.layer_norm_rms_epsilon", 1e-5),
-            "rope_theta": f("llama.rope.freq_base", 10000.0),
-            "max_position_embeddings": f("llama.context_length", 2048),
-            "tie_word_embeddings": not any(t.name == "output.weight" for t in self._reader.tensors),
-            "bos_token_id": f("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": f("tokenizer.ggml.eos_token_id"),
+            "num_key_value_heads": f("attention.head_count_kv", num_heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": f("attention.layer_norm_rms_epsilon", 1e-5),
+            "rope_theta": f("rope.freq_base", 10000.0),
+            "max_position_embeddings": f("context_length", 2048),
+            "tie_word_embeddings": not self._has_tensor("output.weight"),
+            "sliding_window": f("attention.sliding_window") or None,  # phi3 writes 0 for none
+            "bos_token_id": self._field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._field("tokenizer.ggml.eos_token_id"),
             "torch_dtype": "float32",
         }
-        if f("llama.rope.scaling.type") == "linear":
-            config["rope_scaling"] = {"rope_type": "linear", "factor": f("llama.rope.scaling.factor")}
+        if arch == "llama" and self._has_tensor("attn_q.bias"):
+            config["attention_bias"] = True
+        scaling = f("rope.scaling.type")
+        if scaling == "linear":
+            config["rope_scaling"] = {"rope_type": "linear", "factor": f("rope.scaling.factor")}
+        elif scaling not in (None, "none"):
+            raise UnsupportedModelError(f"{self.path}: {arch} rope scaling {scaling!r} is not supported")
+        freqs = next((t for t in self._reader.tensors if t.name == "rope_freqs.weight"), None)
+        if freqs is not None:  # Llama 3.1+: the llama3 scaling, as llama.cpp applies it
+            factors = np.asarray(_dequantize(freqs.data, freqs.tensor_type), dtype=np.float32).reshape(-1)
+            config["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors.tolist()}
         return config
 
     def generation_config(self) -> dict[str, Any]:
@@ -121,11 +171,11 @@ class GGUFCheckpoint:
         a linear weight in Q4_0/Q4_1 as int4 groups of 32 and in Q8_0 as int8 per channel."""
         config = self.hf_config()
         for t in self._reader.tensors:
-            name = _hf_name(t.name)
+            name = _hf_name(t.name, self.arch)
             if name is None:
                 continue
             kind = t.tensor_type.name
-            heads = _rotary_heads(name, config)
+            heads = _rotary_heads(name, config) if self.arch == "llama" else None
             try:
                 if keep_quantized and name.endswith("_proj.weight") and kind in quant.GGUF_BLOCK_BYTES:
                     weight = quant.unpack_gguf(np.asarray(t.data), kind)
@@ -144,7 +194,8 @@ class GGUFCheckpoint:
     def native_quantization(self) -> str:
         """The precision its linear weights ship in: ``int4-g32`` (Q4_0/Q4_1), ``int8`` (Q8_0) or
         ``none`` (float, or a block format the kernels do not take, which loads dequantized)."""
-        kinds = [t.tensor_type.name for t in self._reader.tensors if (_hf_name(t.name) or "").endswith("_proj.weight")]
+        kinds = [t.tensor_type.name for t in self._reader.tensors
+                 if (_hf_name(t.name, self.arch) or "").endswith("_proj.weight")]  # fmt: skip
         q4 = sum(k in ("Q4_0", "Q4_1") for k in kinds)
         q8 = sum(k == "Q8_0" for k in kinds)
         if not kinds or q4 + q8 < len(kinds):
@@ -152,7 +203,7 @@ class GGUFCheckpoint:
         return f"int4-g{quant.GGUF_BLOCK}" if q4 >= q8 else quant.INT8
 
     def tensor_count(self) -> int:
-        return sum(_hf_name(t.name) is not None for t in self._reader.tensors)
+        return sum(_hf_name(t.name, self.arch) is not None for t in self._reader.tensors)
 
     def tokenizer_json(self) -> str:
         f = self._field
@@ -201,7 +252,7 @@ class GGUFCheckpoint:
                     "byte_fallback": False,
                     "ignore_merges": False,
                     "vocab": {token: i for i, token in enumerate(tokens)},
-                    "merges": f("tokenizer.ggml.merges"),
+                    "merges": f("tokenizer.ggml.merges") or [],  # a byte vocabulary has none
                 },
             },
             ensure_ascii=False,
@@ -212,7 +263,7 @@ class GGUFCheckpoint:
         tokens = f("tokenizer.ggml.tokens")
         config: dict[str, Any] = {
             "add_bos_token": bool(f("tokenizer.ggml.add_bos_token", False)),
-            "model_max_length": f("llama.context_length", 2048),
+            "model_max_length": f(f"{self.arch}.context_length", 2048),
             "tokenizer_class": "PreTrainedTokenizerFast",
             "clean_up_tokenization_spaces": False,
         }
@@ -232,14 +283,15 @@ def _dequantize(data: np.ndarray, tensor_type) -> np.ndarray:
     return gguf.quants.dequantize(data, tensor_type)
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, arch: str) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".")
     if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+        module = "mlp.gate_up_proj" if arch == "phi3" and parts[2] == "ffn_up" else _LAYER_NAMES[parts[2]]
+        return f"model.layers.{parts[1]}.{module}.{parts[3]}"
     if gguf_name == "rope_freqs.weight":
-        return None  # llama3 frequency factors; we recompute rotary tables from the config
+        return None  # llama3 frequency factors: read into the config's rope scaling
     raise ModelCorruptError(f"unknown GGUF tensor {gguf_name!r}")
 
 

@@ -1,7 +1,9 @@
 """A Llama-family transformer in plain PyTorch, reading and writing a paged KV pool.
 
 RMSNorm -> rotary embeddings -> grouped-query attention -> SwiGLU MLP ->
-decoder layer -> model. Inputs are packed: ``input_ids`` and ``positions`` are
+decoder layer -> model. Llama, Mistral, Qwen2, Qwen3 and Phi-3 are this one
+model with the options of config.py: q/k/v and output biases, a per-head q/k
+RMSNorm, the rotary scaling. Inputs are packed: ``input_ids`` and ``positions`` are
 ``[T]`` (every new token of every sequence in the batch, back to back), and
 ``AttentionBatch`` says which rows belong to which sequence and where their
 K/V live. q/k/v and gate/up are fused into one matmul each; ``load_weights``
@@ -93,6 +95,8 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_medium, smoothed, scaled)
+    if kind == "freq_factors":  # a GGUF's rope_freqs: what llama.cpp divides each frequency by
+        return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
     raise ValueError(f"unsupported rope scaling {kind!r}")
 
 
@@ -125,19 +129,30 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = config.q_size, config.kv_size
-        bias = config.attention_bias
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, config.o_bias)
+        # Qwen3: each head of q and of k RMS-normalised over its D values before RoPE
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, rope: Rope, pool: KVPool, batch: AttentionBatch) -> torch.Tensor:
         qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        # q and k rotated together: [T, Hq + Hkv, D], half the ops of rotating each
-        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = self.norm_qk(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim))  # [T, Hq + Hkv, D]
+        # q and k rotated together, half the ops of rotating each
+        qk = apply_rope(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         out = paged_attention(self.layer, q, k, v, pool, batch, self.scale)  # [T, Hq, D]
         return self.o_proj(out.flatten(1))
+
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:
+        """q's and k's heads, [T, Hq + Hkv, D], through their per-head norms (when the
+        model has them); the fused decode step calls this too, for the same rounding."""
+        if self.q_norm is None:
+            return qk
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        return torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
 
 
 class MLP(nn.Module):
@@ -212,6 +227,7 @@ class LlamaModel(nn.Module):
         self, weights: Iterable[tuple[str, torch.Tensor | QuantizedWeight]], quantization: str = NONE
     ) -> None:
         """Fill parameters from Hugging Face-named tensors; raise on anything missing or unknown.
+        q/k/v and gate/up come as separate tensors (Llama, Qwen) or fused (Phi-3).
 
         With ``quantization`` ``int8`` or ``int4-gN`` every q/k/v/o and MLP projection
         becomes weight-only quantized (weights already in that format are kept as they
@@ -237,7 +253,8 @@ class LlamaModel(nn.Module):
                 name = name + "_t"
             if name not in params:
                 raise KeyError(f"unexpected weight {name!r} in checkpoint")
-            loaded.add(f"{name}#{shard}")
+            # Phi-3 ships qkv_proj and gate_up_proj already fused: one tensor fills every shard
+            loaded.update(f"{name}#{s}" for s in ([shard] if shard is not None else self._shard_ids(name)))
             if is_linear and quantization != NONE:
                 in_features, out_features = params[name].shape
                 rows = out_features if shard is None else self._shard_sizes(name)[shard]

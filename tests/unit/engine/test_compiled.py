@@ -143,3 +143,21 @@ def test_bfloat16_compiles_when_kvserve_compile_is_on_and_not_by_default(tiny_ch
     assert build_engine(loaded, EngineConfig(num_blocks=8)).compiled is None  # off by default: see the README
     monkeypatch.setenv("KVSERVE_COMPILE", "1")
     assert build_engine(loaded, EngineConfig(num_blocks=8)).compiled is not None
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # the forwards that differ from Llama's: biases, q/k norms
+def test_compiled_equals_eager_for_each_forward_option(arch):
+    from libs.engine.model.loader import load_model
+    from tests.conftest import tiny_architecture
+
+    loaded = load_model(str(tiny_architecture(arch)), dtype="float32", quantization="none", progress=False)
+    runs = {}
+    for compile_ in (True, False):
+        engine = build_engine(loaded, EngineConfig(num_blocks=64, enable_prefix_cache=False, compile=compile_))
+        engine.warmup()
+        assert (engine.compiled is not None) == compile_
+        seqs = [Sequence.from_prompt(f"s{i}", prompt(i)) for i in range(3)]
+        runs[compile_] = (decode(engine, seqs, 6), [s.output_token_ids for s in seqs])
+    assert runs[True][1] == runs[False][1]
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert (a - b).abs().max().item() < 1e-4

@@ -1,6 +1,7 @@
 """The fused decode step (fused.py) computes what the modules of llama.py do, bit for
 bit: the same logits at every step, so the same greedy tokens; for int4, int8 and float
-projections, with and without biases, on the default model and a tiny one."""
+projections, with and without biases, on the default model and a tiny one of each
+architecture."""
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from libs.engine.model.engine import EngineConfig
 from libs.engine.model.fused import FusedDecode, _ops
 from libs.engine.model.loader import build_engine, load_model
 from libs.engine.model.sequence import Sequence
-from tests.conftest import make_tiny_checkpoint
+from tests.conftest import TINY_ARCHITECTURES, make_tiny_checkpoint, tiny_architecture
 from tests.unit.engine.test_compiled import decode
 
 STEPS = 12
@@ -62,6 +63,13 @@ def test_fused_step_equals_the_modules_for_every_projection(tmp_path, quantizati
     assert_same(loaded, 3)
 
 
+@pytest.mark.parametrize("quantization", ["none", "int4"])
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_fused_step_equals_the_modules_for_every_architecture(arch, quantization):
+    loaded = load_model(str(tiny_architecture(arch)), dtype="bfloat16", quantization=quantization, progress=False)
+    assert_same(loaded, 3)
+
+
 def test_larger_batches_and_float32_use_the_modules(default_bf16, tiny_checkpoint):
     engine = build_engine(default_bf16, EngineConfig(num_blocks=64))
     assert engine.fused is not None and engine.fused.max_rows == 8
@@ -70,3 +78,12 @@ def test_larger_batches_and_float32_use_the_modules(default_bf16, tiny_checkpoin
         engine.fused(ids, ids, None)
     tiny32 = load_model(str(tiny_checkpoint), dtype="float32", progress=False)
     assert FusedDecode.build(tiny32.model, build_engine(tiny32, EngineConfig(num_blocks=64)).pool) is None
+
+
+def test_a_shape_the_native_attention_refuses_runs_the_modules(tmp_path):
+    """17 query heads to one KV head: more than the decode kernel's 16 (the modules then use SDPA)."""
+    folder = make_tiny_checkpoint(tmp_path / "wide", num_attention_heads=17, num_key_value_heads=1, hidden_size=68)
+    loaded = load_model(str(folder), dtype="bfloat16", quantization="none", progress=False)
+    engine = build_engine(loaded, EngineConfig(num_blocks=64))
+    assert engine.fused is None
+    decode(engine, [Sequence.from_prompt("s", [1, 2, 3])], 2)

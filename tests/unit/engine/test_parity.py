@@ -6,7 +6,7 @@ import torch
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.loader import build_engine, load_model
 from libs.engine.model.sequence import Sequence
-from tests.conftest import make_tiny_checkpoint
+from tests.conftest import TINY_ARCHITECTURES, make_tiny_checkpoint, tiny_architecture
 
 # float32 rounding for a handful of layers: logits agree to ~1e-6 relative, and
 # differ only where matmuls accumulate in a different order (fused q/k/v, gate/up).
@@ -19,11 +19,64 @@ def our_logits(loaded, ids: list[int]) -> torch.Tensor:
 
 
 def hf_logits(path, ids: list[int]) -> torch.Tensor:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
+
+
+def random_ids(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+ARCHITECTURES = sorted(TINY_ARCHITECTURES)
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def architecture(request):
+    """(checkpoint folder, loaded float32, transformers' logits for 200 random tokens + 8)."""
+    path = tiny_architecture(request.param)
+    loaded = load_model(str(path), dtype="float32", quantization="none", progress=False)
+    ids = random_ids(208)
+    return path, loaded, ids, hf_logits(path, ids)
+
+
+def test_prefill_logits_match_transformers(architecture):
+    _, loaded, ids, ref = architecture
+    ours = our_logits(loaded, ids)
+    assert ours.shape == ref.shape == (208, 320)
+    assert (ours - ref).abs().max().item() < ATOL
+
+
+def test_decode_logits_match_transformers(architecture):
+    """Prefill 200 tokens (13 blocks of the paged pool), then decode the next 8 one at a time:
+    each step's logits are transformers' at that position."""
+    _, loaded, ids, ref = architecture
+    engine = build_engine(loaded, EngineConfig(num_blocks=64))
+    seq = Sequence.from_prompt("p", ids[:200])
+    engine.prefill([seq])
+    for position in range(200, 208):
+        seq.append_token(ids[position])
+        logits = engine.decode_step([seq])[0]
+        assert (logits - ref[position]).abs().max().item() < ATOL
+
+
+def test_prefix_cached_prefill_matches_transformers(architecture):
+    _, loaded, ids, ref = architecture
+    engine = build_engine(loaded, EngineConfig(num_blocks=64))
+    engine.prefill([Sequence.from_prompt("head", ids[:96])])
+    rest = Sequence.from_prompt("rest", ids)
+    assert engine.cache.match_prefix(rest) == 96  # six blocks read from the pool, not recomputed
+    logits = engine.prefill_all_logits([rest])[0]
+    assert (logits - ref[96:]).abs().max().item() < ATOL
+
+
+def test_chunked_prefill_matches_transformers(architecture):
+    _, loaded, ids, ref = architecture
+    engine = build_engine(loaded, EngineConfig(num_blocks=64, max_chunk_tokens=37, enable_prefix_cache=False))
+    logits = engine.prefill_all_logits([Sequence.from_prompt("p", ids)])[0]
+    assert (logits - ref).abs().max().item() < ATOL
 
 
 @pytest.mark.parametrize(
@@ -77,3 +130,44 @@ def test_gguf_file_loads_the_same_model_as_the_prepared_folder(smollm):
     ids = smollm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     assert direct.tokenizer.encode("The quick brown fox jumps over the lazy dog.") == ids
     assert torch.equal(our_logits(direct, ids), our_logits(smollm, ids))
+
+
+def test_a_sliding_window_serves_a_context_as_long_as_the_window(tmp_path):
+    """Mistral 7B v0.1's kind of config: within the window, sliding-window attention is full
+    attention, so the context is cut to the window and the logits are transformers'."""
+    from libs.protocol.errors import PromptTooLongError
+    from tests.conftest import make_tiny_architecture
+
+    path = make_tiny_architecture(tmp_path / "windowed", "mistral", seed=2, sliding_window=48)
+    loaded = load_model(str(path), dtype="float32", quantization="none", progress=False)
+    assert loaded.model.config.max_position_embeddings == 48
+    engine = build_engine(loaded, EngineConfig(num_blocks=64))
+    with pytest.raises(PromptTooLongError):
+        engine.check_prompt(49)
+    ids = random_ids(48)
+    assert (our_logits(loaded, ids) - hf_logits(path, ids)).abs().max().item() < ATOL
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ({"model_type": "gemma2"}, "unsupported model_type 'gemma2'"),
+        ({"model_type": "phi3", "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+         "phi3: rope scaling 'longrope' is not supported"),
+        ({"model_type": "phi3", "partial_rotary_factor": 0.5}, "phi3: partial rotary embeddings"),
+        ({"hidden_act": "gelu"}, "llama: activation 'gelu' is not supported"),
+    ],
+    ids=["architecture", "phi3-longrope", "partial-rotary", "activation"],
+)
+def test_an_unsupported_architecture_is_refused_in_one_line_naming_it(tmp_path, overrides, named):
+    import json
+
+    from libs.protocol.errors import UnsupportedModelError
+
+    path = make_tiny_checkpoint(tmp_path / "tiny")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, **overrides}))
+    with pytest.raises(UnsupportedModelError) as refused:
+        load_model(str(path), dtype="float32", progress=False)
+    message = str(refused.value)
+    assert named in message and "\n" not in message
