@@ -205,6 +205,16 @@ def test_a_q4_k_m_file_loads_each_tensor_in_its_kept_format(q4_k_m):
         assert type(layer.self_attn.qkv_proj) is quant.Int8Linear  # Q5_0 q/k with a Q5_0 or Q8_0 v: all int8
 
 
+@pytest.mark.parametrize("kind", ["Q6_K", "Q8_0"])
+def test_a_file_of_one_kept_format_resolves_to_that_format(kind):
+    from libs.common.model.gguf_checkpoint import GGUFCheckpoint
+
+    checkpoint = GGUFCheckpoint(made(kind))  # Q6_K: Q6_K ffn_down, Q8_0 where 576 columns rule Q6_K out
+    assert checkpoint.native_quantization() == quant.INT8
+    kept = [w for n, w in checkpoint.tensors(keep_quantized=True) if n.endswith("_proj.weight")]
+    assert kept and all(isinstance(w, quant.Int8Channels) for w in kept)
+
+
 def logits(loaded, ids: list[int]) -> torch.Tensor:
     engine = build_engine(loaded, EngineConfig(num_blocks=64, max_chunk_tokens=4096))
     return engine.prefill_all_logits([Sequence.from_prompt("p", ids)])[0].float()
@@ -227,17 +237,19 @@ NEW_TOKENS = 16
 
 
 @pytest.mark.timeout(600)
-def test_q4_k_m_greedy_continuation_equals_llama_servers(q4_k_m, tmp_path):
+@pytest.mark.parametrize("kind", ["Q4_K_M", "Q6_K", "Q8_0"])
+def test_greedy_continuation_equals_llama_servers_on_the_same_file(kind, tmp_path):
     from bench.llama_server import LLAMA_SERVER, llama_server
 
     if not LLAMA_SERVER.exists():
         pytest.skip(f"{LLAMA_SERVER} is missing: run bench/llama_cpp.sh")
-    loaded = load_model(str(q4_k_m), dtype="bfloat16", progress=False)
+    path = made(kind)
+    loaded = load_model(str(path), dtype="bfloat16", progress=False)
     ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     generator = Generator(build_engine(loaded, EngineConfig(num_blocks=64)), loaded.tokenizer)
     [ours] = generator.generate([ids], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
     args = ["-np", "1", "-t", "2", "-c", "1024", "--no-webui"]
-    with llama_server(tmp_path / "llama-server.log", q4_k_m, args) as (url, _):
+    with llama_server(tmp_path / "llama-server.log", path, args) as (url, _):
         body = {"prompt": ids, "n_predict": NEW_TOKENS, "temperature": 0, "cache_prompt": False,
                 "ignore_eos": True, "return_tokens": True}  # fmt: skip
         request = urllib.request.Request(url + "/completion", json.dumps(body).encode(),
