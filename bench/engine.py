@@ -474,7 +474,8 @@ def gguf_section(title: str, path: Path, ours: dict, theirs: dict, command: str,
              f"`{theirs.get('command', 'llama-server')}`; b=1 is one stream, b={big} the sum of {big} concurrent "
              "requests' own decode rates (their prompts' processing left out, as kvserve's), beside their tokens "
              f"over the wall time. Load average (1 min) before and after: {load[0]:.1f} and {load[1]:.1f} on "
-             f"{os.cpu_count()} cores: other work ran beside them, one engine after the other, so the absolute rates are far below the table above and the ratio is indicative only.", "",
+             f"{os.cpu_count()} cores (well above the core count: other work ran beside the two engines, one "
+             "after the other, and only their ratio, loosely, means anything).", "",
              f"| engine | weights | decode b=1 | b={big} | b={big}, wall incl. prompts | peak RSS MiB |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in (ours, theirs):
