@@ -9,6 +9,9 @@ to ready, compilation included) and peak resident memory; for kvserve the batch-
 step against the floor (weight bytes / this machine's measured copy bandwidth).
 
     python bench/engine.py [--variants all] [--skip-llama] [--skip-hf] [--out bench/results/engine.md]
+    python bench/engine.py --gguf Q4_K_M   # only decode at batch 1 and 32, kvserve vs llama.cpp, on the
+                                           # default model as llama-quantize makes that file (bench/gguf_quants.py);
+                                           # its section of --out is replaced, the rest kept
 
 Variants: fp32, bf16, int8, int4 with -eager or -compiled (e.g. int4-compiled);
 hf-bf16, hf-fp32; llama.cpp (needs bench/llama_cpp.sh). One process at a time:
@@ -46,7 +49,9 @@ WEIGHTS = {  # variant prefix -> (dtype, quantization)
     "bf16": ("bfloat16", "none"),
     "int8": ("auto", "int8"),
     "int4": ("auto", "auto"),  # the default model ships Q4_1: auto runs its blocks as int4-g32
+    "file": ("bfloat16", "auto"),  # --gguf: the file's own formats
 }
+FILE_BATCHES = (1, 32)
 
 
 def random_prompt(n: int, seed: int) -> list[int]:
@@ -89,7 +94,9 @@ def emit(**fields) -> None:
     print("BENCH " + json.dumps(fields), flush=True)
 
 
-def kvserve_worker(variant: str, reps: int) -> None:
+def kvserve_worker(
+    variant: str, reps: int, model: str | None = None, batches=BATCHES, prefill_lengths=PREFILL_LENGTHS
+) -> None:
     import torch
 
     from libs.engine.model.engine import EngineConfig
@@ -101,7 +108,7 @@ def kvserve_worker(variant: str, reps: int) -> None:
     weights, _ = variant.split("-")
     dtype, quantization = WEIGHTS[weights]
     torch.set_grad_enabled(False)
-    loaded = load_model(None, dtype=dtype, quantization=quantization, progress=False)
+    loaded = load_model(model, dtype=dtype, quantization=quantization, progress=False)
     config = EngineConfig(num_blocks=max(BATCHES) * 32 + 256, max_chunk_tokens=2048, enable_prefix_cache=False,
                           compile=variant.endswith("-compiled"))  # fmt: skip
     engine = build_engine(loaded, config)
@@ -121,10 +128,10 @@ def kvserve_worker(variant: str, reps: int) -> None:
         engine.cache.free(seq)
         return n / elapsed
 
-    for n in PREFILL_LENGTHS:
+    for n in prefill_lengths:
         prefill(n, 99)
         emit(prefill=n, tok_s=statistics.median(prefill(n, rep) for rep in range(reps)))
-    for batch in BATCHES:
+    for batch in batches:
         generator = Generator(engine, loaded.tokenizer, max_batch_size=batch)
         params = SamplingParams(max_tokens=NEW_TOKENS + 1, temperature=0, ignore_eos=True)
         for prompt in decode_prompts(batch):
@@ -156,7 +163,7 @@ def step_bytes(model) -> int:
     from torch import nn
 
     from libs.engine.model.llama import Linear, RMSNorm
-    from libs.engine.model.quant import Int4Linear, Int8Linear
+    from libs.engine.model.quant import FloatLinear, Int4Linear, Int8Linear
 
     total = 0
     for module in model.modules():
@@ -164,7 +171,7 @@ def step_bytes(model) -> int:
             tensors = [module.packed, module.scale_zero, module.bias]
         elif isinstance(module, Int8Linear):
             tensors = [module.weight_q, module.scale, module.bias]
-        elif isinstance(module, Linear):
+        elif isinstance(module, (Linear, FloatLinear)):  # StackedLinear: its parts count themselves
             tensors = [module.weight_t, module.bias]
         elif isinstance(module, (RMSNorm, nn.Linear)):  # nn.Linear: a float LM head
             tensors = [module.weight, getattr(module, "bias", None)]
@@ -215,12 +222,12 @@ def hf_worker(variant: str, reps: int) -> None:
     emit(memory=memory_kib())
 
 
-def run_variant(variant: str, reps: int, timeout: float) -> dict:
+def run_variant(variant: str, reps: int, timeout: float, extra: list[str] = []) -> dict:
     """Run one variant in a fresh process; its start-up counts from the spawn."""
     env = dict(os.environ)
     result: dict = {"variant": variant, "prefill": {}, "decode": {}}
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--worker", variant, "--reps", str(reps)], env=env,
+    proc = subprocess.Popen([sys.executable, __file__, "--worker", variant, "--reps", str(reps), *extra], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)  # fmt: skip
     deadline = start + timeout
     tail: list[str] = []
@@ -252,10 +259,14 @@ def run_variant(variant: str, reps: int, timeout: float) -> dict:
 
 
 # --- llama.cpp ---------------------------------------------------------------------
-def llama_cpp(reps: int) -> dict:
+def llama_cpp(reps: int, model: Path | None = None, parallel: int = 4, prefill: bool = True) -> dict:
+    """llama-server on ``model`` (the default model's file): prefill, one stream's decode, and
+    ``parallel`` concurrent requests' decode."""
     from libs.engine.model.default_model import default_gguf_path
 
-    result: dict = {"variant": "llama.cpp", "prefill": {}, "decode": {}, "dtype": "Q4_1 (its own kernels)"}
+    model = model or default_gguf_path()
+    kind = model.stem.rpartition(".")[2]
+    result: dict = {"variant": "llama.cpp", "prefill": {}, "decode": {}, "dtype": f"{kind} (its own kernels)"}
     if not LLAMA_SERVER.exists():
         result["error"] = f"{LLAMA_SERVER} is missing: run bench/llama_cpp.sh"
         return result
@@ -263,12 +274,12 @@ def llama_cpp(reps: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     threads = str(len(os.sched_getaffinity(0)))
-    args = ["-np", "4", "-kvu", "-t", threads, "-c", "16384", "--no-webui"]
+    args = ["-np", str(parallel), "-kvu", "-t", threads, "-c", "16384", "--no-webui"]
     result["command"] = "llama-server " + " ".join(args)
     url = f"http://127.0.0.1:{port}"
     log = tempfile.TemporaryFile()
     start = time.perf_counter()
-    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port",
+    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port",
                              str(port), *args], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     try:
         while True:
@@ -296,22 +307,24 @@ def llama_cpp(reps: int) -> dict:
             with urllib.request.urlopen(req, timeout=600) as r:
                 return json.loads(r.read())["timings"]
 
-        for n in PREFILL_LENGTHS:
+        for n in PREFILL_LENGTHS if prefill else ():
             complete(random_prompt(n, 99), 1)
             rates = [complete(random_prompt(n, rep), 1)["prompt_per_second"] for rep in range(reps)]
             result["prefill"][n] = statistics.median(rates)
             print(f"  llama.cpp: prefill {n}: {result['prefill'][n]:.0f} tok/s", flush=True)
         singles = [complete(decode_prompts(1)[0], NEW_TOKENS + 1)["predicted_per_second"] for _ in range(reps)]
         result["decode"][1] = statistics.median(singles)
-        prompts = decode_prompts(4)
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        prompts = decode_prompts(parallel)
+        with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
             begin = time.perf_counter()
             timings = list(pool.map(lambda p: complete(p, 4 * NEW_TOKENS), prompts))
             wall = time.perf_counter() - begin
-        result["decode"]["4 parallel"] = sum(t["predicted_n"] for t in timings) / wall
+        result["decode"][f"{parallel} parallel"] = sum(t["predicted_n"] for t in timings) / wall
+        # the same requests' decode alone: each request's own decode rate, summed (their decodes overlap)
+        result["decode"][f"{parallel} parallel, decode"] = sum(t["predicted_per_second"] for t in timings)
         print(f"  llama.cpp: decode {result['decode']}", flush=True)
         result["rss_mib"] = memory_kib(proc.pid)["VmHWM"] / 1024
-        result["weight_bytes"] = default_gguf_path().stat().st_size
+        result["weight_bytes"] = model.stat().st_size
     finally:
         proc.terminate()
         proc.wait()
@@ -427,6 +440,59 @@ def targets(results: list[dict], bandwidth: float) -> list[str]:
     return out
 
 
+# --- --gguf: decode on a llama-quantize file ------------------------------------------------
+def gguf_rows(kind: str, reps: int, timeout: float, out: Path, command: str) -> None:
+    """kvserve (auto: the file's own formats) and llama.cpp decoding the same file; the report's
+    section for it replaced in ``out`` (appended the first time)."""
+    from bench.gguf_quants import default_model_as
+
+    path = default_model_as(kind)
+    load_before = os.getloadavg()[0]
+    ours = {**run_variant("file-eager", reps, timeout, ["--worker-model", str(path)]), "variant": "kvserve"}
+    theirs = llama_cpp(reps, path, parallel=max(FILE_BATCHES), prefill=False)
+    title = f"## Decode on llama-quantize's {kind} file"
+    load = (load_before, os.getloadavg()[0])
+    text = gguf_section(title, path, ours, theirs, command, load)
+    old = out.read_text() if out.exists() else ""
+    if title in old:
+        before, _, rest = old.partition(title)
+        after = rest[rest.index("\n## ") + 1 :] if "\n## " in rest else ""
+        old = before + text + ("\n" + after if after else "")
+    else:
+        old = old.rstrip("\n") + "\n\n" + text
+    out.write_text(old)
+    print(text)
+
+
+def gguf_section(title: str, path: Path, ours: dict, theirs: dict, command: str, load: tuple[float, float]) -> str:
+    big = max(FILE_BATCHES)
+    lines = [title, "",
+             f"`{command}` ({datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}): {path.name} "
+             f"({path.stat().st_size / 1e6:.0f} MB), made from a float32 copy of the shipped Q4_1 file by "
+             "bench/gguf_quants.py. kvserve: `--quantization auto`, bfloat16, decode not compiled (each tensor "
+             f"in its kept format, README); b={big}: {big} sequences decoding together. llama.cpp: "
+             f"`{theirs.get('command', 'llama-server')}`; b=1 is one stream, b={big} the sum of {big} concurrent "
+             "requests' own decode rates (their prompts' processing left out, as kvserve's), beside their tokens "
+             f"over the wall time. Load average (1 min) before and after: {load[0]:.1f} and {load[1]:.1f} on "
+             f"{os.cpu_count()} cores (well above the core count: other work ran beside the two engines, one "
+             "after the other, and only their ratio, loosely, means anything).", "",
+             f"| engine | weights | decode b=1 | b={big} | b={big}, wall incl. prompts | peak RSS MiB |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in (ours, theirs):
+        if "error" in r:
+            lines.append(f"| {r['variant']} | failed: {r['error'][:160]} |||||")
+            continue
+        d = r["decode"]
+        weights = r.get("quantization") or r.get("dtype")
+        many = d.get(big) if big in d else d.get(f"{big} parallel, decode")
+        lines.append(f"| {r['variant']} | {weights} | {fmt(d.get(1), 1)} | {fmt(many, 1)} | "
+                     f"{fmt(d.get(f'{big} parallel'), 1)} | {fmt(r.get('rss_mib'))} |")  # fmt: skip
+    if "error" not in ours and "error" not in theirs:
+        lines += ["", f"kvserve / llama.cpp: b=1 {ours['decode'][1] / theirs['decode'][1]:.2f}x, b={big} "
+                  f"{ours['decode'][big] / theirs['decode'][f'{big} parallel, decode']:.2f}x."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--variants", default="all", help="comma-separated, all (default) or none")
@@ -435,10 +501,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="prefill repetitions per length (default 3)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant (default 900)")
     parser.add_argument("--out", default="bench/results/engine.md")
+    parser.add_argument("--gguf", metavar="KIND", help="only the decode rows on the default model as this "
+                        "llama-quantize file type (e.g. Q4_K_M)")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-model", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker and args.worker_model:
+        kvserve_worker(args.worker, args.reps, args.worker_model, FILE_BATCHES, ())
+        return
     if args.worker:
         (hf_worker if args.worker.startswith("hf-") else kvserve_worker)(args.worker, args.reps)
+        return
+    if args.gguf:
+        gguf_rows(args.gguf, args.reps, args.timeout, Path(args.out), "python " + " ".join(sys.argv))
         return
     named = {"all": KVSERVE_VARIANTS + HF_VARIANTS, "none": []}
     variants = named[args.variants] if args.variants in named else args.variants.split(",")

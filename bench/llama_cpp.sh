@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-server from the sources vendored in the llama-cpp-python sdist
-# (PyPI), once, into .cache/llama.cpp/bin/llama-server. The peer for bench/replay.py.
-#   bench/llama_cpp.sh            build unless the binary is already there
+# Build llama.cpp's llama-server and llama-quantize from the sources vendored in the
+# llama-cpp-python sdist (PyPI), once, into .cache/llama.cpp/bin/. llama-server is the peer
+# for bench/replay.py and bench/engine.py; llama-quantize makes the K-quant GGUF files the
+# tests and bench/engine.py use (bench/gguf_quants.py).
+#   bench/llama_cpp.sh            build unless the binaries are already there
 #   bench/llama_cpp.sh --force    rebuild
 set -euo pipefail
 
@@ -9,10 +11,11 @@ VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CACHE="$ROOT/.cache/llama.cpp"
 BIN="$CACHE/bin/llama-server"
+QUANTIZE="$CACHE/bin/llama-quantize"
 PIP="${PIP:-$ROOT/.venv/bin/pip}"
 
-if [[ -x "$BIN" && "${1:-}" != "--force" ]]; then
-    echo "llama-server already built: $BIN"
+if [[ -x "$BIN" && -x "$QUANTIZE" && "${1:-}" != "--force" ]]; then
+    echo "llama-server and llama-quantize already built: $BIN $QUANTIZE"
     exit 0
 fi
 
@@ -40,7 +43,8 @@ cmake -S "$CACHE/src/vendor/llama.cpp" -B "$CACHE/build" -G Ninja \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF \
     -DBUILD_SHARED_LIBS=OFF
-cmake --build "$CACHE/build" --target llama-server -j "$(nproc)"
+cmake --build "$CACHE/build" --target llama-server llama-quantize -j "$(nproc)"
 cp "$CACHE/build/bin/llama-server" "$BIN"
+cp "$CACHE/build/bin/llama-quantize" "$QUANTIZE"
 "$BIN" --version 2>&1 | head -n 2 || true
-echo "built $BIN"
+echo "built $BIN $QUANTIZE"

@@ -1,5 +1,6 @@
-"""llama.cpp's llama-server on the default model's GGUF file, as bench/replay.py
-compares kvserve with it: started on a free port, healthy, then stopped."""
+"""llama.cpp's llama-server on a GGUF file (the default model's unless told), as
+bench/replay.py compares kvserve with it and the K-quant tests check kvserve's tokens
+against it: started on a free port, healthy, then stopped."""
 
 import contextlib
 import socket
@@ -19,11 +20,14 @@ LLAMA_ARGS = ["-np", "4", "-kvu", "-t", "2", "--cache-reuse", "256", "--no-webui
 
 
 @contextlib.contextmanager
-def llama_server(log_path: Path) -> Iterator[tuple[str, dict[str, int]]]:
+def llama_server(
+    log_path: Path, model: Path | None = None, args: list[str] = LLAMA_ARGS
+) -> Iterator[tuple[str, dict[str, int]]]:
     if not LLAMA_SERVER.exists():
         raise SystemExit(f"{LLAMA_SERVER} is missing: run `make bench` (or bench/llama_cpp.sh) first")
     port = _free_port()
-    cmd = [str(LLAMA_SERVER), "-m", str(default_gguf_path()), "--host", "127.0.0.1", "--port", str(port), *LLAMA_ARGS]
+    model = model or default_gguf_path()
+    cmd = [str(LLAMA_SERVER), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:

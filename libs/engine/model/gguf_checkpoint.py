@@ -1,14 +1,16 @@
 """Reads a GGUF file of a Llama-family architecture (llama, which Mistral converts
 to, qwen2, qwen3, phi3) as a Hugging Face checkpoint: config (each family's metadata
 mapped to the config.json transformers would have), tensors (llama's Q/K rows
-un-permuted back to HF's rotary layout; linear weights in Q4_0, Q4_1 or Q8_0
-optionally kept quantized, everything else dequantized to float32) and a
+un-permuted back to HF's rotary layout; linear weights in a block type gguf_blocks
+keeps optionally kept quantized, everything else dequantized to float32) and a
 tokenizer.json built from the file's vocabulary and merges.
 
 This is the only module that knows GGUF; everything after it sees HF names.
 """
 
 import json
+import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,8 +19,11 @@ import numpy as np
 import torch
 
 from libs.protocol.errors import ModelCorruptError, ModelNotFoundError, UnsupportedModelError
-from libs.engine.model import quant
-from libs.engine.model.gguf_file import GGUFFile
+from libs.engine.model import gguf_blocks, quant
+from libs.engine.model.gguf_file import GGUFFile, GGUFTensor
+
+log = logging.getLogger(__name__)
+_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 
 # llama.cpp pre-tokenizer names -> the tokenizers pre-tokenizer that matches them
 _DIGITS_THEN_BYTES = {
@@ -168,7 +173,8 @@ class GGUFCheckpoint:
 
     def tensors(self, keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | quant.QuantizedWeight]]:
         """(HF name, tensor) for every weight, one at a time: float32, or with ``keep_quantized``
-        a linear weight in Q4_0/Q4_1 as int4 groups of 32 and in Q8_0 as int8 per channel."""
+        a linear weight in a type gguf_blocks keeps in that format (Q4_0/Q4_1/Q4_K as int4
+        groups of 32, Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 as int8 per channel)."""
         config = self.hf_config()
         for t in self._reader.tensors:
             name = _hf_name(t.name, self.arch)
@@ -177,8 +183,8 @@ class GGUFCheckpoint:
             kind = t.tensor_type.name
             heads = _rotary_heads(name, config) if self.arch == "llama" else None
             try:
-                if keep_quantized and name.endswith("_proj.weight") and kind in quant.GGUF_BLOCK_BYTES:
-                    weight = quant.unpack_gguf(np.asarray(t.data), kind)
+                if keep_quantized and name.endswith("_proj.weight") and kind in gguf_blocks.KEPT:
+                    weight = gguf_blocks.unpack(np.asarray(t.data), kind)
                     if heads is not None:  # permute integer and scale rows alike
                         weight = weight.rows(torch.from_numpy(_unpermute_rotary(np.arange(weight.shape[0]), heads)))
                     yield name, weight
@@ -192,15 +198,19 @@ class GGUFCheckpoint:
             yield name, torch.from_numpy(np.array(array, copy=True, order="C"))
 
     def native_quantization(self) -> str:
-        """The precision its linear weights ship in: ``int4-g32`` (Q4_0/Q4_1), ``int8`` (Q8_0) or
-        ``none`` (float, or a block format the kernels do not take, which loads dequantized)."""
-        kinds = [t.tensor_type.name for t in self._reader.tensors
-                 if (_hf_name(t.name, self.arch) or "").endswith("_proj.weight")]  # fmt: skip
-        q4 = sum(k in ("Q4_0", "Q4_1") for k in kinds)
-        q8 = sum(k == "Q8_0" for k in kinds)
-        if not kinds or q4 + q8 < len(kinds):
+        """What ``auto`` keeps the linear weights in: the one format gguf_blocks keeps all of
+        them in (``int4-g32``, ``int8``), ``mixed`` where they differ or some cannot be kept
+        (those load float, named in one warning line with their cost), ``none`` where none
+        can (a float file, or one whose types all load float)."""
+        linears = [t for t in self._reader.tensors if (_hf_name(t.name, self.arch) or "").endswith("_proj.weight")]
+        kinds = [t.tensor_type.name for t in linears]
+        unkept = [t for t, kind in zip(linears, kinds) if kind not in gguf_blocks.KEPT and kind not in _FLOAT_TYPES]
+        if unkept:
+            _warn_loaded_float(self.path, unkept)
+        formats = {gguf_blocks.KEPT.get(kind) for kind in kinds}
+        if formats <= {None}:
             return quant.NONE
-        return f"int4-g{quant.GGUF_BLOCK}" if q4 >= q8 else quant.INT8
+        return formats.pop() if len(formats) == 1 else quant.MIXED
 
     def tensor_count(self) -> int:
         return sum(_hf_name(t.name, self.arch) is not None for t in self._reader.tensors)
@@ -275,6 +285,46 @@ class GGUFCheckpoint:
         if template:
             config["chat_template"] = template
         return config
+
+
+def _warn_loaded_float(path: Path, tensors: list[GGUFTensor]) -> None:
+    """One line: which weights kvserve cannot keep in their GGUF type, and what float costs."""
+    count = sum(int(np.prod(t.shape)) for t in tensors)
+    stored = sum(t.data.nbytes for t in tensors)
+    by_type: dict[str, list[str]] = {}
+    for t in tensors:
+        by_type.setdefault(t.tensor_type.name, []).append(t.name)
+    named = "; ".join(f"{kind}: {_compact(names)}" for kind, names in sorted(by_type.items()))
+    log.warning(
+        "%s: %d linear weights in GGUF types kvserve cannot keep quantized load float (%s): %.1fM values, "
+        "%.1f MB in bfloat16 / %.1f MB in float32 against %.1f MB in the file",
+        path.name, len(tensors), named, count / 1e6, 2 * count / 1e6, 4 * count / 1e6, stored / 1e6,
+    )  # fmt: skip
+
+
+def _compact(names: list[str]) -> str:
+    """``blk.0.attn_q.weight``, ``blk.1.attn_q.weight`` -> ``blk.{0-1}.attn_q.weight``."""
+    layers: dict[str, list[int]] = {}
+    others = []
+    for name in names:
+        match = re.fullmatch(r"blk\.(\d+)\.(.+)", name)
+        if match:
+            layers.setdefault(match[2], []).append(int(match[1]))
+        else:
+            others.append(name)
+    parts = others[:]
+    for suffix, numbers in layers.items():
+        spans, numbers = [], sorted(numbers)
+        start = prev = numbers[0]
+        for n in numbers[1:] + [None]:
+            if n is not None and n == prev + 1:
+                prev = n
+                continue
+            spans.append(str(start) if start == prev else f"{start}-{prev}")
+            if n is not None:
+                start = prev = n
+        parts.append(f"blk.{{{','.join(spans)}}}.{suffix}")
+    return ", ".join(parts)
 
 
 def _dequantize(data: np.ndarray, tensor_type) -> np.ndarray:

@@ -79,8 +79,11 @@ class GGUFFile:
             if name in seen:
                 raise ValueError(f"tensor {name!r} appears twice")
             seen.add(name)
-            tensor_type = GGMLQuantizationType(kind)
-            block, size = GGML_QUANT_SIZES[tensor_type]
+            try:
+                tensor_type = GGMLQuantizationType(kind)
+                block, size = GGML_QUANT_SIZES[tensor_type]
+            except (ValueError, KeyError):
+                raise ValueError(f"tensor {name!r} has GGML type id {kind}, which is unknown here") from None
             count = int(np.prod(dims, dtype=np.int64))
             if not dims or dims[0] % block:
                 raise ValueError(f"tensor {name!r}: shape {dims} does not hold whole {tensor_type.name} blocks")

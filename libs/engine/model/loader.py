@@ -1,7 +1,8 @@
 """Builds a ready model and engine from a model spec: resolve, read, load, place.
 
 ``quantization`` names the weights' precision (quant.py): ``auto`` keeps what the
-checkpoint ships (the default model's GGUF: int4 in groups of 32), ``none`` loads
+checkpoint ships (the default model's GGUF: int4 in groups of 32; a GGUF file of
+several block types: ``mixed``, each weight in its own format), ``none`` loads
 float, ``int8`` and ``int4-gN`` quantize at load. ``dtype`` is the activations' and
 the KV cache's.
 """
@@ -75,7 +76,7 @@ class LoadedModel:
     checkpoint: Checkpoint
     device: torch.device
     dtype: torch.dtype
-    quantization: str = quant.NONE  # what the weights run in: none, int8 or int4-gN
+    quantization: str = quant.NONE  # what the weights run in: none, int8, int4-gN or mixed
 
     @property
     def model_id(self) -> str:

@@ -7,15 +7,15 @@ Two formats, both with floating activations:
 - ``int8``: ``w[n, k] = q[n, k] * scale[n]``, one scale per output channel
   (``_weight_int8pack_mm``).
 
-Weights reach them from GGUF blocks (Q4_0, Q4_1, Q8_0, unpacked with integer ops:
-no float copy of a whole tensor) or from float weights quantized at load. This
-module knows the block formats but not the GGUF file; the model knows neither.
+Weights reach them from GGUF blocks (gguf_blocks.py) or from float weights quantized
+at load. ``mixed`` keeps every weight in the format it arrives in, float included:
+a fused projection whose parts differ (a GGUF file's q/k in Q4_K, its v in Q6_K)
+becomes one layer per part, side by side. The model knows none of this.
 """
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +25,7 @@ from libs.common.settings import QUANTIZATIONS
 NONE = "none"
 AUTO = "auto"
 INT8 = "int8"
+MIXED = "mixed"  # not a choice: what ``auto`` resolves to for a file that mixes formats
 DEFAULT_INT4_GROUP = 32
 CHOICES = QUANTIZATIONS  # auto, none, int8, int4 (= int4-g32), int4-g32/64/128
 
@@ -112,7 +113,23 @@ class Int8Channels:
         return self.q.float() * self.scale[:, None]
 
 
-QuantizedWeight = Int4Groups | Int8Channels
+@dataclass
+class Stacked:
+    """Weights in different formats (float among them) stacked along the output dimension."""
+
+    parts: list["torch.Tensor | Int4Groups | Int8Channels"]
+
+    name = MIXED
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize() for p in self.parts])
+
+
+QuantizedWeight = Int4Groups | Int8Channels | Stacked
 
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> Int4Groups:
@@ -135,86 +152,31 @@ def quantize_int8(w: torch.Tensor) -> Int8Channels:
 
 
 def convert(weight: torch.Tensor | QuantizedWeight, target: str) -> torch.Tensor | QuantizedWeight:
-    """``weight`` in the ``target`` format (``none``, ``int8``, ``int4-gN``); kept as is when it already is."""
+    """``weight`` in the ``target`` format (``none``, ``int8``, ``int4-gN``); kept as is when it
+    already is, and always under ``mixed``."""
     if target == NONE:
         return weight if isinstance(weight, torch.Tensor) else weight.dequantize()
-    if not isinstance(weight, torch.Tensor) and weight.name == target:
+    if target == MIXED or (not isinstance(weight, torch.Tensor) and weight.name == target):
         return weight
     dense = weight if isinstance(weight, torch.Tensor) else weight.dequantize()
     group = int4_group_size(target)
     return quantize_int8(dense) if group is None else quantize_int4(dense, group)
 
 
-def concat(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
-    """Stack weights of one format along the output dimension (fused q/k/v, gate/up)."""
+def concat(parts: Sequence[torch.Tensor | QuantizedWeight]) -> torch.Tensor | QuantizedWeight:
+    """Stack weights along the output dimension (fused q/k/v, gate/up): one weight where
+    they share a format, ``Stacked`` where they do not."""
     first = parts[0]
-    if isinstance(first, Int4Groups):
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(list(parts))
+    if all(isinstance(p, Int4Groups) and p.group_size == first.group_size for p in parts):
         return Int4Groups(
             torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
             torch.cat([p.zero for p in parts]), first.group_size,
         )  # fmt: skip
-    return Int8Channels(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-
-
-# --- GGUF blocks --------------------------------------------------------------
-# Each block covers 32 consecutive weights of a row and starts with an fp16 scale d.
-# Q4_0: d, 16 bytes of nibbles -> d * (q - 8); Q4_1: d, m, 16 bytes -> d * q + m;
-# Q8_0: d, 32 int8 -> d * q. Byte j of the nibbles holds weight j (low) and j + 16 (high).
-
-GGUF_BLOCK = 32
-GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-
-
-def _blocks(raw: np.ndarray, kind: str) -> tuple[np.ndarray, int, int]:
-    """``raw`` ``[N, bytes per row]`` as ``[N, blocks, block bytes]``."""
-    rows = raw.shape[0]
-    block_bytes = GGUF_BLOCK_BYTES[kind]
-    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % block_bytes:
-        raise ValueError(f"{kind} data must be uint8 [rows, {block_bytes} * blocks], got {raw.dtype} {raw.shape}")
-    num_blocks = raw.shape[1] // block_bytes
-    return np.ascontiguousarray(raw).reshape(rows, num_blocks, block_bytes), rows, num_blocks
-
-
-def _nibbles(qs: np.ndarray) -> np.ndarray:
-    """``[..., 16]`` packed bytes -> ``[..., 32]`` values 0..15 in weight order."""
-    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
-
-
-def unpack_gguf_q4(raw: np.ndarray, kind: str) -> Int4Groups:
-    """Q4_0 or Q4_1 rows as int4 groups of 32, exactly: no value is rounded."""
-    blocks, rows, num_blocks = _blocks(raw, kind)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, blocks]
-    if kind == "Q4_1":
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8 * d  # d * q + m == (q - 8) * d + (m + 8 d)
-        qs = blocks[..., 4:]
-    else:
-        zero = np.zeros_like(d)  # d * (q - 8)
-        qs = blocks[..., 2:]
-    q = _nibbles(qs).reshape(rows, num_blocks * GGUF_BLOCK)
-    return Int4Groups(torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero), GGUF_BLOCK)
-
-
-def gguf_q8_0_values(raw: np.ndarray) -> torch.Tensor:
-    """Q8_0 rows as float32 ``[N, K]``, exactly."""
-    blocks, rows, _ = _blocks(raw, "Q8_0")
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))  # [N, blocks]
-    q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8))  # [N, blocks, 32]
-    return (q.float() * d[..., None]).view(rows, -1)
-
-
-def unpack_gguf_q8_0(raw: np.ndarray, chunk_rows: int = 4096) -> Int8Channels:
-    """Q8_0 rows requantized to one scale per row (int8's kernel has no per-block scales).
-
-    Each value moves by at most half a row step (``max|row| / 254``); float copies are
-    made ``chunk_rows`` rows at a time.
-    """
-    parts = [quantize_int8(gguf_q8_0_values(raw[start : start + chunk_rows])) for start in range(0, len(raw), chunk_rows)]
-    return Int8Channels(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
-
-
-def unpack_gguf(raw: np.ndarray, kind: str) -> QuantizedWeight:
-    return unpack_gguf_q8_0(raw) if kind == "Q8_0" else unpack_gguf_q4(raw, kind)
+    if all(isinstance(p, Int8Channels) for p in parts):
+        return Int8Channels(torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]))
+    return Stacked([q for p in parts for q in (p.parts if isinstance(p, Stacked) else [p])])
 
 
 # --- layers -------------------------------------------------------------------
@@ -323,5 +285,58 @@ class Int8Linear(nn.Module):
         return dense
 
 
-def quantized_linear(weight: QuantizedWeight, bias: torch.Tensor | None = None) -> nn.Module:
+class FloatLinear(nn.Module):
+    """``y = x W^T + b`` with a float W, kept ``[K, N]`` as llama.Linear keeps it: a weight
+    that a ``mixed`` model loads float (a GGUF type the kernels cannot hold)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight_t = nn.Parameter(weight.t().contiguous())  # [K, N]
+        self.bias = nn.Parameter(bias.clone()) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, self.in_features)
+        y = x @ self.weight_t if self.bias is None else torch.addmm(self.bias, x, self.weight_t)
+        return y.view(*shape[:-1], self.out_features)
+
+    def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """As Int4Linear.row_op."""
+        if self.weight_t.dtype != dtype:
+            return None
+        weight_t, bias = self.weight_t, self.bias
+        if bias is None:
+            return lambda x: torch.mm(x, weight_t)
+        return lambda x: torch.addmm(bias, x, weight_t)
+
+
+class StackedLinear(nn.Module):
+    """One fused projection whose parts are kept in different formats: a layer per part,
+    their outputs side by side in the parts' order."""
+
+    def __init__(self, weight: Stacked, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        sizes = [p.shape[0] for p in weight.parts]
+        self.out_features, self.in_features = weight.shape
+        biases = bias.split(sizes) if bias is not None else [None] * len(sizes)
+        self.parts = nn.ModuleList(quantized_linear(p, b) for p, b in zip(weight.parts, biases))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """As Int4Linear.row_op: each part's op, the outputs concatenated; None if a part has none."""
+        ops = [part.row_op(dtype) for part in self.parts]
+        if any(op is None for op in ops):
+            return None
+        return lambda x: torch.cat([op(x) for op in ops], dim=-1)
+
+
+def quantized_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> nn.Module:
+    """The layer for ``weight``'s format (a float weight: ``FloatLinear``)."""
+    if isinstance(weight, torch.Tensor):
+        return FloatLinear(weight, bias)
+    if isinstance(weight, Stacked):
+        return StackedLinear(weight, bias)
     return Int4Linear(weight, bias) if isinstance(weight, Int4Groups) else Int8Linear(weight, bias)

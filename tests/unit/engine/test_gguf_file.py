@@ -89,3 +89,21 @@ def test_a_damaged_model_file_is_a_model_error(tmp_path):
     damaged.write_bytes(default_gguf_path().read_bytes()[:5000])  # ends inside the vocabulary
     with pytest.raises(ModelCorruptError, match="cannot read GGUF file"):
         GGUFCheckpoint(damaged)
+
+
+def test_an_unknown_tensor_type_id_is_a_one_line_error_naming_it(tmp_path):
+    path = tmp_path / "odd.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("odd.weight", np.zeros((2, 32), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    data = bytearray(path.read_bytes())
+    at = data.index(b"odd.weight") + len(b"odd.weight") + 4 + 2 * 8  # name, n_dims (u32), two dims (u64)
+    data[at : at + 4] = (99).to_bytes(4, "little")  # the type id
+    path.write_bytes(bytes(data))
+    with pytest.raises(ModelCorruptError) as refused:
+        GGUFCheckpoint(path)
+    message = str(refused.value)
+    assert "tensor 'odd.weight' has GGML type id 99, which is unknown here" in message and "\n" not in message

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from libs.engine.model import quant
+from libs.engine.model import gguf_blocks, quant
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine, load_model, open_model
@@ -94,11 +94,11 @@ def test_synthetic_gguf_blocks_unpack_to_what_gguf_dequantizes(kind):
     raw = gguf.quants.quantize(x, qtype)
     ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype))
     if kind == "Q8_0":
-        assert torch.equal(quant.gguf_q8_0_values(raw), ref)
-        int8 = quant.unpack_gguf(raw, kind)
+        assert torch.equal(gguf_blocks.dequantize(raw, kind), ref)
+        int8 = gguf_blocks.unpack(raw, kind)
         assert ((int8.dequantize() - ref).abs() <= int8.scale[:, None] / 2 + 1e-6).all()
     else:
-        assert torch.equal(quant.unpack_gguf(raw, kind).dequantize(), ref)
+        assert torch.equal(gguf_blocks.unpack(raw, kind).dequantize(), ref)
 
 
 def test_the_default_models_gguf_blocks_unpack_to_what_gguf_dequantizes():
@@ -113,11 +113,11 @@ def test_the_default_models_gguf_blocks_unpack_to_what_gguf_dequantizes():
     assert {"Q4_1", "Q8_0"} <= set(first)
     q4 = first["Q4_1"]
     ref = gguf.quants.dequantize(q4.data, q4.tensor_type).reshape([int(d) for d in reversed(q4.shape)])
-    assert torch.equal(quant.unpack_gguf(np.asarray(q4.data), "Q4_1").dequantize(), torch.from_numpy(ref))
+    assert torch.equal(gguf_blocks.unpack(np.asarray(q4.data), "Q4_1").dequantize(), torch.from_numpy(ref))
     q8 = first["Q8_0"]  # the embedding: 49,152 rows; the first 512 suffice
     rows = np.asarray(q8.data)[:512]
     ref = torch.from_numpy(gguf.quants.dequantize(rows, q8.tensor_type))
-    assert torch.equal(quant.gguf_q8_0_values(rows), ref)
+    assert torch.equal(gguf_blocks.dequantize(rows, "Q8_0"), ref)
 
 
 def test_a_gguf_checkpoint_keeps_its_linear_weights_quantized_with_rotary_rows_in_hf_order():
