@@ -7,6 +7,7 @@ OpenAI ``user`` field); the table remembers the most recent sessions only.
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from libs.common.vocabulary import Role
 from services.conductor.policies import Route
 from services.conductor.predict import AdmitContext
 
@@ -48,7 +49,7 @@ def stay_or_move(ctx: AdmitContext, route: Route, home: Home) -> tuple[Route, st
     """The route for a session's new turn, and why: the home instances where they are
     alive and predicted no slower than the router's choice, else the choice."""
     prefill, decode, said = route.prefill, route.decode, []
-    here = next((p for p in ctx.prefills if p.instance_id == home.prefill_id), None)
+    here = ctx.instance(home.prefill_id, Role.PREFILL)
     if home.prefill_id == home.decode_id:
         said.append(f"last turn prefilled on its decode worker {home.decode_id}")
     elif here is None:
@@ -64,7 +65,7 @@ def stay_or_move(ctx: AdmitContext, route: Route, home: Home) -> tuple[Route, st
         else:
             said.append(f"prefill moved from {here.instance_id} to {prefill.instance_id}: predicted TTFT "
                         f"{prefill.ttft_s:.3f} s there, {stay.ttft_s:.3f} s on {here.instance_id}")  # fmt: skip
-    there = next((d for d in ctx.decodes if d.instance_id == home.decode_id), None)
+    there = ctx.instance(home.decode_id, Role.DECODE)
     if there is None:
         said.append(f"decode moved from {home.decode_id} (gone) to {decode.instance_id}")
     elif there.instance_id == decode.instance_id:
