@@ -3,6 +3,7 @@ wall time on the full shared trace, its policy table at two loads, and the
 scenarios built to tell admission and replication policies apart.
 
     .venv/bin/python bench/conductor.py [--sections admit,scale1,...] [--trace T.jsonl] [--out conductor.md]
+                                        [--baseline DIR]
 
 1. Admit latency: one Scheduler with 64 instances (48 prefill, 15 decode, 1 store)
    and 1,000,000 blocks in its KV index; 20,000 admissions of 64-block prompts whose
@@ -17,14 +18,21 @@ scenarios built to tell admission and replication policies apart.
 4. Scenarios (`services/conductor/simulator/scenarios.py`): a swinging load that
    fills one decode batch while prefills are in flight (early against predictive
    rejection), and hot prefixes on small caches without a store (replication).
-Each section takes under a minute here; --sections runs some and keeps the rest.
+5. Scale: the full trace at 64 and 1,024 prefill + decode instances, with and
+   without a store (the hit rate the store keeps as instances multiply), each in a
+   process of its own (`bench/conductor_scale.py`), beside the conductor of another
+   checkout (``--baseline DIR``) where given: run time, admit CPU time, routing.
+Each section takes under a minute here but the scale section (minutes at 1,024
+instances); --sections runs some and keeps the rest.
 """
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -147,9 +155,13 @@ FULL_TRACE = {  # section key: (title, prefill, decode, time scale, store blocks
     "slow": ("Workers 1.5x slower than the cost model they report: full trace, 6 prefill + 2 decode, time scale 0.5, "
              "first 3,000 requests", 6, 2, 0.5, 50_000),
 }  # fmt: skip
+TITLE_SCALE = "Scale: the full trace at 64 and 1,024 instances per role, this checkout against a baseline"
+SCALE_RUNS = [  # (prefill = decode instances, store blocks, with the baseline too)
+    (64, 50_000, True), (1024, 50_000, True), (64, 0, False), (1024, 0, False),
+]
 TITLE_SWINGING = "Swinging load: bursts that fill one decode batch while their prefills are in flight"
 TITLE_HOT = "Hot prefixes on small caches, no store: 8 prefill + 8 decode"
-SECTIONS = ("admit", *FULL_TRACE, "swinging", "hot")
+SECTIONS = ("admit", *FULL_TRACE, "swinging", "hot", "scale")
 ADMISSION_POLICIES = ["cache_aware", "cache_aware+early_rejection", "cache_aware+predictive_rejection",
                       "cache_aware+local_prefill+predictive_rejection"]  # fmt: skip
 
@@ -228,6 +240,45 @@ def hot_section() -> list[str]:
     return policy_table(TITLE_HOT, "hot_prefix(rate=5.0, prefixes=20)", about, runs, trace)
 
 
+def scale_run(n: int, store_blocks: int, code: Path, trace: Path) -> dict:
+    """`bench/conductor_scale.py` in a process of its own, on ``code``'s conductor."""
+    command = [sys.executable, str(Path(__file__).with_name("conductor_scale.py")), "--prefill", str(n), "--decode",
+               str(n), "--store-blocks", str(store_blocks), "--code", str(code), "--trace", str(trace)]  # fmt: skip
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def scale_section(trace: Path, baseline: Path | None) -> list[str]:
+    here = Path(__file__).resolve().parent.parent
+    rows, results = [], []
+    for n, store_blocks, compare in SCALE_RUNS:
+        for name, code in [("baseline", baseline), ("this", here)] if compare and baseline else [("this", here)]:
+            r = scale_run(n, store_blocks, code, trace)
+            results.append(r)
+            print(f"scale {n} store {store_blocks} {name}: {r['wall_s']:.1f} s", file=sys.stderr)
+            tiers = r["hit_by_tier"]
+            store = tiers.get("dram", 0.0) + tiers.get("disk", 0.0)
+            rows.append(f"| {n:,} + {n:,} | {store_blocks:,} | {name} | {r['wall_s']:.1f} | {r['cpu_s']:.1f} | "
+                        f"{r['admit_cpu_s']:.1f} | {r['admit_p50_us']:.0f} | {r['admit_p99_us']:.0f} | "
+                        f"{r['hit']:.1%} | {tiers.get('device', 0.0):.1%} | {store:.1%} | {r['slo_attainment']:.1%} | "
+                        f"`{r['decisions']}` |")  # fmt: skip
+    return [
+        f"## {TITLE_SCALE}", "",
+        f"`bench/conductor_scale.py --prefill N --decode N --store-blocks B [--code {baseline or 'DIR'}]` for each "
+        f"row, one process each ({trace.name}, time scale 1, policy cache_aware, seed 0; prefill caches of 2,000 "
+        f"blocks). `baseline` is the conductor of the checkout at {baseline or '(none given)'}; `this`, this one's. "
+        "Wall and CPU: the whole simulation; admit: the thread CPU time of each `Scheduler.admit`. Hit rate: "
+        "prompt tokens reused, of which from the prefill instance's own cache (device) and from the store "
+        "(DRAM). Decisions: a fingerprint of every request's (prefill, decode, copy source, refusal): equal "
+        "fingerprints, the same routing.", "",
+        "| instances | store blocks | conductor | wall s | CPU s | admit CPU s | admit p50 us | admit p99 us | hit "
+        "| own cache | store | SLO att. | decisions |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "", f"Load average at the end: {' / '.join(f'{x:.1f}' for x in os.getloadavg())} on 2 cores.",
+    ]  # fmt: skip
+
+
 def previous_sections(path: Path) -> dict[str, list[str]]:
     """The sections of an earlier run's file, by title (what --sections leaves as it was)."""
     sections: dict[str, list[str]] = {}
@@ -252,13 +303,15 @@ def main() -> None:
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"which to run, of {','.join(SECTIONS)} (default: all); the others are kept as "
                              f"the file has them")  # fmt: skip
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout whose conductor the scale section runs beside this one's")  # fmt: skip
     args = parser.parse_args()
     chosen = [s.strip() for s in args.sections.split(",") if s.strip()]
     if unknown := [s for s in chosen if s not in SECTIONS]:
         parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
     old = previous_sections(args.out)
     titles = {"admit": TITLE_ADMIT, **{k: v[0] for k, v in FULL_TRACE.items()}, "swinging": TITLE_SWINGING,
-              "hot": TITLE_HOT}  # fmt: skip
+              "hot": TITLE_HOT, "scale": TITLE_SCALE}  # fmt: skip
     lines = [
         "# Conductor benchmark",
         "",
@@ -273,6 +326,8 @@ def main() -> None:
             lines += ["", *old.get(titles[key], [f"## {titles[key]}", "", "(not run yet)"])]
         elif key == "admit":
             lines += ["", *admit_section()]
+        elif key == "scale":
+            lines += ["", *scale_section(args.trace, args.baseline)]
         elif not args.trace.is_file() and key in FULL_TRACE:
             lines += ["", f"## {titles[key]}", "", f"(no trace at {args.trace}: skipped)"]
         elif key in FULL_TRACE:

@@ -5,10 +5,11 @@ OpenAI ``user`` field); the table remembers the most recent sessions only.
 """
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from libs.protocol.vocabulary import Role
 from services.conductor.policies import Route
 from services.conductor.predict import AdmitContext
 
@@ -53,9 +54,10 @@ def stay_or_move(ctx: AdmitContext, route: Route, home: Home) -> tuple[Route, st
     if home.prefill_id == home.decode_id:
         prefill, why_prefill = route.prefill, f"last turn prefilled on its decode worker {home.decode_id}"
     else:
-        prefill, why_prefill = _stay_or_move("prefill", home.prefill_id, route.prefill, ctx.prefills,
-                                             ctx.prefill_estimate, _TTFT)  # fmt: skip
-    decode, why_decode = _stay_or_move("decode", home.decode_id, route.decode, ctx.decodes, ctx.decode_all, _TBT)
+        prefill, why_prefill = _stay_or_move("prefill", ctx.instance(home.prefill_id, Role.PREFILL), home.prefill_id,
+                                             route.prefill, ctx.prefill_estimate, _TTFT)  # fmt: skip
+    decode, why_decode = _stay_or_move("decode", ctx.instance(home.decode_id, Role.DECODE), home.decode_id,
+                                       route.decode, ctx.decode_all, _TBT)  # fmt: skip
     return Route(prefill, decode), f"{why_prefill}; {why_decode}"
 
 
@@ -72,11 +74,10 @@ _TTFT = _Latency("TTFT", lambda estimate: estimate.ttft_s, lambda s: f"{s:.3f} s
 _TBT = _Latency("TBT", lambda estimate: estimate.tbt_s, lambda s: f"{s * 1e3:.1f} ms")
 
 
-def _stay_or_move(role: str, home_id: str, choice: E, candidates: Iterable[Any], estimate: Callable[[Any], E],
+def _stay_or_move(role: str, here: Any, home_id: str, choice: E, estimate: Callable[[Any], E],
                   latency: _Latency) -> tuple[E, str]:  # fmt: skip
-    """One role's instance for the turn: its home where alive and predicted no slower
-    than the router's ``choice``, else the choice; and why."""
-    here = next((c for c in candidates if c.instance_id == home_id), None)
+    """One role's instance for the turn: its home ``here`` (None: gone) where predicted
+    no slower than the router's ``choice``, else the choice; and why."""
     if here is None:
         return choice, f"{role} moved from {home_id} (gone) to {choice.instance_id}"
     if here.instance_id == choice.instance_id:

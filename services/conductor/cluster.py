@@ -9,11 +9,13 @@ looked idle a second ago. Pure logic: no NATS, an injectable clock.
 """
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from libs.engine.cost_model import CostModel, uncalibrated_coefficients
-from libs.protocol.schema import Heartbeat
+from libs.protocol.schema import Heartbeat, PrefillBeat
 from services.conductor.load import DecodeLoad, PrefillLoad
 
 
@@ -48,13 +50,27 @@ class ClusterView:
         self.clock = clock
         self.block_size = block_size
         self._instances: dict[str, Instance] = {}
+        self._oldest_seen = float("inf")  # no instance was last heard from before this: none is silent until
         self._by_role: dict[str, list[Instance]] = {}
+        self._costs: dict[bytes, CostModel] = {}  # by encoded coefficients: few (one per kind of worker)
         self.on_gone: Callable[[Instance], None] | None = None  # called for each instance forgotten
+        # told of every instance that may have changed: a new heartbeat came, or a request was sent to it
+        # (`candidates.py`)
+        self.on_change: list[Callable[[Instance], None]] = []
         self.last_fault = float("-inf")  # when an instance last restarted or went silent
 
     def observe(self, heartbeat: Heartbeat) -> Instance:
         now = self.clock()
+        if now < self._oldest_seen:
+            self._oldest_seen = now
         instance = self._instances.get(heartbeat.instance_id)
+        if (instance is not None and heartbeat is instance.heartbeat and not instance.assigned_since_heartbeat
+                and not instance.prefill.num_pending):  # fmt: skip
+            # the very beat it sent last, and nothing sent to it since (the simulator repeats an idle
+            # instance's beat): it is only heard from again
+            instance.last_seen = now
+            return instance
+        changed = True
         if instance is None or instance.heartbeat.started_at != heartbeat.started_at:
             if instance is not None:  # the same instance, started again
                 self.last_fault = now
@@ -62,18 +78,41 @@ class ClusterView:
             self._instances[heartbeat.instance_id] = instance
             self._by_role.clear()
         else:
-            if heartbeat.cost != instance.heartbeat.cost:
-                instance.cost = self._cost_of(heartbeat)
-            instance.heartbeat, instance.last_seen = heartbeat, now
-            if heartbeat.load == 0 and instance.assigned_since_heartbeat == 0:
+            changed = heartbeat is not instance.heartbeat or instance.assigned_since_heartbeat > 0
+            if heartbeat is not instance.heartbeat:
+                if heartbeat.cost != instance.heartbeat.cost:
+                    instance.cost = self._cost_of(heartbeat)
+                instance.heartbeat = heartbeat
+            instance.last_seen = now
+            if not instance.assigned_since_heartbeat and instance.prefill.num_pending and heartbeat.load == 0:
                 instance.prefill.clear(now)  # idle, and nothing can be on its way to it
+                changed = True
             instance.assigned_since_heartbeat = 0
-        if heartbeat.prefill_progress:
-            instance.prefill.sync(heartbeat.prefill_progress, now)
-        if heartbeat.chunk_tokens:  # a request on it is cut only between chunks of this many seconds
-            chunk_s = instance.cost.prefill_time(heartbeat.chunk_tokens)
-            instance.prefill.chunk_s = chunk_s * (heartbeat.prefill_speed or 1.0)
+        payload = heartbeat.payload
+        if isinstance(payload, PrefillBeat):
+            if payload.progress:
+                instance.prefill.sync(payload.progress, now)
+            if payload.chunk_tokens:  # a request on it is cut only between chunks of this many seconds
+                chunk_s = instance.cost.prefill_time(payload.chunk_tokens)
+                instance.prefill.chunk_s = chunk_s * (payload.speed or 1.0)
+        if changed:
+            for listener in self.on_change:
+                listener(instance)
         return instance
+
+    def observe_all(self, heartbeats: Iterable[Heartbeat]) -> None:
+        """`observe` each of ``heartbeats`` (a batch that came at one moment): an instance
+        that sent again the very beat it sent last, with nothing sent to it since, is
+        only marked heard from."""
+        now = self.clock()
+        instances = self._instances
+        for heartbeat in heartbeats:
+            instance = instances.get(heartbeat.instance_id)
+            if (instance is not None and heartbeat is instance.heartbeat and not instance.assigned_since_heartbeat
+                    and not instance.prefill.num_pending and now >= self._oldest_seen):  # fmt: skip
+                instance.last_seen = now
+            else:
+                self.observe(heartbeat)
 
     def get(self, instance_id: str) -> Instance | None:
         return self._instances.get(instance_id)
@@ -81,7 +120,11 @@ class ClusterView:
     def alive(self, role: str) -> list[Instance]:
         """Instances of ``role`` heard from within the timeout, by id; forgets the silent."""
         now = self.clock()
-        silent = [inst for inst in self._instances.values() if now - inst.last_seen > self.timeout]
+        silent = []
+        if now - self._oldest_seen > self.timeout:  # some may be silent: look (at most once a timeout or so)
+            silent = [inst for inst in self._instances.values() if now - inst.last_seen > self.timeout]
+            alive = [inst.last_seen for inst in self._instances.values() if now - inst.last_seen <= self.timeout]
+            self._oldest_seen = min(alive, default=float("inf"))
         for inst in silent:
             self.last_fault = now
             del self._instances[inst.instance_id]
@@ -98,9 +141,19 @@ class ClusterView:
         instance = self._instances.get(instance_id)
         if instance is not None:
             instance.assigned_since_heartbeat += 1
+            for listener in self.on_change:
+                listener(instance)
 
     def _cost_of(self, heartbeat: Heartbeat) -> CostModel:
+        """The instance's cost model: one object for every instance reporting the same
+        coefficients (routing compares the instances of one cost model by speed alone)."""
         if heartbeat.cost is not None:
-            return CostModel(heartbeat.cost)
-        block_size = heartbeat.contract.block_size if heartbeat.contract is not None else self.block_size
-        return CostModel(uncalibrated_coefficients(block_size))
+            coefficients = heartbeat.cost
+        else:
+            block_size = heartbeat.contract.block_size if heartbeat.contract is not None else self.block_size
+            coefficients = uncalibrated_coefficients(block_size)
+        key = msgspec.msgpack.encode(coefficients)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = self._costs[key] = CostModel(coefficients)
+        return cost

@@ -8,10 +8,11 @@ trace hash ids in the simulator.
 
 Each block maps to one int whose bit ``3·slot + tier`` says that the instance in
 ``slot`` holds it in ``tier`` (0 device, 1 dram, 2 disk), so a prefix match is one
-dict lookup and a few integer operations per block, whatever the cluster size.
+dict lookup and a few integer operations per block, whatever the cluster size; it
+keeps its holders as bit sets by prefix length, and names them only when asked.
 """
 
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from libs.common.kv_events import TIERS
@@ -24,15 +25,44 @@ _BITS = len(TIERS)
 
 @dataclass
 class PrefixMatch:
-    """The result of `KVIndex.match` for one prompt."""
+    """The result of `KVIndex.match` for one prompt (read it before the index changes again)."""
 
     num_blocks: int  # blocks in the prompt
-    prefix: dict[str, int]  # instance id -> blocks of the prompt's prefix it holds (absent: 0)
+    # (length, slot bits of the instances whose prefix of the prompt is exactly that long), shortest first
+    groups: list[tuple[int, int]]
     _masks: list[int]
     _slots: dict[str, int]
+    _ids: dict[int, str]
+    _prefix: dict[str, int] | None = None
+
+    @property
+    def prefix(self) -> dict[str, int]:
+        """instance id -> blocks of the prompt's prefix it holds (absent: 0); built on first use."""
+        if self._prefix is None:
+            self._prefix = {i: length for length, ids in self.by_length() for i in ids}
+        return self._prefix
 
     def blocks(self, instance_id: str) -> int:
-        return self.prefix.get(instance_id, 0)
+        slot = self._slots.get(instance_id)
+        if slot is None:
+            return 0
+        bit = 1 << (_BITS * slot)
+        for length, holders in self.groups:
+            if holders & bit:
+                return length
+        return 0
+
+    def by_length(self) -> Iterator[tuple[int, list[str]]]:
+        """(length, the instances holding exactly that long a prefix), longest first: a
+        caller after the longest prefixes reads only the few instances holding them."""
+        ids = self._ids
+        for length, holders in reversed(self.groups):
+            out = []
+            while holders:
+                low = holders & -holders
+                out.append(ids[(low.bit_length() - 1) // _BITS])
+                holders ^= low
+            yield length, out
 
     def tiers(self, instance_id: str, start: int, end: int) -> list[str]:
         """The fastest tier ``instance_id`` holds each block of [start, end) in."""
@@ -123,9 +153,8 @@ class KVIndex:
     def match(self, blocks: Sequence[Hashable]) -> PrefixMatch:
         """How long a prefix of ``blocks`` every instance holds, in any tier."""
         where, active = self._where, self._slot_bits
-        prefix: dict[str, int] = {}
+        groups: list[tuple[int, int]] = []
         masks: list[int] = []
-        ids = self._ids
         for i, block in enumerate(blocks):
             if not active:
                 break
@@ -133,20 +162,13 @@ class KVIndex:
             masks.append(mask)
             holders = active & (mask | mask >> 1 | mask >> 2)
             if holders != active:
-                self._record(active & ~holders, i, ids, prefix)
+                if i:
+                    groups.append((i, active & ~holders))
                 active = holders
         else:
-            self._record(active, len(blocks), ids, prefix)
-        return PrefixMatch(len(blocks), prefix, masks, self._slots)
-
-    @staticmethod
-    def _record(dropped: int, length: int, ids: dict[int, str], prefix: dict[str, int]) -> None:
-        if length == 0:
-            return
-        while dropped:
-            low = dropped & -dropped
-            prefix[ids[(low.bit_length() - 1) // _BITS]] = length
-            dropped ^= low
+            if active and blocks:
+                groups.append((len(blocks), active))
+        return PrefixMatch(len(blocks), groups, masks, self._slots, self._ids)
 
     # --- slots ------------------------------------------------------------------------
     def _slot(self, instance_id: str) -> int:

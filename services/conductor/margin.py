@@ -80,6 +80,13 @@ class RatioWindow:
         q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
         return min(self.high, max(self.low, q))
 
+    def changes_at(self) -> float | None:
+        """When its oldest ratio is forgotten (its value may change then with no new
+        sample); None: not by the clock."""
+        if self.clock is None or not self.ratios:
+            return None
+        return self.ratios[0][0] + self.max_age_s
+
     def _drop_oldest(self) -> None:
         del self._sorted[bisect_left(self._sorted, self.ratios.popleft()[1])]
 
@@ -113,6 +120,7 @@ class Margins:
         self.tbt_all = self._window(*TBT_MARGIN)
         self.speed_all = self._speed_window()
         self.decode_speed_all = self._speed_window()
+        self.on_speed: list[Callable[[str], None]] = []  # told of each instance whose speed took a sample
 
     def _speed_window(self) -> RatioWindow:
         return RatioWindow(self.config.window, 0.5, MIN_SPEED, MAX_SPEED, self.config.max_age_s, self.clock)
@@ -134,6 +142,8 @@ class Margins:
         self.tbt_all.observe(observed, predicted)
         self._decode_speed.setdefault(instance_id, self._speed_window()).observe(observed, predicted)
         self.decode_speed_all.observe(observed, predicted)
+        for listener in self.on_speed:
+            listener(instance_id)
 
     def decode_speed(self, instance_id: str) -> float:
         """Measured/modelled step time, the median over recent requests decoded on ``instance_id``."""
@@ -142,10 +152,22 @@ class Margins:
     def observe_prefill(self, instance_id: str, measured: float, predicted: float) -> None:
         self._speed.setdefault(instance_id, self._speed_window()).observe(measured, predicted)
         self.speed_all.observe(measured, predicted)
+        for listener in self.on_speed:
+            listener(instance_id)
 
     def prefill_speed(self, instance_id: str) -> float:
         """Measured/predicted prefill time, the median of recent prefills on ``instance_id``."""
         return _pick(self._speed.get(instance_id), self.speed_all, MIN_SPEED_SAMPLES)
+
+    def own_prefill_speed(self, instance_id: str) -> tuple[float, float | None] | None:
+        """``instance_id``'s prefill speed where it is its own (enough recent samples), and
+        when it may next change with no new sample (`RatioWindow.changes_at`); None: it
+        has the cluster's."""
+        return _own(self._speed.get(instance_id))
+
+    def own_decode_speed(self, instance_id: str) -> tuple[float, float | None] | None:
+        """The same for ``instance_id``'s decode speed."""
+        return _own(self._decode_speed.get(instance_id))
 
     def ttft(self, num_prompt_tokens: int) -> float:
         """The TTFT slack (seconds) for a prompt of this size: its band's, else every band's."""
@@ -165,6 +187,12 @@ class Margins:
         self._tbt.pop(instance_id, None)
         self._speed.pop(instance_id, None)
         self._decode_speed.pop(instance_id, None)
+
+
+def _own(window: RatioWindow | None) -> tuple[float, float | None] | None:
+    if window is None or len(window) < MIN_SPEED_SAMPLES:
+        return None
+    return window.value(), window.changes_at()
 
 
 def _pick(own: RatioWindow | None, cluster: RatioWindow, enough: int = MIN_SAMPLES, default: float = 1.0) -> float:

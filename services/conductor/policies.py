@@ -11,7 +11,10 @@ router and, joined with ``+``, options: ``cache_aware+replication+predictive_rej
                 TTFT = queue + load of the cached blocks it lacks + prefill of
                 the rest (plus, since an instance computes the shortest work
                 first, the delay it adds to the longer requests queued there);
-                the decode instance with the least predicted TBT.
+                the decode instance with the least predicted TBT. It looks only
+                at the candidates that can win (`candidates.py`): the same
+                choice as over every instance, at a cost that does not grow
+                with the idle ones.
 - +replication: a prefix much longer (``balancing_threshold`` times) in a peer's
                 cache than in a candidate's may be copied to that candidate:
                 a busy instance's hot prefix is replicated on an idle one.
@@ -131,11 +134,11 @@ class CacheAwareRouter:
     def route(self, ctx: AdmitContext) -> Route:
         peer = ctx.best_peer() if self.replication else None
         best, best_key = None, None
-        for p in ctx.prefills:
+        for p in ctx.prefill_candidates(self.replication):
             key = (ctx.prefill_cost(p, self.replication, peer), p.load, p.instance_id)
             if best_key is None or key < best_key:
                 best, best_key = p, key
-        decode = min(ctx.decodes, key=lambda d: (ctx.decode_tbt(d), d.instance_id))
+        decode = min(ctx.decode_candidates(), key=lambda d: (ctx.decode_tbt(d), d.instance_id))
         return Route(ctx.prefill_estimate(best, self.replication, peer), ctx.decode_all(decode))
 
     def route_local(self, ctx: AdmitContext) -> Route:

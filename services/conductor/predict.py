@@ -17,13 +17,17 @@ the cluster view, the index match and the clock.
 
 from dataclasses import dataclass, replace
 from math import ceil
+from typing import TYPE_CHECKING
 
 from libs.protocol.schema import AdmitRequest
 from libs.protocol.slo import SLO
-from libs.protocol.vocabulary import KVTier
+from libs.protocol.vocabulary import KVTier, Role
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.index import PrefixMatch
 from services.conductor.margin import Margins
+
+if TYPE_CHECKING:
+    from services.conductor.candidates import Candidates
 
 
 @dataclass(frozen=True)
@@ -93,8 +97,11 @@ class AdmitContext:
     def __init__(self, request: AdmitRequest, match: PrefixMatch, view: ClusterView, now: float, slo: SLO,
                  config: PredictConfig, prefills: list[Instance] | None = None, decodes: list[Instance] | None = None,
                  stores: list[Instance] | None = None, margins: Margins | None = None,
-                 shorter_share: float = 0.0) -> None:  # fmt: skip
+                 shorter_share: float = 0.0, candidates: "Candidates | None" = None,
+                 excluded: frozenset[str] = frozenset()) -> None:  # fmt: skip
         self.request, self.match, self.view, self.now, self.slo, self.config = request, match, view, now, slo, config
+        self.candidates = candidates  # None: routers look at every instance
+        self.excluded = excluded  # left out of ``prefills`` and ``decodes`` (the gateway saw them die)
         self.margins = margins or Margins()
         self.shorter_share = shorter_share  # the share of a prefill instance shorter prompts take (overload.py)
         self.prefills, self.decodes, self.stores = prefills or [], decodes or [], stores or []
@@ -111,11 +118,42 @@ class AdmitContext:
         self.prefill_deadline = None if self.deadline is None else self.deadline - self.ttft_slack
         self._store = self._best_store()
 
+    # --- candidates -------------------------------------------------------------------
+    def instance(self, instance_id: str, role: str) -> Instance | None:
+        """``instance_id`` if it is a live, not excluded instance of ``role``."""
+        if self.candidates is None:
+            pool = self.prefills if role == Role.PREFILL else self.decodes if role == Role.DECODE else self.stores
+            return next((i for i in pool if i.instance_id == instance_id), None)
+        instance = self.view.get(instance_id)
+        if instance is None or instance.role != role or instance_id in self.excluded:
+            return None
+        return instance
+
+    def prefill_candidates(self, replication: bool = False) -> list[Instance]:
+        """The prefill instances among which the cheapest (`prefill_cost`) is found: every
+        one, or, pruned (`candidates.py`), the busy, the best idle instance of each bucket
+        and the best idle holder of each longer prefix of the prompt (with replication,
+        of every prefix: a shorter one may copy more)."""
+        if self.candidates is None:
+            return self.prefills
+        usable = self.usable_blocks
+        groups = ((min(length, usable), ids) for length, ids in self.match.by_length())
+        found = self.candidates.prefill.candidates(groups, lambda i: min(self.match.blocks(i), usable), self.excluded,
+                                                   monotone=not replication)  # fmt: skip
+        return found or self.prefills
+
+    def decode_candidates(self) -> list[Instance]:
+        """The decode instances among which the least TBT (`decode_tbt`) is found: every
+        one, or, pruned, the busy and the best idle."""
+        if self.candidates is None:
+            return self.decodes
+        return self.candidates.decode.candidates(skip=self.excluded) or self.decodes
+
     # --- TTFT -------------------------------------------------------------------------
     def _prefill_parts(self, p: Instance, replication: bool, best_peer: tuple[int, str] | None) -> tuple:
         """(queue, load, compute, handoff, local blocks, store blocks, copy_from, copy blocks, speed) on ``p``."""
         c = p.cost.coefficients
-        local = self.match.prefix.get(p.instance_id, 0)
+        local = self.match.blocks(p.instance_id)
         if local > self.usable_blocks:
             local = self.usable_blocks
         reached, load = local, 0.0
@@ -190,11 +228,14 @@ class AdmitContext:
 
     def best_peer(self) -> tuple[int, str] | None:
         """(blocks, instance) of the prefill instance holding the longest prefix."""
-        usable, best, prefix = self.usable_blocks, None, self.match.prefix
-        for p in self.prefills:  # by id: ties go to the smallest
-            n = min(prefix.get(p.instance_id, 0), usable)
-            if n > 0 and (best is None or n > best[0]):
-                best = (n, p.instance_id)
+        usable, best = self.usable_blocks, None
+        for length, ids in self.match.by_length():  # longest first; ties go to the smallest id
+            n = min(length, usable)
+            if n <= 0 or (best is not None and n < best[0]):
+                break
+            for i in ids:
+                if self.instance(i, Role.PREFILL) is not None and (best is None or i < best[1]):
+                    best = (n, i)
         return best
 
     def _best_store(self) -> tuple[int, str | None, dict[str, list[int]], object]:

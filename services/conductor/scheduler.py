@@ -16,6 +16,7 @@ from libs.protocol.schema import AdmitRequest
 from libs.protocol.vocabulary import ErrorCode, Role
 from services.conductor.admission import Policy
 from services.conductor.affinity import Home, SessionTable
+from services.conductor.candidates import Candidates
 from services.conductor.cluster import ClusterView
 from services.conductor.fair_share import FairShare, FairShareConfig
 from services.conductor.index import KVIndex
@@ -134,6 +135,7 @@ class Scheduler:
         self.errors = PredictionErrors()
         self.tbt_errors = PredictionErrors(TBT_ERROR_BUCKETS, "TBT")
         self.margins = Margins(self.config.margin, lambda: view.clock())
+        self.candidates = Candidates(view, self.margins)  # the instances a router must look at
         self.overload = Overload(self.config.overload)
         self.fair_share = FairShare(self.config.fair_share)
         self.sessions = SessionTable()
@@ -152,8 +154,8 @@ class Scheduler:
         slo = self.context_slo(request)
         view = self.view
         prefills, decodes = view.alive(Role.PREFILL), view.alive(Role.DECODE)
-        if request.exclude:  # instances the gateway has seen die, before this view times them out
-            excluded = set(request.exclude)
+        excluded = frozenset(request.exclude or ())
+        if excluded:  # instances the gateway has seen die, before this view times them out
             prefills = [i for i in prefills if i.instance_id not in excluded]
             decodes = [i for i in decodes if i.instance_id not in excluded]
         return AdmitContext(
@@ -161,6 +163,7 @@ class Scheduler:
             config=self.config.predict, prefills=prefills, decodes=decodes, stores=view.alive(Role.STORE),
             margins=self.margins, shorter_share=self.overload.shorter_share(request.num_prompt_tokens, view.clock(),
                                                                             len(prefills)),
+            candidates=self.candidates, excluded=excluded,
         )  # fmt: skip
 
     def admit(self, request: AdmitRequest) -> Decision:

@@ -108,6 +108,7 @@ class SimPrefill:
         self.running: SimRequest | None = None  # the chunk in progress is this request's
         self.busy_seconds = 0.0
         self.speeds: deque[float] = deque(maxlen=64)  # measured / reported, per job
+        self._idle_beat: Heartbeat | None = None  # sent again while it has no job and its cache has not changed
 
     def submit(self, request: SimRequest) -> None:
         self.queue.append(request)
@@ -118,6 +119,7 @@ class SimPrefill:
     def _start(self, request: SimRequest) -> None:
         """Its prefix from this cache, the store, a peer; its duration from the cost model."""
         self.queue.remove(request)
+        self._idle_beat = None
         sim, t = self.sim, request.trace
         bs = self.cost.block_size
         usable = min(len(t.hash_ids), (t.input_length - 1) // bs)
@@ -176,6 +178,7 @@ class SimPrefill:
         sim, t = self.sim, request.trace
         full = t.hash_ids[: min(len(t.hash_ids), t.input_length // self.cost.block_size)]
         new, evicted = self.cache.insert(full)
+        self._idle_beat = None
         sim.index.discard(self.instance_id, KVTier.DEVICE, evicted)
         sim.index.add(self.instance_id, KVTier.DEVICE, new)
         if sim.store is not None:  # every new full block is written back to the store
@@ -185,14 +188,18 @@ class SimPrefill:
         sim.prefilled(request)
 
     def heartbeat(self) -> Heartbeat:
+        if self._idle_beat is not None and not self.jobs:
+            return self._idle_beat
         queued = [job[0] for job in self.jobs.values()]
         speeds = sorted(self.speeds)
-        return Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", payload=PrefillBeat(
+        beat = Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", payload=PrefillBeat(
             cost=self.sim.reported, load=len(queued), queued_tokens=sum(r.trace.input_length for r in queued),
             capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks),
             speed=speeds[len(speeds) // 2] if speeds else 0.0, chunk_tokens=self.chunk_tokens,
             progress={k: left / r.prefill_seconds if r.prefill_seconds > 0 else 0.0
                       for k, (r, left, _) in self.jobs.items()}))  # fmt: skip
+        self._idle_beat = None if self.jobs else beat
+        return beat
 
 
 class SimDecode:
@@ -214,6 +221,7 @@ class SimDecode:
         self.context = 0  # C: tokens of KV the members hold at the epoch start
         self.version = 0  # the boundary event that is current
         self.next_steps: int | None = None  # steps to that boundary
+        self._idle_beat: Heartbeat | None = None  # sent again whenever it holds nothing: it never changes
 
     @property
     def num_sequences(self) -> int:
@@ -324,8 +332,14 @@ class SimDecode:
             self.next_steps = None
 
     def heartbeat(self) -> Heartbeat:
+        idle = not (self.members or self.joining or self.waiting or self.local_jobs)
+        if idle and self._idle_beat is not None:
+            return self._idle_beat
         bs = self.cost.block_size
-        return Heartbeat(instance_id=self.instance_id, role=Role.DECODE, host_id="sim", payload=DecodeBeat(
+        beat = Heartbeat(instance_id=self.instance_id, role=Role.DECODE, host_id="sim", payload=DecodeBeat(
             cost=self.sim.reported, load=self.num_sequences, batch_size=len(self.members),
             context_tokens=self._context_now(), capacity=self.kv_tokens // bs,
             free_blocks=max(0, self.kv_tokens - self.context) // bs))  # fmt: skip
+        if idle:
+            self._idle_beat = beat
+        return beat

@@ -140,8 +140,8 @@ class Simulation:
         )
 
     def _heartbeats(self) -> None:
-        for instance in (*self.prefills.values(), *self.decodes.values(), *([self.store] if self.store else [])):
-            self.view.observe(instance.heartbeat())
+        self.view.observe_all([instance.heartbeat() for instance in
+                               (*self.prefills.values(), *self.decodes.values(), *([self.store] if self.store else []))])
         self.samples.append(Sample(
             self.now, sum(len(p.jobs) for p in self.prefills.values()),
             sum(d.num_sequences for d in self.decodes.values()), self._rejected, self._wasted,

@@ -71,3 +71,28 @@ def test_a_restarted_instance_starts_from_a_clean_slate():
     view.observe(beat("p1", "prefill", started_at=2.0))
     assert view.get("p1").prefill.num_pending == 0
 
+
+
+def test_a_beat_sent_again_marks_its_instance_heard_and_the_silent_are_still_found():
+    again = beat("p1", "prefill")
+    view, _, clock = cluster(again, beat("p2", "prefill"))
+    clock.now = 2.0
+    view.observe_all([again])
+    clock.now = 3.5  # p2 last heard 3.5 s ago, p1 1.5 s ago
+    assert [i.instance_id for i in view.alive("prefill")] == ["p1"]
+    clock.now = 5.5
+    assert view.alive("prefill") == []
+
+
+def test_a_beat_sent_again_after_a_request_was_sent_is_observed_in_full():
+    again = beat("p1", "prefill")
+    view, _, _ = cluster(again)
+    view.assigned("p1")
+    assert view.get("p1").load == 1
+    view.observe_all([again])
+    assert view.get("p1").load == 0  # the beat counts what was sent since
+
+
+def test_instances_reporting_the_same_coefficients_share_one_cost_model():
+    view, _, _ = cluster(beat("p1", "prefill"), beat("p2", "prefill"), beat("d1", "decode"))
+    assert view.get("p1").cost is view.get("p2").cost is view.get("d1").cost

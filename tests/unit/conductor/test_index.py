@@ -49,3 +49,21 @@ def test_a_snapshot_replaces_an_instance_and_an_empty_one_frees_its_slot():
     index.add("p2", "device", [1, 7])  # reuses p0's slot without inheriting anything
     assert index.match([1, 7]).prefix == {"p1": 1, "p2": 2}
     assert index.num_blocks == 2
+
+
+def test_holders_come_by_prefix_length_longest_first_and_are_named_only_when_read():
+    index = KVIndex()
+    for i in range(40):  # every instance holds the first block (a shared system prompt)
+        index.add(f"p{i}", "device", [1])
+    index.add("p7", "device", [2, 3])
+    index.add("p9", "device", [2])
+    index.add("p3", "device", [2, 3])
+    match = index.match([1, 2, 3, 4])
+    lengths = match.by_length()
+    assert next(lengths) == (3, ["p3", "p7"])
+    assert next(lengths) == (2, ["p9"])
+    assert sorted(next(lengths)[1]) == sorted(f"p{i}" for i in range(40) if i not in (3, 7, 9))
+    assert next(lengths, None) is None
+    assert [match.blocks(i) for i in ("p7", "p9", "p0", "s0")] == [3, 2, 1, 0]
+    assert match._prefix is None  # nothing has asked for every holder by name yet
+    assert len(match.prefix) == 40 and match.prefix["p3"] == 3

@@ -1,0 +1,75 @@
+"""One simulation of the full trace at a given cluster size, timed, as one JSON line:
+the simulator's wall and CPU time, the CPU time of each `Scheduler.admit` (p50, p99,
+max, total), the cache hit rate by the tier the reused tokens came from, and a
+fingerprint of every routing decision (equal between two checkouts that route alike).
+
+    .venv/bin/python bench/conductor_scale.py --prefill 1024 --decode 1024 [--store-blocks 0] [--code DIR]
+
+``--code DIR`` imports the conductor from another checkout (a baseline to compare
+with); `bench/conductor.py --sections scale` runs this for each size and checkout.
+"""
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def digest(requests) -> str:
+    """A fingerprint of every routing decision (prefill, decode, copy source, refusal), in order:
+    equal between two runs only if each request went to the same instances."""
+    h = hashlib.sha256()
+    for r in requests:
+        d = r.decision
+        h.update(f"{d.prefill_id}|{d.decode_id}|{d.copy_from}|{d.error_code};".encode())
+    return h.hexdigest()[:12]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    root = Path(__file__).resolve().parent.parent
+    parser.add_argument("--trace", type=Path, default=root.parent / "shared" / "traces" / "conversation_trace.jsonl")
+    parser.add_argument("--prefill", type=int, required=True)
+    parser.add_argument("--decode", type=int, required=True)
+    parser.add_argument("--policy", default="cache_aware")
+    parser.add_argument("--store-blocks", type=int, default=50_000)
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--code", type=Path, default=root, help="the checkout whose conductor runs (default: this one)")
+    args = parser.parse_args()
+    sys.path.insert(0, str(args.code.resolve()))
+
+    import numpy as np
+
+    from services.conductor.simulator.report import summarize
+    from services.conductor.simulator.simulation import SimConfig, Simulation
+    from services.conductor.simulator.trace import load_trace
+
+    trace = load_trace(args.trace, args.time_scale)
+    sim = Simulation(SimConfig(args.prefill, args.decode, args.policy, store_blocks=args.store_blocks), trace)
+    admit, cpu_ns = sim.scheduler.admit, []
+
+    def timed_admit(request):
+        started = time.thread_time_ns()
+        decision = admit(request)
+        cpu_ns.append(time.thread_time_ns() - started)
+        return decision
+
+    sim.scheduler.admit = timed_admit
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = sim.run()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    summary = summarize(result)
+    us = np.array(cpu_ns) / 1e3
+    print(json.dumps({
+        "prefill": args.prefill, "decode": args.decode, "policy": args.policy, "store_blocks": args.store_blocks,
+        "requests": len(trace), "wall_s": wall, "cpu_s": cpu, "admit_cpu_s": float(us.sum() / 1e6),
+        "admit_p50_us": float(np.percentile(us, 50)), "admit_p99_us": float(np.percentile(us, 99)),
+        "admit_max_us": float(us.max()), "hit": summary.cache_hit_rate, "hit_by_tier": summary.hit_by_tier,
+        "slo_attainment": summary.slo_attainment, "ttft_p99_s": summary.ttft_p99, "decisions": digest(result.requests),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
