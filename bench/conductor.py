@@ -5,10 +5,10 @@ scenarios built to tell admission and replication policies apart.
     .venv/bin/python bench/conductor.py [--sections admit,scale1,...] [--trace T.jsonl] [--out conductor.md]
                                         [--baseline DIR]
 
-1. Admit latency: one Scheduler with 64 instances (48 prefill, 15 decode, 1 store)
+1. Admit latency: one Admitter with 64 instances (48 prefill, 15 decode, 1 store)
    and 1,000,000 blocks in its KV index; 20,000 admissions of 64-block prompts whose
    cached prefixes vary; requests are settled 512 admissions later, so the
-   conductor's load records stay at a steady size. Timed: `Scheduler.admit` alone,
+   conductor's load records stay at a steady size. Timed: `Admitter.admit` alone,
    and with the AdmitRequest decoded and the AdmitReply encoded (msgpack) around it.
 2. Simulator wall time: the full trace at 16 prefill + 16 decode, per policy.
 3. The policy table on the full trace at two loads (time scale 1 and 0.5), then
@@ -44,11 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from libs.protocol import schema  # noqa: E402
 from libs.engine.cost_model import uncalibrated_coefficients  # noqa: E402
 from libs.protocol.schema import AdmitReply, AdmitRequest, DecodeBeat, Heartbeat, PrefillBeat, StoreBeat  # noqa: E402
-from services.conductor.admission import build_policy  # noqa: E402
+from services.conductor.admission_policy import build_policy  # noqa: E402
 from services.conductor.cluster import ClusterView  # noqa: E402
 from services.conductor.index import KVIndex  # noqa: E402
 from services.conductor.margin import MarginConfig  # noqa: E402
-from services.conductor.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from services.conductor.admitter import Admitter, AdmitterConfig  # noqa: E402
 from services.conductor.simulator.report import summarize, table  # noqa: E402
 from services.conductor.simulator.scenarios import hot_prefix, swinging  # noqa: E402
 from services.conductor.simulator.simulation import SimConfig, simulate  # noqa: E402
@@ -88,8 +88,8 @@ def admit_latency(policy: str, num_blocks: int = 1_000_000, admissions: int = 20
     assert index.num_blocks == num_blocks
     # requests are settled by the clock of this loop, not by their real TTFTs: learning from that would
     # teach the conductor a nonsense margin (the reads of margins are timed all the same)
-    learn_nothing = SchedulerConfig(margin=MarginConfig(window=0))
-    scheduler = Scheduler(build_policy(policy, random.Random(1)), view, index, learn_nothing)
+    learn_nothing = AdmitterConfig(margin=MarginConfig(window=0))
+    scheduler = Admitter(build_policy(policy, random.Random(1)), view, index, learn_nothing)
     encoded = []
     for i in range(admissions):
         chain = chains[rng.randrange(len(chains))]
@@ -172,7 +172,7 @@ def admit_section() -> list[str]:
         "",
         "48 prefill + 15 decode + 1 store instance; 20,000 admissions of 64-block prompts with cached prefixes "
         "of 0-64 blocks spread over 1-3 prefill caches and the store's DRAM and disk tiers; each request is "
-        "settled (first token, end) 512 admissions later, one arriving every 20 ms. `admit` is `Scheduler.admit` alone; `wire` adds "
+        "settled (first token, end) 512 admissions later, one arriving every 20 ms. `admit` is `Admitter.admit` alone; `wire` adds "
         "decoding the AdmitRequest and encoding the AdmitReply (msgpack). Target: p99 <= 1 ms.",
         "",
         "| policy | admitted | rejected | admit p50 us | admit p99 us | admit max us | CPU p50 us | CPU p99 us "
@@ -267,7 +267,7 @@ def scale_section(trace: Path, baseline: Path | None) -> list[str]:
         f"`bench/conductor_scale.py --prefill N --decode N --store-blocks B [--code {baseline or 'DIR'}]` for each "
         f"row, one process each ({trace.name}, time scale 1, policy cache_aware, seed 0; prefill caches of 2,000 "
         f"blocks). `baseline` is the conductor of the checkout at {baseline or '(none given)'}; `this`, this one's. "
-        "Wall and CPU: the whole simulation; admit: the thread CPU time of each `Scheduler.admit`. Hit rate: "
+        "Wall and CPU: the whole simulation; admit: the thread CPU time of each `Admitter.admit`. Hit rate: "
         "prompt tokens reused, of which from the prefill instance's own cache (device) and from the store "
         "(DRAM). Decisions: a fingerprint of every request's (prefill, decode, copy source, refusal): equal "
         "fingerprints, the same routing.", "",

@@ -1,5 +1,5 @@
 """One simulation of the full trace at a given cluster size, timed, as one JSON line:
-the simulator's wall and CPU time, the CPU time of each `Scheduler.admit` (p50, p99,
+the simulator's wall and CPU time, the CPU time of each `Admitter.admit` (p50, p99,
 max, total), the cache hit rate by the tier the reused tokens came from, and a
 fingerprint of every routing decision (equal between two checkouts that route alike).
 

@@ -96,7 +96,7 @@ class Config:
 
 def policy_exists(spec: str) -> bool:
     """Whether this checkout's conductor accepts ``KVSERVE_POLICY=spec``."""
-    from services.conductor.admission import build_policy
+    from services.conductor.admission_policy import build_policy
 
     try:
         build_policy(spec)

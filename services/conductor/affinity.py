@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from libs.protocol.vocabulary import Role
-from services.conductor.policies import Route
+from services.conductor.routers import Route
 from services.conductor.predict import AdmitContext
 
 MAX_SESSIONS = 100_000

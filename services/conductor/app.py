@@ -34,13 +34,13 @@ from libs.protocol.schema import (
 )
 from libs.common.service import Service
 from libs.protocol.vocabulary import Role
-from services.conductor.admission import build_policy
+from services.conductor.admission_policy import build_policy
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.conductor_metrics import ConductorMetrics
 from services.conductor.explain import DecisionLog
 from services.conductor.index import KVIndex
 from services.conductor.replicas import Replicas
-from services.conductor.scheduler import Scheduler
+from services.conductor.admitter import Admitter
 from services.conductor.settings import ConductorSettings
 
 SNAPSHOT_TIMEOUT = 5.0
@@ -57,7 +57,7 @@ class Conductor(Service):
         self._unadmitted = RecentIds()  # requests told "cannot admit": their retries are logged at debug
         self.tracker = KVEventTracker(apply=self.index.apply_event, reset=self.index.replace)
         self.view.on_gone = self._forget
-        self.scheduler = Scheduler(build_policy(settings.policy), self.view, self.index, settings.scheduler_config())
+        self.scheduler = Admitter(build_policy(settings.policy), self.view, self.index, settings.scheduler_config())
         self.decisions = DecisionLog(self.scheduler.policy.name)  # for the console
         self.scheduler.explain = self.decisions.record
         self._snapshots: set[str] = set()  # instances whose snapshot is being fetched

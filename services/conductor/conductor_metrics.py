@@ -8,15 +8,15 @@ from collections.abc import Callable
 from libs.common.kv_events import KVEventTracker
 from libs.common.metrics import FAST_BUCKETS, Metrics
 from services.conductor.index import KVIndex
-from services.conductor.policies import Decision
-from services.conductor.scheduler import PredictionErrors, Scheduler
+from services.conductor.routers import Decision
+from services.conductor.admitter import PredictionErrors, Admitter
 
 # in the scrape at zero; error codes join as they occur
 REJECTION_REASONS = ("ttft_slo", "tbt_slo", "decode_full", "fair_share")
 
 
 class ConductorMetrics:
-    def __init__(self, metrics: Metrics, scheduler: Scheduler, index: KVIndex, tracker: KVEventTracker) -> None:
+    def __init__(self, metrics: Metrics, scheduler: Admitter, index: KVIndex, tracker: KVEventTracker) -> None:
         m = metrics
         m.counter_function("kvserve_requests_admitted_total", "Requests the conductor admitted",
                            lambda: {(): scheduler.num_admitted})  # fmt: skip

@@ -3,7 +3,7 @@ what it predicted on every candidate, the prompt prefixes reused most and where
 their copies are, and the KV index counted per instance and tier.
 
 `DecisionLog.record` is called between a policy's choice and the booking of its
-load (`Scheduler.explain`), so every candidate's numbers are the ones the policy
+load (`Admitter.explain`), so every candidate's numbers are the ones the policy
 weighed. Predicting every candidate again costs about as much as the choice
 itself, so a decision keeps its candidates only while a console watches (asked
 for a view in the last WATCHED_S seconds). Only the live conductor keeps a log;
@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable
 from libs.protocol.schema import CandidateView, ConductorViewReply, DecisionView, PrefixView
 from libs.protocol.vocabulary import Role
 from services.conductor.index import KVIndex
-from services.conductor.policies import Decision
+from services.conductor.routers import Decision
 from libs.protocol.slo import SLO
 from services.conductor.predict import AdmitContext
 

@@ -12,7 +12,7 @@ side is `app.py`'s.
 
 from libs.protocol.ids import InstanceId
 from libs.protocol.schema import ConductorAdmission
-from services.conductor.scheduler import Booking, Scheduler
+from services.conductor.admitter import Booking, Admitter
 
 
 def to_message(booking: Booking, conductor_id: str) -> ConductorAdmission:
@@ -36,7 +36,7 @@ def to_booking(m: ConductorAdmission) -> Booking:
 class Replicas:
     """One replica's side of the sharing: its admissions out, its peers' in."""
 
-    def __init__(self, conductor_id: str, scheduler: Scheduler) -> None:
+    def __init__(self, conductor_id: str, scheduler: Admitter) -> None:
         self.conductor_id = conductor_id
         self.scheduler = scheduler
         self.num_peer_bookings = 0  # peers' admissions booked here

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import Self
 
 from libs.common.settings import ServiceSettings, env_float, env_int, env_str, service_env
-from services.conductor.admission import build_policy
+from services.conductor.admission_policy import build_policy
 from services.conductor.fair_share import FairShareConfig
 from services.conductor.overload import OverloadConfig
 from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S, SLO
 from services.conductor.predict import PredictConfig
-from services.conductor.scheduler import SchedulerConfig
+from services.conductor.admitter import AdmitterConfig
 
 # Cache-aware routing that refuses (429 + Retry-After) what it predicts would miss its SLO,
 # judged against the decode batch predicted for when its prefill ends: in the simulator it
@@ -72,8 +72,8 @@ class ConductorSettings(ServiceSettings):
             fair_share_pressure=env_float("FAIR_SHARE_PRESSURE", 0.5),
         )
 
-    def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(
+    def scheduler_config(self) -> AdmitterConfig:
+        return AdmitterConfig(
             slo=SLO(self.slo_ttft_s, self.slo_tbt_s),
             predict=PredictConfig(self.block_size, self.balancing_threshold, self.expected_output_tokens),
             overload=OverloadConfig(self.max_band_refusal_ratio),

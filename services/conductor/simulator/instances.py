@@ -18,7 +18,7 @@ from libs.engine.cost_model import CostModel
 from libs.common.prefill_order import Work, plan
 from libs.protocol.schema import DecodeBeat, Heartbeat, PrefillBeat, StoreBeat
 from libs.protocol.vocabulary import KVTier, Role
-from services.conductor.policies import Decision
+from services.conductor.routers import Decision
 from services.conductor.simulator.trace import TraceRequest
 
 

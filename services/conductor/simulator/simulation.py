@@ -1,5 +1,5 @@
 """The discrete-event loop: trace arrivals go through the live conductor's
-Scheduler (same policies, KV index, cost model and load bookkeeping), and the
+Admitter (same policies, KV index, cost model and load bookkeeping), and the
 simulated instances (`instances.py`) play out what it decided.
 
 The conductor's view is fed exactly as live: heartbeats every simulated second,
@@ -18,14 +18,14 @@ import msgspec
 
 from libs.engine.cost_model import CostModel, reference_coefficients
 from libs.protocol.schema import AdmitRequest, CostCoefficients
-from services.conductor.admission import AdmitAll, build_policy
+from services.conductor.admission_policy import AdmitAll, build_policy
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
 from services.conductor.fair_share import FairShareConfig
 from services.conductor.overload import OverloadConfig
 from libs.protocol.slo import SLO
 from services.conductor.predict import PredictConfig
-from services.conductor.scheduler import Scheduler, SchedulerConfig
+from services.conductor.admitter import Admitter, AdmitterConfig
 from services.conductor.simulator.instances import SimDecode, SimPrefill, SimRequest, SimStore
 from services.conductor.simulator.trace import TRACE_BLOCK_SIZE, TraceRequest
 
@@ -97,8 +97,8 @@ class Simulation:
         predict = PredictConfig(TRACE_BLOCK_SIZE, config.balancing_threshold, config.expected_output_tokens)
         overload = OverloadConfig(config.max_band_refusal_ratio)
         fair = FairShareConfig(config.fair_share_pressure)
-        self.scheduler = Scheduler(policy, self.view, self.index,
-                                   SchedulerConfig(config.slo, predict, overload=overload, fair_share=fair))
+        self.scheduler = Admitter(policy, self.view, self.index,
+                                   AdmitterConfig(config.slo, predict, overload=overload, fair_share=fair))
         self.prefills = {f"prefill-{i}": SimPrefill(self, f"prefill-{i}", cost, config.prefill_cache_blocks)
                          for i in range(config.num_prefill)}  # fmt: skip
         self.decodes = {f"decode-{i}": SimDecode(self, f"decode-{i}", cost, config.decode_max_batch,

@@ -7,7 +7,7 @@ from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
 from libs.protocol.slo import SLO
 from services.conductor.predict import PredictConfig
-from services.conductor.scheduler import SchedulerConfig
+from services.conductor.admitter import AdmitterConfig
 
 
 class Clock:
@@ -53,6 +53,6 @@ def cluster(*beats: Heartbeat) -> tuple[ClusterView, KVIndex, Clock]:
     return view, KVIndex(), clock
 
 
-def config(ttft_s: float = 2.0, tbt_s: float = 0.15, threshold: float = 2.0) -> SchedulerConfig:
-    return SchedulerConfig(SLO(ttft_s, tbt_s), PredictConfig(block_size=16, balancing_threshold=threshold,
+def config(ttft_s: float = 2.0, tbt_s: float = 0.15, threshold: float = 2.0) -> AdmitterConfig:
+    return AdmitterConfig(SLO(ttft_s, tbt_s), PredictConfig(block_size=16, balancing_threshold=threshold,
                                                               expected_output_tokens=512))  # fmt: skip

@@ -1,15 +1,15 @@
 """A re-admission names the instances its gateway saw die: the conductor never
 routes to them, even while their heartbeats have not timed out here yet."""
 
-from services.conductor.admission import build_policy
-from services.conductor.scheduler import Scheduler
+from services.conductor.admission_policy import build_policy
+from services.conductor.admitter import Admitter
 from tests.unit.conductor.helpers import PROMPT, beat, cluster, config, request
 
 
-def scheduler(*beats) -> Scheduler:
+def scheduler(*beats) -> Admitter:
     view, index, _ = cluster(*beats)
     index.add("p0", "device", PROMPT)  # p0 holds the whole prefix: cache-aware routing wants it
-    return Scheduler(build_policy("cache_aware"), view, index, config())
+    return Admitter(build_policy("cache_aware"), view, index, config())
 
 
 def test_excluded_instances_are_not_chosen_though_still_alive_in_the_view():

@@ -5,10 +5,10 @@ what it would have picked among every instance."""
 import random
 
 from libs.protocol.vocabulary import Role
-from services.conductor.admission import build_policy
+from services.conductor.admission_policy import build_policy
 from services.conductor.candidates import Candidates
 from services.conductor.margin import Margins
-from services.conductor.scheduler import Scheduler
+from services.conductor.admitter import Admitter
 from services.conductor.simulator.scenarios import hot_prefix
 from services.conductor.simulator.simulation import SimConfig, Simulation
 from tests.unit.conductor.helpers import beat, cluster, coefficients, config, request
@@ -68,7 +68,7 @@ def test_each_cost_model_and_source_of_speed_has_its_own_best():
 
 def test_a_booked_instance_is_looked_at_until_its_work_is_done():
     view, index, _ = cluster(beat("p1", "prefill"), beat("p2", "prefill"), beat("d1", "decode"), beat("d2", "decode"))
-    scheduler = Scheduler(build_policy("cache_aware"), view, index, config())
+    scheduler = Admitter(build_policy("cache_aware"), view, index, config())
     assert (scheduler.admit(request("a")).prefill_id, scheduler.admit(request("b")).prefill_id) == ("p1", "p2")
     pruned = scheduler.candidates
     assert ids(pruned.prefill.busy()) == ["p1", "p2"]
@@ -146,7 +146,7 @@ def test_random_clusters_route_alike_with_and_without_pruning():
             view, index, clock = cluster(*beats)
             for i in range(12):
                 index.add(f"p{i}", "device", [bytes([b]) * 16 for b in range(random.Random(trial * 100 + i).randint(0, 9))])
-            scheduler = Scheduler(build_policy("cache_aware+replication"), view, index, config())
+            scheduler = Admitter(build_policy("cache_aware+replication"), view, index, config())
             if not prune:
                 scheduler.candidates = None
             picks = []

@@ -1,8 +1,8 @@
 """The conductor's cluster view and least-loaded routing, on hand-built states."""
 
 from libs.engine.cost_model import uncalibrated_coefficients
-from services.conductor.admission import build_policy
-from services.conductor.scheduler import Scheduler
+from services.conductor.admission_policy import build_policy
+from services.conductor.admitter import Admitter
 from tests.unit.conductor.helpers import beat, cluster, config, request
 
 
@@ -24,13 +24,13 @@ def test_an_instance_without_a_calibration_gets_the_stand_in_at_its_block_size()
 
 def test_missing_roles_are_named():
     view, index, _ = cluster()
-    scheduler = Scheduler(build_policy("least_loaded"), view, index, config())
+    scheduler = Admitter(build_policy("least_loaded"), view, index, config())
     assert scheduler.admit(request()).error_code == "no_instances"
     view.observe(beat("d1", "decode"))
     decision = scheduler.admit(request())
     assert (decision.error_code, decision.error_message) == ("no_prefill", "no prefill instance is alive")
     view, index, _ = cluster(beat("p1", "prefill"))
-    assert Scheduler(build_policy("least_loaded"), view, index).admit(request()).error_message == (
+    assert Admitter(build_policy("least_loaded"), view, index).admit(request()).error_message == (
         "no decode instance is alive"
     )
 
@@ -38,13 +38,13 @@ def test_missing_roles_are_named():
 def test_least_loaded_then_most_free_blocks_then_id():
     view, index, _ = cluster(beat("p1", "prefill", load=2), beat("p2", "prefill", load=1),
                              beat("p3", "prefill", load=1, free=200), beat("d1", "decode"), beat("d2", "decode"))  # fmt: skip
-    decision = Scheduler(build_policy("least_loaded"), view, index).admit(request())
+    decision = Admitter(build_policy("least_loaded"), view, index).admit(request())
     assert (decision.prefill_id, decision.decode_id) == ("p3", "d1")
 
 
 def test_assignments_between_heartbeats_spread_a_burst():
     view, index, _ = cluster(beat("p1", "prefill"), beat("p2", "prefill"), beat("d1", "decode"), beat("d2", "decode"))
-    scheduler = Scheduler(build_policy("least_loaded"), view, index)
+    scheduler = Admitter(build_policy("least_loaded"), view, index)
     picks = []
     for i in range(4):
         decision = scheduler.admit(request(f"r{i}"))
@@ -56,7 +56,7 @@ def test_assignments_between_heartbeats_spread_a_burst():
 
 def test_an_idle_heartbeat_clears_predicted_work_only_when_nothing_was_sent_since():
     view, index, clock = cluster(beat("p1", "prefill"), beat("d1", "decode"))
-    scheduler = Scheduler(build_policy("cache_aware"), view, index)
+    scheduler = Admitter(build_policy("cache_aware"), view, index)
     scheduler.admit(request("a"))
     view.observe(beat("p1", "prefill", load=0))  # sent before "a" arrived: the work stays
     assert view.get("p1").prefill.backlog(clock.now) == 0.17
@@ -66,7 +66,7 @@ def test_an_idle_heartbeat_clears_predicted_work_only_when_nothing_was_sent_sinc
 
 def test_a_restarted_instance_starts_from_a_clean_slate():
     view, index, clock = cluster(beat("p1", "prefill", started_at=1.0), beat("d1", "decode"))
-    Scheduler(build_policy("cache_aware"), view, index).admit(request("a"))
+    Admitter(build_policy("cache_aware"), view, index).admit(request("a"))
     assert view.get("p1").prefill.num_pending == 1
     view.observe(beat("p1", "prefill", started_at=2.0))
     assert view.get("p1").prefill.num_pending == 0

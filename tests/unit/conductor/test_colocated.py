@@ -6,16 +6,16 @@ stall spreads over 10 tokens."""
 
 import pytest
 
-from services.conductor.admission import build_policy
-from services.conductor.scheduler import Scheduler
+from services.conductor.admission_policy import build_policy
+from services.conductor.admitter import Admitter
 from tests.unit.conductor.helpers import beat, cluster, config, request
 
 D0, D1 = beat("d0", "decode"), beat("d1", "decode")
 
 
-def scheduler(policy: str, *beats, tbt_s: float = 0.15) -> Scheduler:
+def scheduler(policy: str, *beats, tbt_s: float = 0.15) -> Admitter:
     view, index, _ = cluster(*beats)
-    return Scheduler(build_policy(policy), view, index, config(ttft_s=100.0, tbt_s=tbt_s))
+    return Admitter(build_policy(policy), view, index, config(ttft_s=100.0, tbt_s=tbt_s))
 
 
 @pytest.mark.parametrize("policy", ["cache_aware", "cache_aware+predictive_rejection", "least_loaded"])

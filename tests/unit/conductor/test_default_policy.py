@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from services.conductor.admission import build_policy
+from services.conductor.admission_policy import build_policy
 from services.conductor.settings import DEFAULT_POLICY, ConductorSettings
 
 README = Path(__file__).resolve().parents[3] / "README.md"

@@ -6,10 +6,10 @@ import pytest
 
 from libs.protocol import schema
 from libs.protocol.schema import ConductorViewReply
-from services.conductor.admission import build_policy
+from services.conductor.admission_policy import build_policy
 from services.conductor.explain import WATCHED_S, DecisionLog
 from libs.protocol.slo import SLO
-from services.conductor.scheduler import Scheduler
+from services.conductor.admitter import Admitter
 from tests.unit.conductor.helpers import PROMPT, beat, cluster, config, request
 
 P0, P1, D0 = beat("p0", "prefill"), beat("p1", "prefill"), beat("d0", "decode")
@@ -17,7 +17,7 @@ P0, P1, D0 = beat("p0", "prefill"), beat("p1", "prefill"), beat("d0", "decode")
 
 def explained(policy: str, *beats, ttft_s: float = 2.0):
     view, index, clock = cluster(*beats)
-    s = Scheduler(build_policy(policy), view, index, config(ttft_s=ttft_s))
+    s = Admitter(build_policy(policy), view, index, config(ttft_s=ttft_s))
     log = DecisionLog(policy, clock=lambda: 1000.0)
     s.explain = log.record
     log.view("conductor-0", index, SLO(), 0, 0)  # a console watches
@@ -26,7 +26,7 @@ def explained(policy: str, *beats, ttft_s: float = 2.0):
 
 def test_decisions_keep_their_candidates_only_while_a_console_watches():
     view, index, _ = cluster(P0, P1, D0)
-    s = Scheduler(build_policy("cache_aware"), view, index, config())
+    s = Admitter(build_policy("cache_aware"), view, index, config())
     now = [1000.0]
     log = DecisionLog("cache_aware", clock=lambda: now[0])
     s.explain = log.record

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 
 from libs.engine.cost_model import CostModel, reference_coefficients
-from services.conductor.admission import build_policy
+from services.conductor.admission_policy import build_policy
 from services.conductor.fair_share import ACTIVE_S, FairShare
-from services.conductor.scheduler import Scheduler
+from services.conductor.admitter import Admitter
 from services.conductor.simulator.report import meets_slo
 from services.conductor.simulator.scenarios import noisy_neighbour
 from services.conductor.simulator.simulation import SimConfig, simulate
@@ -40,7 +40,7 @@ def test_only_the_tenant_furthest_over_its_share_is_refused():
     assert f.refuses("c", 1.0, 10, pressure=0.9) is None  # over its share, but a is further over
 
 
-def flood(s: Scheduler, tenant: str, n: int, weight: float = 1.0) -> list[str | None]:
+def flood(s: Admitter, tenant: str, n: int, weight: float = 1.0) -> list[str | None]:
     """``n`` requests of ``tenant`` admitted or refused, none finishing: their refusal reasons."""
     reasons = []
     for i in range(n):
@@ -49,9 +49,9 @@ def flood(s: Scheduler, tenant: str, n: int, weight: float = 1.0) -> list[str | 
     return reasons
 
 
-def scheduler() -> Scheduler:
+def scheduler() -> Admitter:
     view, index, _ = cluster(beat("p0", "prefill"), beat("d0", "decode", free=10_000))
-    return Scheduler(build_policy("cache_aware+early_rejection"), view, index, config(2.0, 10.0))
+    return Admitter(build_policy("cache_aware+early_rejection"), view, index, config(2.0, 10.0))
 
 
 def test_a_flooding_tenant_is_refused_for_its_share_and_the_other_still_gets_in():

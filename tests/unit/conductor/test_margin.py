@@ -6,9 +6,9 @@ from collections import deque
 
 import pytest
 
-from services.conductor.admission import build_policy
+from services.conductor.admission_policy import build_policy
 from services.conductor.margin import MIN_SAMPLES, TTFT_SLACK_S, MarginConfig, Margins, RatioWindow
-from services.conductor.scheduler import Scheduler
+from services.conductor.admitter import Admitter
 from services.conductor.simulator.report import kept
 from services.conductor.simulator.simulation import SimConfig, Simulation
 from services.conductor.simulator.trace import TraceRequest
@@ -59,7 +59,7 @@ def test_ttft_slack_is_per_prompt_size_band_with_every_bands_as_the_fallback():
 
 def test_samples_taken_across_a_fault_or_a_migration_teach_the_margins_nothing():
     view, index, clock = cluster(beat("p0", "prefill"), beat("d0", "decode"))
-    s = Scheduler(build_policy("cache_aware+predictive_rejection"), view, index, config())
+    s = Admitter(build_policy("cache_aware+predictive_rejection"), view, index, config())
     clock.now = 100.0
     view.observe(beat("p0", "prefill"))
     view.observe(beat("d0", "decode", started_at=50.0))  # d0 restarted
@@ -101,7 +101,7 @@ def test_admission_learns_a_slow_cluster_until_it_keeps_its_promise(policy):
 
 def test_an_idle_cluster_admits_what_fits_and_the_margin_stays_bounded():
     view, index, clock = cluster(beat("p0", "prefill"), beat("d0", "decode"))
-    s = Scheduler(build_policy("cache_aware+predictive_rejection"), view, index, config(ttft_s=0.8))
+    s = Admitter(build_policy("cache_aware+predictive_rejection"), view, index, config(ttft_s=0.8))
     for _ in range(MIN_SAMPLES):  # predictions have been 2 s too optimistic
         s.margins.observe_ttft(170, observed=3.0, predicted=1.0)
         s.margins.observe_ttft(40, observed=3.0, predicted=1.0)
@@ -125,7 +125,7 @@ def test_decode_workers_are_compared_as_they_run_not_as_they_calibrated():
     # d0 calibrated on a busy machine: its cost model says 21 ms a step alone, d1's 11 ms
     slow_calibration = beat("d0", "decode", cost=coefficients(decode_base=0.02))
     view, index, clock = cluster(beat("p0", "prefill"), slow_calibration, beat("d1", "decode"))
-    s = Scheduler(build_policy("cache_aware"), view, index, config())
+    s = Admitter(build_policy("cache_aware"), view, index, config())
     assert s.admit(request("a")).decode_id == "d1"
     for _ in range(5):  # d0's requests decode twice as fast as its model says, d1's as fast
         s.margins.observe_tbt("d0", observed=0.0105, predicted=0.021)

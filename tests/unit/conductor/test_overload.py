@@ -3,9 +3,9 @@ guard stops that preference before a band is starved."""
 
 import pytest
 
-from services.conductor.admission import build_policy
+from services.conductor.admission_policy import build_policy
 from services.conductor.overload import WINDOW_S, Overload, OverloadConfig
-from services.conductor.scheduler import Scheduler
+from services.conductor.admitter import Admitter
 from tests.unit.conductor.helpers import beat, cluster, config, request
 
 
@@ -38,7 +38,7 @@ def test_a_band_refused_far_more_often_than_all_is_no_longer_held_back():
 def test_under_a_stream_of_short_prompts_a_long_one_is_refused_for_the_time_they_will_take():
     beats = (beat("p0", "prefill"), beat("d0", "decode"))
     view, index, clock = cluster(*beats)
-    s = Scheduler(build_policy("cache_aware+predictive_rejection"), view, index, config(2.0, 10.0))
+    s = Admitter(build_policy("cache_aware+predictive_rejection"), view, index, config(2.0, 10.0))
 
     def at(now: float) -> None:
         clock.now = now

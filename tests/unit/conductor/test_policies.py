@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from services.conductor.admission import build_policy
-from services.conductor.scheduler import Scheduler
+from services.conductor.admission_policy import build_policy
+from services.conductor.admitter import Admitter
 from tests.unit.conductor.helpers import PROMPT, beat, cluster, coefficients, config, request
 
 
 def scheduler(policy: str, *beats, ttft_s: float = 2.0, tbt_s: float = 0.15, rng=None):
     view, index, clock = cluster(*beats)
-    return Scheduler(build_policy(policy, rng), view, index, config(ttft_s, tbt_s)), index, clock
+    return Admitter(build_policy(policy, rng), view, index, config(ttft_s, tbt_s)), index, clock
 
 
 P0, P1, D0, D1 = beat("p0", "prefill"), beat("p1", "prefill"), beat("d0", "decode"), beat("d1", "decode")

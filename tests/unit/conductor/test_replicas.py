@@ -6,9 +6,9 @@ and is replaced by an own re-admission of the same request."""
 from libs.protocol import schema
 from libs.protocol.schema import ConductorAdmission
 from libs.protocol.vocabulary import Role
-from services.conductor.admission import build_policy
+from services.conductor.admission_policy import build_policy
 from services.conductor.replicas import Replicas
-from services.conductor.scheduler import Scheduler
+from services.conductor.admitter import Admitter
 from services.conductor.settings import DEFAULT_POLICY
 from tests.unit.conductor.helpers import Clock, beat, block, cluster, config, request
 
@@ -20,7 +20,7 @@ def replica(conductor_id: str, clock: Clock | None = None) -> Replicas:
     view, index, _ = cluster(*BEATS)
     if clock is not None:
         view.clock = clock
-    return Replicas(conductor_id, Scheduler(build_policy(DEFAULT_POLICY), view, index, config()))
+    return Replicas(conductor_id, Admitter(build_policy(DEFAULT_POLICY), view, index, config()))
 
 
 def requests(n: int):

@@ -10,8 +10,8 @@ from libs.common.metrics import Metrics
 from libs.engine.model.block_pool import BlockPool
 from libs.engine.worker_metrics import WorkerMetrics
 from services.conductor.conductor_metrics import ConductorMetrics
-from services.conductor.policies import Decision
-from services.conductor.scheduler import TBT_ERROR_BUCKETS, PredictionErrors
+from services.conductor.routers import Decision
+from services.conductor.admitter import TBT_ERROR_BUCKETS, PredictionErrors
 from services.store.store_metrics import declare_store_metrics
 from services.store.tier import TierStats
 

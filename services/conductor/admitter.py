@@ -1,7 +1,7 @@
 """The conductor's decision core: one `admit` per request and one `progress` per
 milestone of an admitted request, over the cluster view and the KV index.
 
-The live service (`app.py`) and the simulator drive the same Scheduler: the
+The live service (`app.py`) and the simulator drive the same Admitter: the
 former from NATS messages, the latter from simulated instances. It books each
 admission into the chosen instances' predicted load (`load.py`) and settles it
 when the request's first token and its end are reported, measuring the error
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from libs.protocol.schema import AdmitRequest
 from libs.protocol.vocabulary import ErrorCode, Role
-from services.conductor.admission import Policy
+from services.conductor.admission_policy import Policy
 from services.conductor.affinity import Home, SessionTable
 from services.conductor.candidates import Candidates
 from services.conductor.cluster import ClusterView
@@ -22,13 +22,13 @@ from services.conductor.fair_share import FairShare, FairShareConfig
 from services.conductor.index import KVIndex
 from services.conductor.margin import MarginConfig, Margins
 from services.conductor.overload import Overload, OverloadConfig
-from services.conductor.policies import Decision
+from services.conductor.routers import Decision
 from libs.protocol.slo import SLO
 from services.conductor.predict import AdmitContext, PredictConfig, modelled_step
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class AdmitterConfig:
     slo: SLO = SLO()
     predict: PredictConfig = field(default_factory=PredictConfig)
     margin: MarginConfig = field(default_factory=MarginConfig)
@@ -125,12 +125,12 @@ class PredictionErrors:
         return out
 
 
-class Scheduler:
-    def __init__(self, policy: Policy, view: ClusterView, index: KVIndex, config: SchedulerConfig | None = None) -> None:
+class Admitter:
+    def __init__(self, policy: Policy, view: ClusterView, index: KVIndex, config: AdmitterConfig | None = None) -> None:
         self.policy = policy
         self.view = view
         self.index = index
-        self.config = config or SchedulerConfig()
+        self.config = config or AdmitterConfig()
         self.admitted: dict[str, Admitted] = {}
         self.errors = PredictionErrors()
         self.tbt_errors = PredictionErrors(TBT_ERROR_BUCKETS, "TBT")

@@ -32,7 +32,7 @@ from typing import Protocol
 from libs.protocol.vocabulary import ErrorCode
 from services.conductor.affinity import Home, stay_or_move
 from services.conductor.cluster import Instance
-from services.conductor.policies import (OPTIONS, ROUTERS, Decision, Route, Router, build_router, local_route,
+from services.conductor.routers import (OPTIONS, ROUTERS, Decision, Route, Router, build_router, local_route,
                                          missing_roles)
 from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEstimate
 
