@@ -20,15 +20,13 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from libs.protocol import schema, subjects
-
-from libs.common import nats_auth
-from libs.protocol.ids import InstanceId
-from libs.common import metrics_server
+from libs.common import heap, metrics_server, nats_auth
 from libs.common.metrics import Metrics
+from libs.common.settings import ServiceSettings
+from libs.protocol import schema, subjects
+from libs.protocol.ids import InstanceId
 from libs.protocol.models import model_name
 from libs.protocol.schema import BadMessageError, ErrorReply, Heartbeat, Message
-from libs.common.settings import ServiceSettings
 from libs.protocol.vocabulary import ErrorCode
 
 M = TypeVar("M", bound=Message)
@@ -74,6 +72,9 @@ class Service:
             await self.publish(subjects.ROLL_CALL, schema.RollCall(instance_id=self.instance_id))
             beat = asyncio.create_task(self._heartbeat_loop())
             stack.callback(beat.cancel)
+            if self.settings.heap_trim_s and heap.can_trim():
+                trimming = asyncio.create_task(self._trim_heap_loop(self.settings.heap_trim_s))
+                stack.callback(trimming.cancel)
             self.log.info("%s ready", self.instance_id)
             await self.stopping.wait()
             self.log.info("%s stopping", self.instance_id)
@@ -184,6 +185,12 @@ class Service:
             await nc.close()  # nothing to drain to
         except Exception as e:  # e.g. uvloop refuses to flush into a transport the server already closed
             self.log.info("closed the NATS connection; what it still held is lost (%s)", e)
+
+    async def _trim_heap_loop(self, every_s: float) -> None:
+        """Give freed heap memory back to the kernel now and then (libs/common/heap.py)."""
+        while True:
+            await asyncio.sleep(every_s)
+            await asyncio.to_thread(heap.trim)
 
     async def _heartbeat_loop(self) -> None:
         subject = subjects.heartbeat(self.settings.role, self.instance_id)

@@ -81,6 +81,9 @@ def service_env(role: str) -> dict[str, Any]:
             load_credentials(credentials)  # fail now, with the reason, rather than at every reconnect
         except NatsAuthError as e:
             raise ValueError(f"KVSERVE_NATS_CREDENTIALS: {e}") from None
+    heap_trim_s = env_float("HEAP_TRIM_S", 60.0)
+    if not heap_trim_s >= 0:
+        raise ValueError(f"KVSERVE_HEAP_TRIM_S must be 0 or more seconds, got {heap_trim_s}")
     return dict(
         role=role,
         nats_url=env_str("NATS_URL", DEFAULT_NATS_URL),
@@ -92,6 +95,7 @@ def service_env(role: str) -> dict[str, Any]:
         model_spec=env_str("MODEL", "") or None,
         metrics_host=env_str("METRICS_HOST", "127.0.0.1"),
         metrics_port=env_port("METRICS_PORT"),
+        heap_trim_s=heap_trim_s,
     )
 
 
@@ -123,6 +127,7 @@ class ServiceSettings:
     model_spec: str | None = None  # KVSERVE_MODEL as set: the model_name label of the service's metrics
     metrics_host: str = "127.0.0.1"  # where /metrics and /healthz are served (KVSERVE_METRICS_HOST) ...
     metrics_port: int | None = None  # ... and on which port (KVSERVE_METRICS_PORT; None: not served, 0: any)
+    heap_trim_s: float = 60.0  # give freed heap memory back this often (KVSERVE_HEAP_TRIM_S; 0: never; libs/common/heap.py)
 
     @classmethod
     def from_env(cls, role: str) -> Self:
