@@ -8,6 +8,7 @@ worker does. Also calibrates the worker's cost
 model at start-up and reports it, with the batch it is running, in heartbeats.
 """
 
+import asyncio
 import time
 
 from nats.aio.msg import Msg
@@ -40,6 +41,8 @@ class LocalPrefill:
         try:
             request.sampling.validate(engine.model.config.vocab_size)
             engine.check_prompt(len(request.prompt_token_ids))
+            if request.sampling.grammar is not None:  # compiled off the loop, and cached for the sampler
+                await asyncio.to_thread(self.worker.grammars.compile, request.sampling.grammar)
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,

@@ -15,6 +15,7 @@ from libs.common.engine_host import EngineHost
 from libs.common.errors import OutOfKVBlocksError
 from libs.common.hashing import ROOT
 from libs.common.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
+from libs.common.model.grammar import GrammarCompiler
 from libs.common.model.sequence import Sequence
 from libs.common.recent import RecentIds
 from libs.common.schema import (
@@ -53,9 +54,10 @@ class DecodeWorker(Service):
         self.leases = LeaseTable(settings.lease_seconds)
         # the batch: changed on the engine thread only (through host.run); heartbeats read it
         self.local_prefill = LocalPrefill(self, settings.model.calibrate)  # cost model; prefills the conductor sends here
+        self.grammars = GrammarCompiler(self.host.loaded.tokenizer, self.engine.model.config.vocab_size)
         self.scheduler = Scheduler(self.engine.cache, token_stop(self.eos_ids, self.engine.max_model_len),
                                    settings.max_batch_size, self.local_prefill.prefill_time,
-                                   eos_token_ids=self.eos_ids)  # fmt: skip
+                                   eos_token_ids=self.eos_ids, grammars=self.grammars)  # fmt: skip
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
                                             num_running=lambda: len(self.scheduler.running),
                                             num_waiting=lambda: len(self.scheduler.waiting))

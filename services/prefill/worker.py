@@ -28,6 +28,7 @@ from libs.common.cost_model import CostModel, uncalibrated_coefficients
 from libs.common.engine_host import EngineHost
 from libs.common.errors import KVServeError, OutOfKVBlocksError
 from libs.common.hashing import ROOT
+from libs.common.model.grammar import GrammarCompiler
 from libs.common.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.common.model.sequence import Sequence
 from libs.common.prefill_order import Work, plan
@@ -79,6 +80,7 @@ class PrefillWorker(Service):
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
         self.finish_rule = token_stop(self.eos_ids, self.engine.max_model_len)
+        self.grammars = GrammarCompiler(self.host.loaded.tokenizer, self.engine.model.config.vocab_size)
         self.in_flight: dict[str, Job] = {}  # taken, not yet finished
         self.ready: dict[str, Job] = {}  # prepared: the steps choose their chunks from these
         self._work = asyncio.Event()  # a job became ready
@@ -110,6 +112,8 @@ class PrefillWorker(Service):
         try:
             request.sampling.validate(self.engine.model.config.vocab_size)
             self.engine.check_prompt(len(request.prompt_token_ids))
+            if request.sampling.grammar is not None:  # compiled off the loop, and cached for the sampler
+                await asyncio.to_thread(self.grammars.compile, request.sampling.grammar)
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
@@ -285,12 +289,13 @@ class PrefillWorker(Service):
         seqs, rows = [], []
         for row, job in enumerate(done):
             choices = [job.seq] + [replace(job.seq, token_ids=list(job.seq.token_ids), block_table=[],
-                                           block_hashes=[], choice=c) for c in range(1, job.seq.params.n)]  # fmt: skip
+                                           block_hashes=[], choice=c, grammar=None)
+                                 for c in range(1, job.seq.params.n)]  # fmt: skip
             seqs += choices
             rows += [row] * len(choices)
         if len(seqs) > len(done):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        outs = sample_tokens(seqs, logits, self.finish_rule, self.eos_ids)
+        outs = sample_tokens(seqs, logits, self.finish_rule, self.eos_ids, self.grammars)
         return [(job, [out for out in outs if out.seq.request_id == job.request.request_id]) for job in done]
 
     async def _finish(self, job: Job, outs: list[TokenOutput]) -> None:

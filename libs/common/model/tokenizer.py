@@ -46,6 +46,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The added tokens: control tokens such as end-of-turn, never text a grammar could match."""
+        return frozenset(self._special)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
