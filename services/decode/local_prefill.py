@@ -17,6 +17,7 @@ from libs.common import subjects
 from libs.common.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
 from libs.common.errors import KVServeError
 from libs.common.hashing import ROOT
+from libs.common.model.grammar import check_grammar
 from libs.common.model.scheduler import Due
 from libs.common.model.sequence import Sequence
 from libs.common.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
@@ -41,8 +42,8 @@ class LocalPrefill:
         try:
             request.sampling.validate(engine.model.config.vocab_size)
             engine.check_prompt(len(request.prompt_token_ids))
-            if request.sampling.grammar is not None:  # compiled off the loop, and cached for the sampler
-                await asyncio.to_thread(self.worker.grammars.compile, request.sampling.grammar)
+            if request.sampling.grammar is not None:  # its schema, checked off the loop (compiled on admission)
+                await asyncio.to_thread(check_grammar, request.sampling.grammar)
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,

@@ -12,7 +12,7 @@ from nats.aio.msg import Msg
 
 from libs.common import subjects
 from libs.common.engine_host import EngineHost
-from libs.common.errors import OutOfKVBlocksError
+from libs.common.errors import KVServeError, OutOfKVBlocksError
 from libs.common.hashing import ROOT
 from libs.common.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
 from libs.common.model.grammar import GrammarCompiler
@@ -79,6 +79,7 @@ class DecodeWorker(Service):
         expiry = self.spawn(self._expire_leases(), essential=True)
         stack.callback(loop.cancel)
         stack.callback(expiry.cancel)
+        self.spawn(asyncio.to_thread(self.grammars.warm))  # in the background: it does not hold up readiness
 
     # --- hand-off --------------------------------------------------------------
     async def on_reserve(self, request: ReserveRequest, msg: Msg) -> ReserveReply | ErrorReply:
@@ -217,7 +218,16 @@ class DecodeWorker(Service):
     # --- the batch -------------------------------------------------------------
     async def admit(self, seq: Sequence, computed: bool, due: Due | None = None) -> None:
         """Add a sequence to the batch: one whose KV came by hand-off (``computed``),
-        or one to prefill here (local prefill), due by ``due``."""
+        or one to prefill here (local prefill), due by ``due``. Its grammar, if any, is
+        compiled first, off the engine thread (the sampler finds it cached)."""
+        if seq.params.grammar is not None:
+            try:
+                await asyncio.to_thread(self.grammars.compile, seq.params.grammar)
+            except KVServeError as e:
+                await self.host.run(self.engine.cache.free, seq)
+                await self._publish_error(seq, ErrorCode.INVALID_REQUEST, str(e))
+                await self._blocks_were_freed()
+                return
         if computed:
             await self.host.run(self.scheduler.add_running, seq)
         else:

@@ -28,7 +28,7 @@ from libs.common.cost_model import CostModel, uncalibrated_coefficients
 from libs.common.engine_host import EngineHost
 from libs.common.errors import KVServeError, OutOfKVBlocksError
 from libs.common.hashing import ROOT
-from libs.common.model.grammar import GrammarCompiler
+from libs.common.model.grammar import GrammarCompiler, check_grammar
 from libs.common.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.common.model.sequence import Sequence
 from libs.common.prefill_order import Work, plan
@@ -107,13 +107,14 @@ class PrefillWorker(Service):
             await self.store.start(self.reports.cost)
         loop = self.spawn(self._prefill_loop(), essential=True)
         stack.callback(loop.cancel)
+        self.spawn(asyncio.to_thread(self.grammars.warm))  # in the background: it does not hold up readiness
 
     async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
         try:
             request.sampling.validate(self.engine.model.config.vocab_size)
             self.engine.check_prompt(len(request.prompt_token_ids))
-            if request.sampling.grammar is not None:  # compiled off the loop, and cached for the sampler
-                await asyncio.to_thread(self.grammars.compile, request.sampling.grammar)
+            if request.sampling.grammar is not None:  # its schema, checked off the loop (compiled in _prepare)
+                await asyncio.to_thread(check_grammar, request.sampling.grammar)
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
@@ -223,6 +224,12 @@ class PrefillWorker(Service):
                     return None
             except KVServeError as e:
                 await self._fail(job, ErrorInfo(code=ErrorCode.NO_CAPACITY, message=str(e)))
+                return None
+        if seq.params.grammar is not None:  # compiled off the engine thread; the sampler finds it cached
+            try:
+                await asyncio.to_thread(self.grammars.compile, seq.params.grammar)
+            except KVServeError as e:
+                await self._fail(job, ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=str(e)))
                 return None
         hits = {KVTier.DEVICE: seq.num_cached_tokens}
         if self.store is not None:

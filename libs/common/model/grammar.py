@@ -54,6 +54,12 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and the benchmark
 
+    def warm(self) -> None:
+        """Import xgrammar and read the vocabulary now (seconds of one core), so the first
+        request with a grammar does not wait for it; blocking: a worker runs it in a thread."""
+        with self._lock:
+            self._compiler = self._compiler or self._build_compiler()
+
     def compile(self, grammar: Grammar) -> "xgrammar.CompiledGrammar":
         """``grammar`` compiled, from the cache when it is there; InvalidRequestError
         naming the problem when the schema cannot be compiled."""
