@@ -98,7 +98,7 @@ def check_grammar(grammar: Grammar) -> None:
         try:
             _xgrammar().Grammar.from_json_schema(grammar.schema, strict_mode=grammar.strict)
         except (RuntimeError, ValueError, TypeError) as e:
-            raise InvalidRequestError(f"Invalid 'response_format' JSON Schema: {_message(e)}") from None
+            raise InvalidRequestError(f"Invalid JSON Schema: {_message(e)}") from None
 
 
 def _compile(compiler: "xgrammar.GrammarCompiler", grammar: Grammar) -> "xgrammar.CompiledGrammar":
@@ -108,11 +108,13 @@ def _compile(compiler: "xgrammar.GrammarCompiler", grammar: Grammar) -> "xgramma
         return compiler.compile_json_schema(schema, any_whitespace=False, separators=_SEPARATORS,
                                             strict_mode=grammar.strict)  # fmt: skip
     except (RuntimeError, ValueError, TypeError) as e:
-        raise InvalidRequestError(f"Invalid 'response_format' JSON Schema: {_message(e)}") from None
+        raise InvalidRequestError(f"Invalid JSON Schema: {_message(e)}") from None
 
 
 def _message(error: Exception) -> str:
-    return _LOCATION.sub("", str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__)
+    """xgrammar's error, its first line, without the source location before it."""
+    text = str(error).strip()
+    return _LOCATION.sub("", text.splitlines()[0]) if text else type(error).__name__
 
 
 class GrammarState:
