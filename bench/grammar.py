@@ -5,10 +5,10 @@ grammar compile time per schema, cold and cached.
     .venv/bin/python bench/grammar.py [--steps 12] [--rounds 3] [--out bench/results/grammar.md]
 
 Each round times ``--steps`` decode steps with grammars, then the same number without,
-on the same sequences at the same lengths (both run from a copy of one prefilled state);
-the figure is the median step over all rounds. The grammar (an object holding an array
-of up to 64 short strings) does not end within the steps timed, so every constrained
-row is masked at every step. Compile times are the 20 schemas of the structured-output
+on sequences of the same prompts and lengths (each batch prefilled afresh); the figure
+is the median step over all rounds. The grammar (an object holding an array of exactly
+64 short strings) does not end within the steps timed, so every constrained row is
+masked at every step. Compile times are the 20 schemas of the structured-output
 integration test, on a fresh compiler (cold) and again (cached).
 """
 
@@ -34,7 +34,8 @@ from libs.common.sampling_params import Grammar, SamplingParams  # noqa: E402
 
 SCHEMA = {
     "type": "object",
-    "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 16}, "maxItems": 64}},
+    "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 64,
+                  "maxItems": 64}},
     "required": ["items"],
     "additionalProperties": False,
 }
@@ -55,27 +56,34 @@ def batch(model, engine, size: int, constrained: bool, grammars: GrammarCompiler
     return seqs
 
 
-def time_steps(model, engine, seqs: list[Sequence], steps: int, grammars: GrammarCompiler) -> list[float]:
+def time_steps(model, engine, seqs: list[Sequence], steps: int,
+               grammars: GrammarCompiler) -> list[tuple[float, float]]:  # fmt: skip
+    """(whole step, sampler alone) seconds of each of ``steps`` decode steps."""
     eos = model.tokenizer.eos_token_ids
     out = []
     for _ in range(steps):
         start = time.perf_counter()
         logits = engine.decode_step(seqs)
+        sampling = time.perf_counter()
         sample_tokens(seqs, logits, lambda s: None, eos, grammars)
-        out.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        out.append((end - start, end - sampling))
     return out
 
 
 def step_times(model, size: int, steps: int, rounds: int, grammars: GrammarCompiler) -> dict[str, float]:
-    times: dict[bool, list[float]] = {True: [], False: []}
-    for _ in range(rounds):
-        for constrained in (True, False):
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for r in range(rounds):
+        for constrained in (True, False) if r % 2 == 0 else (False, True):  # neither always goes first
             engine = build_engine(model, EngineConfig(num_blocks=64 * size // 8 + 64, enable_prefix_cache=False))
             seqs = batch(model, engine, size, constrained, grammars)
             time_steps(model, engine, seqs, 2, grammars)  # warm
             times[constrained] += time_steps(model, engine, seqs, steps, grammars)
-    with_g, without = statistics.median(times[True]), statistics.median(times[False])
-    return {"with_ms": with_g * 1e3, "without_ms": without * 1e3, "slower_pct": 100 * (with_g / without - 1)}
+    step = {c: statistics.median(t for t, _ in times[c]) for c in times}
+    sampler = {c: statistics.median(s for _, s in times[c]) for c in times}
+    return {"with_ms": step[True] * 1e3, "without_ms": step[False] * 1e3,
+            "slower_pct": 100 * (step[True] / step[False] - 1),
+            "sampler_with_ms": sampler[True] * 1e3, "sampler_without_ms": sampler[False] * 1e3}  # fmt: skip
 
 
 def compile_times(model) -> dict[str, float]:
@@ -122,10 +130,10 @@ def main() -> None:
         f"    .venv/bin/python bench/grammar.py --steps {args.steps} --rounds {args.rounds}"
         + (f" --dtype {args.dtype}" if args.dtype != "auto" else ""),
         "",
-        "| sequences | half with a grammar (ms/step) | no grammar (ms/step) | slower |",
-        "|---|---|---|---|",
-        *(f"| {size} | {s['with_ms']:.1f} | {s['without_ms']:.1f} | {s['slower_pct']:+.1f}% |"
-          for size, s in steps.items()),
+        "| sequences | half with a grammar (ms/step) | no grammar (ms/step) | slower | sampler, with / without (ms) |",
+        "|---|---|---|---|---|",
+        *(f"| {size} | {s['with_ms']:.1f} | {s['without_ms']:.1f} | {s['slower_pct']:+.1f}% | "
+          f"{s['sampler_with_ms']:.2f} / {s['sampler_without_ms']:.2f} |" for size, s in steps.items()),
         "",
         f"Compile (20 schemas of tests/integration/structured_schemas.py): cold median "
         f"{compiled['cold_median_ms']:.1f} ms, max {compiled['cold_max_ms']:.1f} ms; cached median "

@@ -96,3 +96,5 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        if self.grammar is not None and self.grammar.kind == "json_schema" and not self.grammar.schema:
+            raise InvalidRequestError("grammar of kind json_schema must carry its schema")
