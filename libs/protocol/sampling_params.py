@@ -1,6 +1,7 @@
 """What a request asks of sampling and stopping; a wire type, so it imports no torch."""
 
 import math
+from typing import Literal
 
 import msgspec
 
@@ -10,6 +11,17 @@ MAX_N = 128  # sequences per request (OpenAI's bound)
 MAX_LOGPROBS = 20  # top alternatives per token (vLLM's default max_logprobs)
 MAX_LOGIT_BIAS = 300  # entries in logit_bias
 LOGIT_BIAS_LIMIT = 100.0  # |bias| (OpenAI's bounds)
+
+
+class Grammar(msgspec.Struct, frozen=True, kw_only=True):
+    """What a request's output must match, as the request gave it: a JSON object, or
+    JSON valid under a JSON Schema. It travels as text, never as compiled state, so
+    every worker (and a migrated request's next one) compiles it for its own
+    tokenizer and replays the tokens generated so far (`model/grammar.py`)."""
+
+    kind: Literal["json_object", "json_schema"]
+    schema: str = ""  # the JSON Schema, as JSON text (json_schema only)
+    strict: bool = False  # OpenAI's strict: no property the schema does not name
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +42,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # None: none; n: the sampled token's logprob and the n likeliest
+    grammar: Grammar | None = None  # constrained decoding: only tokens the grammar allows are drawn
 
     @property
     def is_greedy(self) -> bool:
@@ -43,7 +56,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def changes_logits(self) -> bool:
         """Whether the sampler has more to do than temperature, top-k and top-p: a batch
         where no request does takes the plain path."""
-        return bool(self.has_penalties or self.logit_bias or self.min_tokens or self.min_p or self.logprobs is not None)
+        return bool(self.has_penalties or self.logit_bias or self.min_tokens or self.min_p or self.logprobs is not None
+                    or self.grammar is not None)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequestError naming the first parameter out of range (with
@@ -82,3 +96,5 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
             raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop strings must not be empty")
+        if self.grammar is not None and self.grammar.kind == "json_schema" and not self.grammar.schema:
+            raise InvalidRequestError("grammar of kind json_schema must carry its schema")

@@ -8,6 +8,7 @@ worker does. Also calibrates the worker's cost
 model at start-up and reports it, with the batch it is running, in heartbeats.
 """
 
+import asyncio
 import time
 
 from nats.aio.msg import Msg
@@ -16,6 +17,7 @@ from libs.protocol import subjects
 from libs.engine.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
 from libs.protocol.errors import KVServeError
 from libs.protocol.hashing import ROOT
+from libs.engine.model.grammar import check_grammar
 from libs.engine.model.scheduler import Due
 from libs.engine.model.sequence import Sequence
 from libs.protocol.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
@@ -40,6 +42,8 @@ class LocalPrefill:
         try:
             request.sampling.validate(engine.model.config.vocab_size)
             engine.check_prompt(len(request.prompt_token_ids))
+            if request.sampling.grammar is not None:  # its schema, checked off the loop (compiled on admission)
+                await asyncio.to_thread(check_grammar, request.sampling.grammar)
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,

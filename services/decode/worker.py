@@ -12,9 +12,10 @@ from nats.aio.msg import Msg
 
 from libs.protocol import subjects
 from libs.engine.engine_host import EngineHost
-from libs.protocol.errors import OutOfKVBlocksError
+from libs.protocol.errors import KVServeError, OutOfKVBlocksError
 from libs.protocol.hashing import ROOT
 from libs.engine.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
+from libs.engine.model.grammar import GrammarCompiler
 from libs.engine.model.sequence import Sequence
 from libs.common.recent import RecentIds
 from libs.protocol.schema import (
@@ -53,9 +54,10 @@ class DecodeWorker(Service):
         self.leases = LeaseTable(settings.lease_seconds)
         # the batch: changed on the engine thread only (through host.run); heartbeats read it
         self.local_prefill = LocalPrefill(self, settings.model.calibrate)  # cost model; prefills the conductor sends here
+        self.grammars = GrammarCompiler(self.host.loaded.tokenizer, self.engine.model.config.vocab_size)
         self.scheduler = Scheduler(self.engine.cache, token_stop(self.eos_ids, self.engine.max_model_len),
                                    settings.max_batch_size, self.local_prefill.prefill_time,
-                                   eos_token_ids=self.eos_ids)  # fmt: skip
+                                   eos_token_ids=self.eos_ids, grammars=self.grammars)  # fmt: skip
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
                                             num_running=lambda: len(self.scheduler.running),
                                             num_waiting=lambda: len(self.scheduler.waiting))
@@ -77,6 +79,7 @@ class DecodeWorker(Service):
         expiry = self.spawn(self._expire_leases(), essential=True)
         stack.callback(loop.cancel)
         stack.callback(expiry.cancel)
+        self.spawn(asyncio.to_thread(self.grammars.warm))  # in the background: it does not hold up readiness
 
     # --- hand-off --------------------------------------------------------------
     async def on_reserve(self, request: ReserveRequest, msg: Msg) -> ReserveReply | ErrorReply:
@@ -215,7 +218,16 @@ class DecodeWorker(Service):
     # --- the batch -------------------------------------------------------------
     async def admit(self, seq: Sequence, computed: bool, due: Due | None = None) -> None:
         """Add a sequence to the batch: one whose KV came by hand-off (``computed``),
-        or one to prefill here (local prefill), due by ``due``."""
+        or one to prefill here (local prefill), due by ``due``. Its grammar, if any, is
+        compiled first, off the engine thread (the sampler finds it cached)."""
+        if seq.params.grammar is not None:
+            try:
+                await asyncio.to_thread(self.grammars.compile, seq.params.grammar)
+            except KVServeError as e:
+                await self.host.run(self.engine.cache.free, seq)
+                await self._publish_error(seq, ErrorCode.INVALID_REQUEST, str(e))
+                await self._blocks_were_freed()
+                return
         if computed:
             await self.host.run(self.scheduler.add_running, seq)
         else:

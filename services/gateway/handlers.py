@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -39,6 +40,8 @@ from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from services.gateway.request_limits import content_codings, decode_body, decode_content
 from services.gateway.response_bodies import Choice, ResponseBodies, model_card, model_list
+from services.gateway.text_stream import Delta
+from services.gateway.tools import ToolUse
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -85,9 +88,9 @@ class Handlers:
                 headers = {"x-request-id": response_id, **_explanation_headers(generation.run),
                            **generation.ratelimit_headers}  # fmt: skip
                 if not parsed.stream:
-                    return await _complete(generation, bodies, headers, logprobs)
+                    return await _complete(generation, bodies, headers, logprobs, parsed.tool_use)
                 stream = await sse.open_stream(request, headers)
-                await _write_events(stream, generation, bodies, logprobs)
+                await _write_events(stream, generation, bodies, logprobs, parsed.tool_use)
                 return stream
         except ConnectionResetError:
             if stream is None:
@@ -166,7 +169,7 @@ class Handlers:
 
 # --- writing a generation --------------------------------------------------------------
 async def _complete(generation: Generation, bodies: ResponseBodies, headers: dict[str, str],
-                    logprobs: list[LogprobsBodies] | None) -> web.Response:  # fmt: skip
+                    logprobs: list[LogprobsBodies] | None, tool_use: ToolUse | None = None) -> web.Response:  # fmt: skip
     n = len(generation.texts)
     pieces: list[list[str]] = [[] for _ in range(n)]
     finish_reasons: list[str | None] = [None] * n
@@ -182,6 +185,8 @@ async def _complete(generation: Generation, bodies: ResponseBodies, headers: dic
     choices = [Choice("".join(pieces[c]), finish_reasons[c],
                       logprobs[c].body(token_ids[c], token_logprobs[c]) if logprobs is not None else None)
                for c in range(n)]  # fmt: skip
+    if tool_use is not None:
+        choices = [_with_calls(choice, tool_use) for choice in choices]
     body = bodies.completion_of(choices, generation.usage())
     body["kvserve"] = generation.served_by()  # the headers name the first instances; a migration moves it
     if generation.run.ttft_s is not None:
@@ -245,28 +250,53 @@ def _explanation_headers(run: MigratingRun) -> dict[str, str]:
     return headers
 
 
+def _with_calls(choice: Choice, tool_use: ToolUse) -> Choice:
+    """``choice`` with the tool calls its text makes, if any (finish_reason "tool_calls")."""
+    content, calls = tool_use.parse(choice.text)
+    if not calls:
+        return choice
+    return replace(choice, text=content, finish_reason="tool_calls", tool_calls=[c.body() for c in calls])
+
+
 async def _write_events(stream: web.StreamResponse, generation: Generation, bodies: ResponseBodies,
-                        logprobs: list[LogprobsBodies] | None = None) -> None:  # fmt: skip
+                        logprobs: list[LogprobsBodies] | None = None, tool_use: ToolUse | None = None) -> None:  # fmt: skip
     """Write the request's chunks as they come, each with its choice's index (and the
     logprobs of the tokens it came with, when asked for). A failure after the first byte
     (the status line has gone out) releases the text not shown yet, then becomes
     an error event and a last chunk with finish_reason "error"; whatever happens
-    short of a lost client, the stream ends with [DONE]."""
-    finish_written = [False] * len(generation.texts)
+    short of a lost client, the stream ends with [DONE]. With tools, a choice's text
+    is held until it ends, then sent as its tool calls (each whole, in one
+    delta.tool_calls chunk) or else as its text."""
+    n = len(generation.texts)
+    finish_written = [False] * n
+    held = [_Held() for _ in range(n)]  # with tools: each choice's text so far
     try:
         if bodies.is_chat:
-            for index in range(len(generation.texts)):
+            for index in range(n):
                 await stream.write(sse.event(bodies.role_chunk(index)))
         async with aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
                 c = delta.choice
+                if tool_use is not None:
+                    delta = held[c].add(delta)
+                    if delta.finish_reason is None:
+                        continue
                 lp_body = None
                 if logprobs is not None and delta.logprobs:
                     lp_body = logprobs[c].body(delta.token_ids, delta.logprobs)
                 if delta.finish_reason is not None:  # the last text rides with the finish, even when empty
                     finish_written[c] = True
-                    last = _last_chunk(bodies, delta.finish_reason, generation, delta.text, lp_body, c)
-                    await stream.write(sse.event(last))
+                    reason, text = delta.finish_reason, delta.text
+                    if tool_use is not None:
+                        text, calls = tool_use.parse(delta.text)
+                        if calls:
+                            reason = "tool_calls"
+                            if text:
+                                await stream.write(sse.event(bodies.text_chunk(text, index=c)))
+                                text = ""
+                            calls_chunk = bodies.tool_calls_chunk([call.body(i) for i, call in enumerate(calls)], c)
+                            await stream.write(sse.event(calls_chunk))
+                    await stream.write(sse.event(_last_chunk(bodies, reason, generation, text, lp_body, c)))
                 elif delta.text or lp_body is not None:
                     await stream.write(sse.event(bodies.text_chunk(delta.text, lp_body, c)))
     except ConnectionResetError:
@@ -277,7 +307,8 @@ async def _write_events(stream: web.StreamResponse, generation: Generation, bodi
         else:
             log.exception("%s failed mid-stream", bodies.id)
         for c, text in enumerate(generation.texts):
-            if text.finish_reason is None and (rest := text.fail().text):
+            rest = text.fail().text if text.finish_reason is None else ""
+            if not finish_written[c] and (rest := held[c].text + rest):
                 await stream.write(sse.event(bodies.text_chunk(rest, index=c)))
         await stream.write(sse.event(to_http(e).body))
         for c, written in enumerate(finish_written):
@@ -287,6 +318,24 @@ async def _write_events(stream: web.StreamResponse, generation: Generation, bodi
         await stream.write(sse.event(bodies.usage_chunk(generation.usage())))
     await stream.write(sse.DONE)
     await stream.write_eof()
+
+
+class _Held:
+    """A choice's deltas held back until it ends (a stream with tools)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self._token_ids: list[int] = []
+        self._logprobs: list = []
+
+    def add(self, delta: Delta) -> Delta:
+        """``delta`` held; once it is the last, all of them as one."""
+        self.text += delta.text
+        self._token_ids += delta.token_ids
+        self._logprobs += delta.logprobs or []
+        if delta.finish_reason is None:
+            return delta
+        return replace(delta, text=self.text, token_ids=self._token_ids, logprobs=self._logprobs or None)
 
 
 def _last_chunk(bodies: ResponseBodies, finish_reason: str, generation: Generation, text: str = "",

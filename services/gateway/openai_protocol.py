@@ -2,24 +2,35 @@
 (`request_limits.decode_body`) becomes a `GenerateRequest`, or InvalidParameterError
 naming the offending field, within the limits `request_limits` sets; it knows
 nothing of the model or the cluster. The bodies sent back are `response_bodies.py`'s.
+A JSON Schema is checked for shape here; whether the grammar engine can compile it
+is the worker's to say (a 400 all the same).
 """
 
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
+from libs.protocol.sampling_params import Grammar
 from services.gateway.errors import InvalidParameterError
 from services.gateway.request_limits import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
     IGNORED_FIELDS,
     MAX_LOGIT_BIAS,
+    MAX_SCHEMA_BYTES,
+    MAX_TOOLS,
     RANGES,
     STREAM_OPTIONS,
+    TOOL_CHOICES,
     UNSUPPORTED_UNLESS,
 )
+from services.gateway.tools import ToolUse
 
-Messages = list[dict[str, str]]
+Messages = list[dict[str, Any]]
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's function and json_schema names
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -47,6 +58,9 @@ class GenerateRequest:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> bias
     logprobs: int | None = None  # None: no logprobs; n: the sampled token's and the n likeliest
+    grammar: Grammar | None = None  # response_format json_object or json_schema
+    tools: tuple[dict[str, Any], ...] = ()  # function tools, rendered into the prompt
+    tool_use: ToolUse | None = None  # what the tools ask of the answer (None: no tools, or tool_choice "none")
     stream: bool = False
     include_usage: bool = False
     user: str | None = None  # OpenAI's end-user id: kvserve keeps a user's turns near their KV (session affinity)
@@ -70,7 +84,15 @@ def parse_chat_request(body: Any) -> GenerateRequest:
         logprobs = top_logprobs or 0
     elif top_logprobs:
         raise InvalidParameterError("Invalid 'top_logprobs': 'logprobs' must be true to use it.", "top_logprobs")
-    return GenerateRequest(messages=messages, max_tokens=max_tokens, logprobs=logprobs, **_common(body))
+    tools, tool_use = _tools(body)
+    common = _common(body)
+    if tool_use is not None and tool_use.is_forced:
+        if common["grammar"] is not None:
+            message = "'response_format' cannot be combined with a 'tool_choice' that forces a call"
+            raise InvalidParameterError(message, "response_format")
+        common["grammar"] = tool_use.grammar()
+    return GenerateRequest(messages=messages, max_tokens=max_tokens, logprobs=logprobs, tools=tools,
+                           tool_use=tool_use, **common)  # fmt: skip
 
 
 def parse_completion_request(body: Any) -> GenerateRequest:
@@ -117,6 +139,7 @@ def _common(body: dict[str, Any]) -> dict[str, Any]:
         frequency_penalty=_float(body, "frequency_penalty") or 0.0,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         logit_bias=_logit_bias(body.get("logit_bias")),
+        grammar=_response_format(body.get("response_format")),
         stream=stream,
         include_usage=include_usage,
         user=body.get("user") or None,  # type-checked with the ignored fields
@@ -145,11 +168,138 @@ def _messages(value: Any) -> Messages:
             raise InvalidParameterError(
                 f"Invalid '{param}.role': expected one of {', '.join(_ROLES)}, got {role!r}", f"{param}.role"
             )
-        out = {"role": role, "content": _content(message.get("content"), f"{param}.content")}
+        out: dict[str, Any] = {"role": role, "content": _content(message.get("content"), f"{param}.content")}
         if isinstance(message.get("name"), str):
             out["name"] = message["name"]
+        if role == "assistant" and message.get("tool_calls") is not None:
+            out["tool_calls"] = _tool_calls(message["tool_calls"], f"{param}.tool_calls")
+        if role == "tool":
+            call_id = message.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise _type_error(f"{param}.tool_call_id", "a string", call_id)
+            out["tool_call_id"] = call_id
         messages.append(out)
     return messages
+
+
+def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
+    """An assistant message's earlier calls: [{id, type: "function", function: {name, arguments}}]."""
+    if not isinstance(value, list):
+        raise _type_error(param, "an array", value)
+    calls = []
+    for i, call in enumerate(value):
+        where = f"{param}[{i}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or call.get("type", "function") != "function":
+            raise _type_error(where, "a function tool call", call)
+        name, arguments = function.get("name"), function.get("arguments", "")
+        if not isinstance(name, str):
+            raise _type_error(f"{where}.function.name", "a string", name)
+        if not isinstance(arguments, str):
+            raise _type_error(f"{where}.function.arguments", "a string", arguments)
+        call_id = call.get("id", "")
+        if not isinstance(call_id, str):
+            raise _type_error(f"{where}.id", "a string", call_id)
+        calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
+    return calls
+
+
+def _response_format(value: Any) -> Grammar | None:
+    """OpenAI's response_format: text (no grammar), json_object, or json_schema."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _type_error("response_format", "an object", value)
+    kind = value.get("type")
+    if kind not in ("text", "json_object", "json_schema"):
+        message = f"Invalid 'response_format.type': expected one of text, json_object, json_schema, got {_show(kind)}"
+        raise InvalidParameterError(message, "response_format.type")
+    _refuse_unknown(value, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format.")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Grammar(kind="json_object")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict):
+        raise _type_error("response_format.json_schema", "an object", spec)
+    _refuse_unknown(spec, ("name", "description", "schema", "strict"), "response_format.json_schema.")
+    name = spec.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        message = "Invalid 'response_format.json_schema.name': expected 1 to 64 of a-z, A-Z, 0-9, _ and -"
+        raise InvalidParameterError(message, "response_format.json_schema.name")
+    if not isinstance(spec.get("description", ""), str):
+        raise _type_error("response_format.json_schema.description", "a string", spec["description"])
+    strict = _bool(spec, "strict", "response_format.json_schema.strict")
+    schema = spec.get("schema")
+    if schema is None:  # OpenAI: no schema, any JSON object
+        return Grammar(kind="json_object", strict=bool(strict))
+    return Grammar(kind="json_schema", schema=_schema_text(schema, "response_format.json_schema.schema"),
+                   strict=bool(strict))  # fmt: skip
+
+
+def _schema_text(schema: Any, param: str) -> str:
+    """A JSON Schema as compact JSON text (its keys in the order sent: properties are generated in it)."""
+    if not isinstance(schema, dict):
+        raise _type_error(param, "an object", schema)
+    text = msgspec.json.encode(schema).decode()
+    if len(text) > MAX_SCHEMA_BYTES:
+        message = f"Invalid '{param}': at most {MAX_SCHEMA_BYTES} bytes of JSON, got {len(text)}."
+        raise InvalidParameterError(message, param)
+    return text
+
+
+def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolUse | None]:
+    """OpenAI's tools (functions only), tool_choice and parallel_tool_calls."""
+    value, choice = body.get("tools"), body.get("tool_choice")
+    tools: list[dict[str, Any]] = []
+    if value is not None:
+        if not isinstance(value, list):
+            raise _type_error("tools", "an array", value)
+        if len(value) > MAX_TOOLS:
+            raise InvalidParameterError(f"Invalid 'tools': at most {MAX_TOOLS} tools, got {len(value)}.", "tools")
+        tools = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(value)]
+    names = [t["function"]["name"] for t in tools]
+    function = None
+    if isinstance(choice, dict):
+        named = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(named, dict) or not isinstance(named.get("name"), str):
+            raise _type_error("tool_choice", '{"type": "function", "function": {"name": ...}}', choice)
+        function = named["name"]
+        if function not in names:
+            message = f"Invalid 'tool_choice': no function named {_show(function)} is in 'tools'."
+            raise InvalidParameterError(message, "tool_choice")
+        choice = "function"
+    elif choice is not None and choice not in TOOL_CHOICES:
+        message = f"Invalid 'tool_choice': expected one of {', '.join(TOOL_CHOICES)} or a named function, got {_show(choice)}"
+        raise InvalidParameterError(message, "tool_choice")
+    if choice is not None and choice != "none" and not tools:
+        raise InvalidParameterError("Invalid 'tool_choice': only allowed when 'tools' are specified.", "tool_choice")
+    parallel = _bool(body, "parallel_tool_calls")
+    if not tools or choice == "none":
+        return tuple(tools), None
+    return tuple(tools), ToolUse(tuple(tools), choice or "auto", function, parallel is not False)
+
+
+def _tool(tool: Any, param: str) -> dict[str, Any]:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+        raise _type_error(param, 'a function tool ({"type": "function", "function": {...}})', tool)
+    _refuse_unknown(tool, ("type", "function"), f"{param}.")
+    _refuse_unknown(function, ("name", "description", "parameters", "strict"), f"{param}.function.")
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.match(name):
+        message = f"Invalid '{param}.function.name': expected 1 to 64 of a-z, A-Z, 0-9, _ and -"
+        raise InvalidParameterError(message, f"{param}.function.name")
+    out: dict[str, Any] = {"name": name}
+    if function.get("description") is not None:
+        if not isinstance(function["description"], str):
+            raise _type_error(f"{param}.function.description", "a string", function["description"])
+        out["description"] = function["description"]
+    if function.get("parameters") is not None:
+        _schema_text(function["parameters"], f"{param}.function.parameters")
+        out["parameters"] = function["parameters"]
+    _bool(function, "strict", f"{param}.function.strict")
+    return {"type": "function", "function": out}
 
 
 def _content(content: Any, param: str) -> str:

@@ -12,8 +12,11 @@ import msgspec
 from services.gateway.request_limits import (
     IGNORED_FIELDS,
     MAX_LOGIT_BIAS,
+    MAX_SCHEMA_BYTES,
+    MAX_TOOLS,
     RANGES,
     STREAM_OPTIONS,
+    TOOL_CHOICES,
     UNSUPPORTED_UNLESS,
 )
 
@@ -87,6 +90,7 @@ def _request(endpoint_fields: dict[str, Schema], required: list[str], model_id: 
             "type": "string", "minLength": 1,
             "description": "vLLM's: prefix cache reuse only among this tenant's requests with the same salt.",
         }),  # fmt: skip
+        "response_format": _nullable(_ref("ResponseFormat")),
     }
     for name, kind in IGNORED_FIELDS.items():
         properties[name] = {"type": [_JSON_TYPE[kind], "null"], "description": "Accepted and ignored."}
@@ -108,8 +112,44 @@ def _schemas(model_id: str) -> dict[str, Schema]:
             "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
             "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": text_part}, {"type": "null"}]},
             "name": {"type": "string"},
+            "tool_calls": {"type": "array", "items": _ref("ToolCall"), "description": "assistant: its earlier calls"},
+            "tool_call_id": {"type": "string", "description": "tool (required there): the call it answers"},
         },
     }
+    name = {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}
+    json_schema = {"type": "object", "description": f"A JSON Schema, at most {MAX_SCHEMA_BYTES} bytes as JSON."}
+    response_format = {
+        "description": "Constrained decoding: json_object gives a JSON object, json_schema JSON valid under the "
+                       "schema (strict: no property it does not name). A schema the grammar engine (xgrammar) "
+                       "cannot compile is a 400 naming the problem.",
+        "anyOf": [
+            {"type": "object", "required": ["type"], "additionalProperties": False,
+             "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "additionalProperties": False,
+             "properties": {"type": {"const": "json_schema"}, "json_schema": {
+                 "type": "object", "required": ["name"], "additionalProperties": False,
+                 "properties": {"name": name, "description": {"type": "string"}, "schema": json_schema,
+                                "strict": {"type": ["boolean", "null"]}}}}},
+        ],
+    }  # fmt: skip
+    tool = {
+        "type": "object", "required": ["type", "function"], "additionalProperties": False,
+        "properties": {"type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name"], "additionalProperties": False,
+            "properties": {"name": name, "description": {"type": ["string", "null"]},
+                           "parameters": _nullable(json_schema), "strict": {"type": ["boolean", "null"]}}}},
+    }  # fmt: skip
+    tool_call = {
+        "type": "object", "required": ["function"],
+        "properties": {"id": {"type": "string"}, "type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name"],
+            "properties": {"name": {"type": "string"}, "arguments": {"type": "string"}}}},
+    }  # fmt: skip
+    named_choice = {
+        "type": "object", "required": ["type", "function"],
+        "properties": {"type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}},
+    }  # fmt: skip
     token_ids = {"type": "array", "items": _integer("prompt")}
     prompt = {
         "anyOf": [
@@ -182,7 +222,8 @@ def _schemas(model_id: str) -> dict[str, Schema]:
             "index": {"type": "integer"},
             "message": {
                 "type": "object",
-                "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]}},
+                "properties": {"role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+                               "tool_calls": {"type": "array", "items": _ref("ToolCall")}},
             },
             "logprobs": {"anyOf": [_ref("ChatLogprobs"), {"type": "null"}]},
             "finish_reason": finish_reason,
@@ -216,6 +257,15 @@ def _schemas(model_id: str) -> dict[str, Schema]:
                              "and min-p)."},
                 "top_logprobs": _nullable({**_integer("top_logprobs"), "description": "With logprobs: true, "
                                            "also this many likeliest tokens per position."}),
+                "tools": _nullable({"type": "array", "items": _ref("Tool"), "maxItems": MAX_TOOLS,
+                                    "description": "Function tools: rendered by the chat template if it takes "
+                                    "tools, else in the system message in kvserve's default format (README)."}),
+                "tool_choice": _nullable({"anyOf": [{"enum": list(TOOL_CHOICES)}, named_choice],
+                                          "description": "Only with tools. required or a named function: the "
+                                          "answer is one call, its arguments constrained to the function's "
+                                          "parameters."}),
+                "parallel_tool_calls": {"type": ["boolean", "null"], "description": "false: at most one call "
+                                        "per answer (a forced call is always one)."},
             },
             ["model", "messages"],
             model_id,
@@ -230,6 +280,9 @@ def _schemas(model_id: str) -> dict[str, Schema]:
             ["model", "prompt"],
             model_id,
         ),
+        "ResponseFormat": response_format,
+        "Tool": tool,
+        "ToolCall": tool_call,
         "ChatLogprobs": chat_logprobs,
         "CompletionLogprobs": completion_logprobs,
         "ChatCompletion": completion_object("chat.completion", chat_choice),

@@ -21,6 +21,9 @@ CONTENT_CODINGS = ("gzip", "deflate", "identity")  # what a request body may be 
 MAX_JSON_DEPTH = 32  # nesting levels of arrays and objects a request body may have
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what torch's generators and msgpack carry
+MAX_SCHEMA_BYTES = 64 * 1024  # a response_format or tool JSON Schema, as compact JSON (it rides every hop)
+MAX_TOOLS = 128  # OpenAI's bound
+TOOL_CHOICES = ("none", "auto", "required")  # or {"type": "function", "function": {"name": ...}}
 
 
 @dataclass(frozen=True)
@@ -68,22 +71,20 @@ RANGES: dict[str, Range] = {
 SHARED_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
     "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "logprobs", "n",
-    "stream", "stream_options", "cache_salt",
+    "stream", "stream_options", "cache_salt", "response_format",
 })  # fmt: skip
-CHAT_FIELDS = SHARED_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_FIELDS = SHARED_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls"
+}  # fmt: skip
 COMPLETION_FIELDS = SHARED_FIELDS | {"prompt"}
 # Accepted (type-checked) and ignored: they ask nothing of the answer itself.
 IGNORED_FIELDS: dict[str, type] = {
     "user": str, "safety_identifier": str, "prompt_cache_key": str, "metadata": dict, "service_tier": str,
-    "parallel_tool_calls": bool,
 }  # fmt: skip
 # Features kvserve does not implement: accepted only as null or the value that turns them off.
 UNSUPPORTED_UNLESS: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),

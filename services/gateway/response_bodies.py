@@ -55,6 +55,10 @@ class ResponseBodies:
             return self._chunk({"delta": {"content": text}, "finish_reason": None}, logprobs, index)
         return self._chunk({"text": text, "finish_reason": None}, logprobs, index)
 
+    def tool_calls_chunk(self, calls: list[dict[str, Any]], index: int = 0) -> dict[str, Any]:
+        """A chat stream's calls of choice ``index``, each whole (``calls``: delta.tool_calls entries)."""
+        return self._chunk({"delta": {"tool_calls": calls}, "finish_reason": None}, index=index)
+
     def finish_chunk(
         self, finish_reason: str, text: str = "", logprobs: dict[str, Any] | None = None, index: int = 0
     ) -> dict[str, Any]:
@@ -62,7 +66,8 @@ class ResponseBodies:
         none (an end-of-sequence token under ignore_eos), with the finish reason, as
         vLLM sends it; so every answer whose usage counts tokens has a content chunk."""
         if self.is_chat:
-            return self._chunk({"delta": {"content": text}, "finish_reason": finish_reason}, logprobs, index)
+            delta = {} if finish_reason == "tool_calls" and not text else {"content": text}
+            return self._chunk({"delta": delta, "finish_reason": finish_reason}, logprobs, index)
         return self._chunk({"text": text, "finish_reason": finish_reason}, logprobs, index)
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
@@ -83,6 +88,9 @@ class ResponseBodies:
         for index, c in enumerate(choices):
             if self.is_chat:
                 message = {"role": "assistant", "content": c.text, "refusal": None}
+                if c.tool_calls:
+                    message["content"] = c.text or None
+                    message["tool_calls"] = c.tool_calls
                 body["choices"].append({"index": index, "message": message, "logprobs": c.logprobs,
                                         "finish_reason": c.finish_reason})  # fmt: skip
             else:
@@ -99,6 +107,7 @@ class Choice:
     text: str
     finish_reason: str
     logprobs: dict[str, Any] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # chat: the calls parsed out of the text
 
 
 def model_card(model_id: str, created: int, max_model_len: int) -> dict[str, Any]:

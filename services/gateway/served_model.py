@@ -15,6 +15,7 @@ from libs.engine.model.tokenizer import Tokenizer
 from libs.protocol.sampling_params import SamplingParams
 from services.gateway.errors import InvalidParameterError
 from services.gateway.openai_protocol import GenerateRequest
+from services.gateway.tools import render_messages
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 INLINE_TOKENIZE_CHARS = 2048  # longer prompts are tokenized off the event loop
@@ -103,6 +104,7 @@ class ServedModel:
             repetition_penalty=request.repetition_penalty,
             logit_bias=dict(request.logit_bias),
             logprobs=request.logprobs,
+            grammar=request.grammar,
         )
         try:
             sampling.validate(self.vocab_size)
@@ -113,8 +115,10 @@ class ServedModel:
 
     def _encode(self, request: GenerateRequest) -> list[int]:
         if request.messages is not None:
+            takes_tools = self.tokenizer.template_takes_tools
+            messages = render_messages(request.messages, request.tools, takes_tools)
             try:
-                return self.tokenizer.encode_chat(request.messages)
+                return self.tokenizer.encode_chat(messages, list(request.tools) if takes_tools and request.tools else None)
             except InvalidRequestError as e:  # no chat template, or the template refused the messages
                 raise InvalidParameterError(str(e), "messages") from e
         if isinstance(request.prompt, str):
@@ -128,7 +132,7 @@ class ServedModel:
 
 def _prompt_chars(request: GenerateRequest) -> int:
     if request.messages is not None:
-        return sum(len(m["content"]) for m in request.messages)
+        return sum(len(m["content"]) for m in request.messages) + sum(len(str(t)) for t in request.tools)
     return len(request.prompt) if isinstance(request.prompt, str) else 0
 
 

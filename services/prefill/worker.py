@@ -30,6 +30,7 @@ from libs.engine.cost_model import CostModel, uncalibrated_coefficients
 from libs.engine.engine_host import EngineHost
 from libs.protocol.errors import KVServeError, OutOfKVBlocksError
 from libs.protocol.hashing import ROOT
+from libs.engine.model.grammar import GrammarCompiler, check_grammar
 from libs.engine.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.engine.model.sequence import Sequence
 from libs.common.prefill_order import Work, plan
@@ -81,6 +82,7 @@ class PrefillWorker(Service):
         self.engine = self.host.engine
         self.eos_ids = set(self.host.loaded.tokenizer.eos_token_ids)
         self.finish_rule = token_stop(self.eos_ids, self.engine.max_model_len)
+        self.grammars = GrammarCompiler(self.host.loaded.tokenizer, self.engine.model.config.vocab_size)
         self.in_flight: dict[str, Job] = {}  # taken, not yet finished
         self.ready: dict[str, Job] = {}  # prepared: the steps choose their chunks from these
         self._work = asyncio.Event()  # a job became ready
@@ -107,11 +109,14 @@ class PrefillWorker(Service):
             await self.store.start(self.reports.cost)
         loop = self.spawn(self._prefill_loop(), essential=True)
         stack.callback(loop.cancel)
+        self.spawn(asyncio.to_thread(self.grammars.warm))  # in the background: it does not hold up readiness
 
     async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
         try:
             request.sampling.validate(self.engine.model.config.vocab_size)
             self.engine.check_prompt(len(request.prompt_token_ids))
+            if request.sampling.grammar is not None:  # its schema, checked off the loop (compiled in _prepare)
+                await asyncio.to_thread(check_grammar, request.sampling.grammar)
         except KVServeError as e:
             return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
         seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
@@ -222,6 +227,12 @@ class PrefillWorker(Service):
             except KVServeError as e:
                 await self._fail(job, ErrorInfo(code=ErrorCode.NO_CAPACITY, message=str(e)))
                 return None
+        if seq.params.grammar is not None:  # compiled off the engine thread; the sampler finds it cached
+            try:
+                await asyncio.to_thread(self.grammars.compile, seq.params.grammar)
+            except KVServeError as e:
+                await self._fail(job, ErrorInfo(code=ErrorCode.INVALID_REQUEST, message=str(e)))
+                return None
         hits = {KVTier.DEVICE: seq.num_cached_tokens}
         if self.store is not None:
             hits |= await self.store.fetch_prefix(seq)
@@ -287,12 +298,13 @@ class PrefillWorker(Service):
         seqs, rows = [], []
         for row, job in enumerate(done):
             choices = [job.seq] + [replace(job.seq, token_ids=list(job.seq.token_ids), block_table=[],
-                                           block_hashes=[], choice=c) for c in range(1, job.seq.params.n)]  # fmt: skip
+                                           block_hashes=[], choice=c, grammar=None)
+                                 for c in range(1, job.seq.params.n)]  # fmt: skip
             seqs += choices
             rows += [row] * len(choices)
         if len(seqs) > len(done):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        outs = sample_tokens(seqs, logits, self.finish_rule, self.eos_ids)
+        outs = sample_tokens(seqs, logits, self.finish_rule, self.eos_ids, self.grammars)
         return [(job, [out for out in outs if out.seq.request_id == job.request.request_id]) for job in done]
 
     async def _finish(self, job: Job, outs: list[TokenOutput]) -> None:

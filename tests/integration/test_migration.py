@@ -13,7 +13,7 @@ import pytest
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
-from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.sampling_params import Grammar, SamplingParams
 from tests.integration.conftest import start_cluster
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -24,6 +24,9 @@ def reference(smollm, messages, max_tokens: int, **controls) -> str:
     """What the engine says in one process, greedy, ignoring end-of-sequence."""
     engine = build_engine(smollm, EngineConfig(num_blocks=128, enable_prefix_cache=False))
     prompt = smollm.tokenizer.encode_chat(messages)
+    if "response_format" in controls:
+        spec = controls.pop("response_format")["json_schema"]
+        controls["grammar"] = Grammar(kind="json_schema", schema=json.dumps(spec["schema"]), strict=spec["strict"])
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, **controls)
     return Generator(engine, smollm.tokenizer).generate([prompt], params)[0].text
 
@@ -58,13 +61,26 @@ def body(max_tokens: int, **controls) -> dict:
 
 # penalties count every token generated: after the move, those the first decode worker made too
 PENALTIES = {"frequency_penalty": 0.6, "presence_penalty": 0.3, "repetition_penalty": 1.2}
+# the grammar's state is rebuilt from the tokens generated before the move; the JSON ends (and
+# the grammar with it, "stop") well short of max_tokens, ignore_eos or not
+STORY_SCHEMA = {
+    "type": "object",
+    "properties": {"title": {"type": "string", "maxLength": 32},
+                   "events": {"type": "array", "items": {"type": "string", "maxLength": 32}, "minItems": 4,
+                              "maxItems": 4}},
+    "required": ["title", "events"],
+    "additionalProperties": False,
+}  # fmt: skip
+CONSTRAINED = {"response_format": {"type": "json_schema",
+                                   "json_schema": {"name": "story", "schema": STORY_SCHEMA, "strict": True}}}
 
 
-@pytest.mark.parametrize("controls", [{}, PENALTIES], ids=["plain", "penalties"])
+@pytest.mark.parametrize("controls", [{}, PENALTIES, CONSTRAINED], ids=["plain", "penalties", "grammar"])
 def test_a_decode_worker_killed_mid_stream_hands_the_request_on_and_the_text_is_unchanged(smollm, controls):
+    max_tokens = 160 if controls is CONSTRAINED else 64
     cluster = start_cluster(prefill=1, decode=2)
     try:
-        with post(cluster.gateway_url, body(64, **controls)) as r:
+        with post(cluster.gateway_url, body(max_tokens, **controls)) as r:
             assert r.status == 200
             victim = r.headers["x-kvserve-decode-instance"]
             stream = events(r)
@@ -74,10 +90,14 @@ def test_a_decode_worker_killed_mid_stream_hands_the_request_on_and_the_text_is_
             cluster.kill(victim)
             seen += list(stream)
         assert seen[-1] == "[DONE]" and not any("error" in e for e in seen if isinstance(e, dict))
-        assert text_of(seen) == reference(smollm, STORY, 64, **controls)
+        assert text_of(seen) == reference(smollm, STORY, max_tokens, **controls)
         finish = finish_chunk(seen)
         survivor = {"decode-0": "decode-1", "decode-1": "decode-0"}[victim]
-        assert finish["choices"][0]["finish_reason"] == "length"
+        if controls is CONSTRAINED:  # valid JSON, whole
+            assert finish["choices"][0]["finish_reason"] == "stop"
+            assert set(json.loads(text_of(seen))) == {"title", "events"}
+        else:
+            assert finish["choices"][0]["finish_reason"] == "length"
         assert finish["kvserve"] == {"prefill_instances": ["prefill-0"], "decode_instances": [victim, survivor],
                                      "migrations": 1}  # fmt: skip
     finally:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from libs.protocol.errors import OutOfKVBlocksError
 from libs.engine.model.engine import Engine
+from libs.engine.model.grammar import GrammarCompiler
 from libs.engine.model.scheduler import Scheduler, StepFailed, run_step
 from libs.engine.model.sequence import Sequence
 from libs.engine.model.stopping import StopChecker
@@ -47,7 +48,9 @@ class Generator:
     def __init__(self, engine: Engine, tokenizer: Tokenizer, max_batch_size: int = 64) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(engine.cache, self._stop, max_batch_size, eos_token_ids=tokenizer.eos_token_ids)
+        self.grammars = GrammarCompiler(tokenizer, engine.model.config.vocab_size)
+        self.scheduler = Scheduler(engine.cache, self._stop, max_batch_size, eos_token_ids=tokenizer.eos_token_ids,
+                                   grammars=self.grammars)  # fmt: skip
         self._stops: dict[tuple[str, int], StopChecker] = {}  # by (request id, choice)
         self._deltas: dict[tuple[str, int], str] = {}  # the text each sequence's latest token made visible
         self._choices: dict[str, list[Sequence]] = {}  # a request's sequences, by choice
@@ -63,6 +66,8 @@ class Generator:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         params.validate(self.engine.model.config.vocab_size)
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)  # an invalid schema is refused here, not mid-step
         self.engine.check_prompt(len(prompt_ids))
         seq = Sequence.from_prompt(request_id or f"req-{next(self._ids)}", prompt_ids, params)
         self._choices[seq.request_id] = [seq]

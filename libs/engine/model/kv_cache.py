@@ -99,7 +99,7 @@ class KVCacheManager:
         self.block_pool.touch(shared)
         copy = (seq.block_table[num_full], fresh[0]) if fresh else None
         sibling = replace(seq, token_ids=list(seq.token_ids), block_table=shared + fresh,
-                          block_hashes=list(seq.block_hashes), choice=choice)  # fmt: skip
+                          block_hashes=list(seq.block_hashes), choice=choice, grammar=None)  # fmt: skip
         return sibling, copy
 
     def cache_full_blocks(self, seq: Sequence) -> None:

@@ -1,12 +1,13 @@
 """What a request's controls make of a batch's logits before a token is drawn:
-logit bias, the min_tokens mask, vLLM's penalties, and min-p.
+logit bias, the min_tokens mask, a grammar's mask, vLLM's penalties, and min-p.
 
 Each control is one tensor operation over every row that uses it ([B, V] at most),
 never a Python loop over a sequence's tokens; a row that does not use a control is
 left bit for bit as it was. `apply_controls` gives the logits a token's logprobs are
 read from; `cut_min_p` then drops what min-p drops, as top-k and top-p do later. A
-per-sequence mask of allowed tokens (a grammar's) belongs in `apply_controls`
-beside the min_tokens mask: one more masked_fill over the batch.
+grammar's mask of allowed tokens is one bitmask over the rows that have a grammar,
+applied in one masked_fill (`grammar.mask_rows`); a sequence's grammar state must be
+up to date with its generated tokens (`sampling.sample_sequences` sees to it).
 """
 
 from collections.abc import Collection
@@ -14,18 +15,22 @@ from itertools import chain
 
 import torch
 
+from libs.engine.model.grammar import mask_rows
 from libs.engine.model.sequence import Sequence
 from libs.protocol.sampling_params import SamplingParams
 
 
 def apply_controls(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
     """``logits`` [B, V] (float) with each row's logit bias added, its end-of-sequence
-    and stop tokens masked while it is short of min_tokens, then its penalties applied
-    (vLLM's order); a new tensor."""
+    and stop tokens masked while it is short of min_tokens, what its grammar forbids
+    masked, then its penalties applied (vLLM's order); a new tensor."""
     logits = logits.clone()
     vocab = logits.shape[-1]
     _add_logit_bias(logits, seqs, vocab)
     _mask_stop_tokens(logits, seqs, eos_token_ids, vocab)
+    constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    if constrained:
+        mask_rows(logits, constrained, [seqs[i].grammar for i in constrained])
     rows = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]
     if rows:
         index = torch.tensor(rows, device=logits.device)

@@ -6,8 +6,11 @@ the rest from a decode worker, or all of them from one process (and after a
 migration, whose index goes on from the tokens generated before it).
 
 A batch where no request asks for more than temperature, top-k and top-p is
-sampled as it comes. Otherwise `logits_processors.apply_controls` gives the
-*processed* logits (logit bias, the min_tokens mask, penalties): logprobs are
+sampled as it comes. A request with a grammar has its sequence's grammar state
+brought up to date first (built from its generated tokens the first time: on the
+prefill worker, the decode worker and after a migration alike), and advanced by
+the token drawn. Otherwise `logits_processors.apply_controls` gives the
+*processed* logits (logit bias, the min_tokens mask, the grammar's mask, penalties): logprobs are
 read from those, before temperature, top-k, top-p and min-p reshape the
 distribution the token is then drawn from (vLLM calls these "processed"
 logprobs; its default is the raw model output).
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from libs.engine.model.grammar import GrammarCompiler
 from libs.engine.model.logits_processors import apply_controls, cut_min_p
 from libs.engine.model.sequence import Sequence
 from libs.protocol.sampling_params import SamplingParams
@@ -36,15 +40,35 @@ class Sampled:
     logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
-def sample_sequences(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> list[Sampled]:
-    """One token per sequence from ``logits`` ([B, V]), by its request's controls."""
+def sample_sequences(
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int], grammars: GrammarCompiler | None = None
+) -> list[Sampled]:
+    """One token per sequence from ``logits`` ([B, V]), by its request's controls
+    (``grammars``: what compiles a request's grammar, when one has one)."""
     params = [seq.params for seq in seqs]
     indices = [seq.num_generated + seq.choice * _CHOICE for seq in seqs]
     if not any(p.changes_logits for p in params):
         return [Sampled(token) for token in sample(logits, params, indices)]
+    _sync_grammars(seqs, grammars)
     processed = apply_controls(logits.float(), seqs, eos_token_ids)  # [B, V]
     tokens = sample(cut_min_p(processed, params), params, indices)
+    for seq, token in zip(seqs, tokens):
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
     return [Sampled(t, lp) for t, lp in zip(tokens, _logprobs(processed, tokens, params))]
+
+
+def _sync_grammars(seqs: list[Sequence], grammars: GrammarCompiler | None) -> None:
+    """Give each sequence whose request has a grammar a state that has accepted every
+    token it generated (its first time here: a new one, rebuilt from them)."""
+    for seq in seqs:
+        if seq.params.grammar is None:
+            continue
+        if seq.grammar is None:
+            if grammars is None:
+                raise ValueError(f"{seq.request_id} has a grammar, but this sampler has no grammar compiler")
+            seq.grammar = grammars.state(seq.params.grammar)
+        seq.grammar.catch_up(seq.generated_token_ids)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from libs.engine.model.engine import Engine
+from libs.engine.model.grammar import GrammarCompiler
 from libs.engine.model.kv_cache import KVCacheManager
 from libs.engine.model.sampling import sample_sequences
 from libs.engine.model.sequence import Sequence
@@ -55,15 +56,21 @@ class TokenOutput:
 
 
 def sample_tokens(
-    seqs: list[Sequence], logits: torch.Tensor, stop: Stop, eos_token_ids: Collection[int]
+    seqs: list[Sequence], logits: torch.Tensor, stop: Stop, eos_token_ids: Collection[int],
+    grammars: GrammarCompiler | None = None,
 ) -> list[TokenOutput]:
     """Sample one token per sequence from ``logits`` ([B, V]), append it, and say
     whether it ends the sequence. The one sampling path of every engine loop
-    (``eos_token_ids``: what min_tokens keeps a sequence from drawing)."""
+    (``eos_token_ids``: what min_tokens keeps a sequence from drawing; ``grammars``:
+    what compiles a request's grammar). A grammar that has ended (its stop token
+    came) ends its sequence too, ignore_eos or not."""
     outputs = []
-    for seq, sampled in zip(seqs, sample_sequences(logits, seqs, eos_token_ids)):
+    for seq, sampled in zip(seqs, sample_sequences(logits, seqs, eos_token_ids, grammars)):
         seq.append_token(sampled.token_id)
-        outputs.append(TokenOutput(seq, sampled.token_id, seq.num_output_tokens - 1, stop(seq), sampled.logprobs))
+        finish = stop(seq)
+        if finish is None and seq.grammar is not None and seq.grammar.is_terminated:
+            finish = FinishReason.STOP
+        outputs.append(TokenOutput(seq, sampled.token_id, seq.num_output_tokens - 1, finish, sampled.logprobs))
     return outputs
 
 
@@ -109,10 +116,11 @@ class StepFailed(Exception):
 class Scheduler:
     def __init__(self, cache: KVCacheManager, stop: Stop, max_batch_size: int = 64,
                  prefill_time: Callable[[Sequence], float] | None = None,
-                 eos_token_ids: Collection[int] = ()) -> None:  # fmt: skip
+                 eos_token_ids: Collection[int] = (), grammars: GrammarCompiler | None = None) -> None:  # fmt: skip
         self.cache = cache
         self.stop = stop
         self.eos_token_ids = eos_token_ids  # masked while a sequence is short of its min_tokens
+        self.grammars = grammars  # compiles the requests' grammars (None: no request may have one)
         self.max_batch_size = max_batch_size
         # predicted seconds of prefill a sequence has left (ordering sequences added with a Due)
         self.prefill_time = prefill_time or (lambda seq: 1e-3 * (seq.num_tokens - seq.num_computed_tokens))
@@ -186,7 +194,7 @@ class Scheduler:
     def update(self, batch: Batch, logits: torch.Tensor) -> list[TokenOutput]:
         """Sample the step's tokens; prefilled sequences join the running batch,
         finished ones leave it and free their blocks."""
-        outputs = sample_tokens(batch.seqs, logits, self.stop, self.eos_token_ids)
+        outputs = sample_tokens(batch.seqs, logits, self.stop, self.eos_token_ids, self.grammars)
         for out in outputs:
             if batch.is_prefill:
                 self.running.append(out.seq)

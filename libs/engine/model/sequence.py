@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from libs.protocol.hashing import ROOT, BlockHash
+from libs.engine.model.grammar import GrammarState
 from libs.protocol.sampling_params import SamplingParams
 from libs.protocol.vocabulary import FinishReason
 
@@ -23,6 +24,9 @@ class Sequence:
     num_prior_output_tokens: int = 0
     choice: int = 0  # which of the request's params.n sequences this is (0 for the first, or the only one)
     hash_root: BlockHash = ROOT  # where its block chain starts: its cache scope's root (hashing.scope_root)
+    # where it stands in its request's grammar, if any: built by the sampler from the generated tokens
+    # (never copied: a sibling or a migrated attempt builds its own)
+    grammar: GrammarState | None = field(default=None, repr=False)
 
     @classmethod
     def from_prompt(cls, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,

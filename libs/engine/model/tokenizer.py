@@ -46,6 +46,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def special_token_ids(self) -> frozenset[int]:
+        """The added tokens: control tokens such as end-of-turn, never text a grammar could match."""
+        return frozenset(self._special)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -69,7 +74,13 @@ class Tokenizer:
     def decode_stream(self, skip_special_tokens: bool = True) -> "TokenTextStream":
         return TokenTextStream(self._tok, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    @property
+    def template_takes_tools(self) -> bool:
+        """Whether the chat template renders a ``tools`` list (Hugging Face's convention)."""
+        return self.chat_template is not None and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:  # fmt: skip
         if self.chat_template is None:
             raise InvalidRequestError("this model has no chat template; use the completions API")
         if self._template is None:
@@ -82,15 +93,16 @@ class Tokenizer:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
         except jinja2.TemplateError as e:
             raise InvalidRequestError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Render the chat template and tokenize it; special tokens come from the template."""
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
 class TokenTextStream:

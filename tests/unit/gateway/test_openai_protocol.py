@@ -99,7 +99,7 @@ BAD_CHAT = [
     ({**CHAT, "stop_token_ids": 7}, "stop_token_ids"),
     ({**CHAT, "ignore_eos": "no"}, "ignore_eos"),
     ({**CHAT, "logprobs": 1}, "logprobs"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools[0]"),
     ({**CHAT, "presence_penalty": "0.5"}, "presence_penalty"),
     ({**CHAT, "presence_penalty": 3}, "presence_penalty"),
     ({**CHAT, "logit_bias": {"1" * 11: 1}}, "logit_bias"),

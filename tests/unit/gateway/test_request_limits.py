@@ -54,9 +54,7 @@ def test_a_huge_number_is_not_echoed_whole():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [{"name": "f"}]),
-    ("function_call", "auto"), ("response_format", {"type": "json_object"}), ("store", True),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("store", True),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}), ("reasoning_effort", "low"),
     ("best_of", True), ("echo", True), ("suffix", "end"),
 ])  # fmt: skip

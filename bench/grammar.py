@@ -1,0 +1,150 @@
+"""Constrained decoding's cost: a decode step (engine + sampler) of 8 and 32 sequences
+where half carry a JSON Schema grammar, against the same batch without grammars; and
+grammar compile time per schema, cold and cached.
+
+    .venv/bin/python bench/grammar.py [--steps 12] [--rounds 3] [--out bench/results/grammar.md]
+
+Each round times ``--steps`` decode steps with grammars, then the same number without,
+on sequences of the same prompts and lengths (each batch prefilled afresh); the figure
+is the median step over all rounds. The grammar (an object holding an array of exactly
+64 short strings) does not end within the steps timed, so every constrained row is
+masked at every step. Compile times are the 20 schemas of the structured-output
+integration test, on a fresh compiler (cold) and again (cached).
+"""
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from libs.engine.model.engine import EngineConfig  # noqa: E402
+from libs.engine.model.grammar import GrammarCompiler  # noqa: E402
+from libs.engine.model.loader import build_engine, load_model  # noqa: E402
+from libs.engine.model.scheduler import sample_tokens  # noqa: E402
+from libs.engine.model.sequence import Sequence  # noqa: E402
+from libs.protocol.sampling_params import Grammar, SamplingParams  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"items": {"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 64,
+                  "maxItems": 64}},
+    "required": ["items"],
+    "additionalProperties": False,
+}
+GRAMMAR = Grammar(kind="json_schema", schema=json.dumps(SCHEMA), strict=True)
+PROMPT = "List as many fruits as you can, as JSON."
+
+
+def batch(model, engine, size: int, constrained: bool, grammars: GrammarCompiler) -> list[Sequence]:
+    """``size`` prefilled sequences with their first token; half with the grammar when ``constrained``."""
+    prompt = model.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    seqs = []
+    for i in range(size):
+        grammar = GRAMMAR if constrained and i % 2 == 0 else None
+        params = SamplingParams(max_tokens=1000, temperature=1.0, seed=i, ignore_eos=True, grammar=grammar)
+        seqs.append(Sequence.from_prompt(f"r{i}", [*prompt, i % 7], params))  # distinct prompts: no shared blocks
+    logits = engine.prefill(seqs)
+    sample_tokens(seqs, logits, lambda s: None, model.tokenizer.eos_token_ids, grammars)
+    return seqs
+
+
+def time_steps(model, engine, seqs: list[Sequence], steps: int,
+               grammars: GrammarCompiler) -> list[tuple[float, float]]:  # fmt: skip
+    """(whole step, sampler alone) seconds of each of ``steps`` decode steps."""
+    eos = model.tokenizer.eos_token_ids
+    out = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        logits = engine.decode_step(seqs)
+        sampling = time.perf_counter()
+        sample_tokens(seqs, logits, lambda s: None, eos, grammars)
+        end = time.perf_counter()
+        out.append((end - start, end - sampling))
+    return out
+
+
+def step_times(model, size: int, steps: int, rounds: int, grammars: GrammarCompiler) -> dict[str, float]:
+    times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
+    for r in range(rounds):
+        for constrained in (True, False) if r % 2 == 0 else (False, True):  # neither always goes first
+            engine = build_engine(model, EngineConfig(num_blocks=64 * size // 8 + 64, enable_prefix_cache=False))
+            seqs = batch(model, engine, size, constrained, grammars)
+            time_steps(model, engine, seqs, 2, grammars)  # warm
+            times[constrained] += time_steps(model, engine, seqs, steps, grammars)
+    step = {c: statistics.median(t for t, _ in times[c]) for c in times}
+    sampler = {c: statistics.median(s for _, s in times[c]) for c in times}
+    return {"with_ms": step[True] * 1e3, "without_ms": step[False] * 1e3,
+            "slower_pct": 100 * (step[True] / step[False] - 1),
+            "sampler_with_ms": sampler[True] * 1e3, "sampler_without_ms": sampler[False] * 1e3}  # fmt: skip
+
+
+def compile_times(model) -> dict[str, float]:
+    from openai.lib._pydantic import to_strict_json_schema
+
+    from tests.integration.structured_schemas import MODELS
+
+    grammars = GrammarCompiler(model.tokenizer, model.model.config.vocab_size)
+    start = time.perf_counter()
+    grammars.compile(Grammar(kind="json_object"))  # builds the tokenizer's tables once (and imports xgrammar)
+    setup = time.perf_counter() - start
+    schemas = [Grammar(kind="json_schema", schema=json.dumps(to_strict_json_schema(m)), strict=True) for m, _ in MODELS]
+    cold, cached = [], []
+    for g in schemas:
+        start = time.perf_counter()
+        grammars.compile(g)
+        cold.append(time.perf_counter() - start)
+    for g in schemas:
+        start = time.perf_counter()
+        grammars.compile(g)
+        cached.append(time.perf_counter() - start)
+    return {"setup_ms": setup * 1e3, "cold_median_ms": statistics.median(cold) * 1e3,
+            "cold_max_ms": max(cold) * 1e3, "cached_median_us": statistics.median(cached) * 1e6}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as Markdown here")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model = load_model(None, dtype=args.dtype, progress=False)
+    compiled = compile_times(model)
+    grammars = GrammarCompiler(model.tokenizer, model.model.config.vocab_size)
+    steps = {size: step_times(model, size, args.steps, args.rounds, grammars) for size in (8, 32)}
+    lines = [
+        "# Constrained decoding: decode step and compile time",
+        "",
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()} "
+        f"({torch.get_num_threads()} torch threads), default model ({model.dtype}), xgrammar 0.1.34:",
+        "",
+        f"    .venv/bin/python bench/grammar.py --steps {args.steps} --rounds {args.rounds}"
+        + (f" --dtype {args.dtype}" if args.dtype != "auto" else ""),
+        "",
+        "| sequences | half with a grammar (ms/step) | no grammar (ms/step) | slower | sampler, with / without (ms) |",
+        "|---|---|---|---|---|",
+        *(f"| {size} | {s['with_ms']:.1f} | {s['without_ms']:.1f} | {s['slower_pct']:+.1f}% | "
+          f"{s['sampler_with_ms']:.2f} / {s['sampler_without_ms']:.2f} |" for size, s in steps.items()),
+        "",
+        f"Compile (20 schemas of tests/integration/structured_schemas.py): cold median "
+        f"{compiled['cold_median_ms']:.1f} ms, max {compiled['cold_max_ms']:.1f} ms; cached median "
+        f"{compiled['cached_median_us']:.1f} µs. Once per process: {compiled['setup_ms']:.0f} ms to import "
+        "xgrammar and build the tokenizer's tables.",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
