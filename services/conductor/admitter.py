@@ -12,6 +12,7 @@ admission's safety margins are learned from (`margin.py`).
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
+from libs.protocol.ids import RequestId
 from libs.protocol.schema import AdmitRequest
 from libs.protocol.vocabulary import ErrorCode, Role
 from services.conductor.admission_policy import Policy
@@ -41,7 +42,7 @@ class Booking:
     """What an admission adds to its instances' predicted load: one made here, or a
     peer replica's (`replicas.py`), which is booked and settled the same way."""
 
-    request_id: str
+    request_id: RequestId
     prefill_id: str  # where its prefill runs (the decode worker itself under conditional disaggregation)
     decode_id: str
     work_s: float  # predicted seconds it adds to the prefill queue
@@ -241,7 +242,7 @@ class Admitter:
         """Requests admitted here and not yet finished (the rest are peer replicas')."""
         return sum(1 for a in self.admitted.values() if a.origin is None)
 
-    def first_token(self, request_id: str, ttft_s: float | None = None) -> None:
+    def first_token(self, request_id: RequestId, ttft_s: float | None = None) -> None:
         """The request's prefill is done; ``ttft_s`` as measured, when known."""
         record = self.admitted.get(request_id)
         if record is None or record.first_token_at is not None:
@@ -266,7 +267,7 @@ class Admitter:
         request's, nor one's that a fault (a restart, an instance gone) may have touched."""
         return not record.booking.moved and self.view.last_fault < record.admitted_at - FAULT_GRACE_S
 
-    def finished(self, request_id: str, num_output_tokens: int = 0) -> None:
+    def finished(self, request_id: RequestId, num_output_tokens: int = 0) -> None:
         """The request is over (done, failed, cancelled or refused by its decode instance),
         after ``num_output_tokens`` tokens (0: not known): its mean TBT settles that prediction."""
         self.fair_share.remove(request_id)
@@ -287,7 +288,7 @@ class Admitter:
                 self.margins.observe_tbt(record.decode_id, measured, model_tbt)
         self._release(request_id, record, now)
 
-    def _release(self, request_id: str, record: Admitted, now: float) -> None:
+    def _release(self, request_id: RequestId, record: Admitted, now: float) -> None:
         """Take the request's booking off its instances' load."""
         if (prefill := self.view.get(record.prefill_id)) is not None:
             prefill.prefill.done(request_id, now)

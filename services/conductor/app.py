@@ -11,6 +11,7 @@ from contextlib import AsyncExitStack
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
+from libs.protocol.ids import InstanceId
 from libs.protocol import subjects
 
 from libs.common import failpoints
@@ -89,12 +90,12 @@ class Conductor(Service):
         if self.tracker.on_batch(batch):
             self._fetch_snapshot(batch.instance_id)
 
-    def _fetch_snapshot(self, instance_id: str) -> None:
+    def _fetch_snapshot(self, instance_id: InstanceId) -> None:
         if instance_id not in self._snapshots:
             self._snapshots.add(instance_id)
             self.spawn(self._snapshot(instance_id))
 
-    async def _snapshot(self, instance_id: str) -> None:
+    async def _snapshot(self, instance_id: InstanceId) -> None:
         try:
             self.log.info("KV events of %s have a gap: fetching its snapshot", instance_id)
             request = KVSnapshotRequest(instance_id=instance_id)
@@ -109,7 +110,7 @@ class Conductor(Service):
         elif self.tracker.on_snapshot(reply):
             self._fetch_snapshot(instance_id)
 
-    def _no_snapshot(self, instance_id: str, why: str) -> None:
+    def _no_snapshot(self, instance_id: InstanceId, why: str) -> None:
         self.log.warning("no KV snapshot from %s: %s", instance_id, why)
         self.tracker.snapshot_failed(instance_id)
 

@@ -23,6 +23,7 @@ the instance is filed again.
 import heapq
 from collections.abc import Callable, Collection, Hashable, Iterable
 
+from libs.protocol.ids import InstanceId
 from libs.protocol.vocabulary import Role
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.margin import Margins
@@ -183,11 +184,11 @@ class RoleCandidates:
             if (instance := self._live(instance_id)) is not None:
                 self.touched(instance)
 
-    def _live(self, instance_id: str) -> Instance | None:
+    def _live(self, instance_id: InstanceId) -> Instance | None:
         instance = self.view.get(instance_id)
         return instance if instance is not None and instance.role == self.role else None
 
-    def _file(self, idle: tuple[Key, float | None], instance_id: str) -> None:
+    def _file(self, idle: tuple[Key, float | None], instance_id: InstanceId) -> None:
         key, changes_at = idle
         if changes_at is not None and self._timer_at.get(instance_id) != changes_at:
             heapq.heappush(self._timers, (changes_at, instance_id))
@@ -226,7 +227,7 @@ class Candidates:
         self.prefill.touched(instance)
         self.decode.touched(instance)
 
-    def speed_sampled(self, instance_id: str) -> None:
+    def speed_sampled(self, instance_id: InstanceId) -> None:
         instance = self.view.get(instance_id)
         if instance is not None:
             self.touched(instance)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from libs.protocol.ids import InstanceId
 from libs.engine.cost_model import CostModel, uncalibrated_coefficients
 from libs.protocol.schema import Heartbeat, PrefillBeat
 from services.conductor.load import DecodeLoad, PrefillLoad
@@ -114,7 +115,7 @@ class ClusterView:
             else:
                 self.observe(heartbeat)
 
-    def get(self, instance_id: str) -> Instance | None:
+    def get(self, instance_id: InstanceId) -> Instance | None:
         return self._instances.get(instance_id)
 
     def alive(self, role: str) -> list[Instance]:
@@ -137,7 +138,7 @@ class ClusterView:
             self._by_role[role] = instances
         return instances
 
-    def assigned(self, instance_id: str) -> None:
+    def assigned(self, instance_id: InstanceId) -> None:
         instance = self._instances.get(instance_id)
         if instance is not None:
             instance.assigned_since_heartbeat += 1

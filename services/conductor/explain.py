@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import CandidateView, ConductorViewReply, DecisionView, PrefixView
 from libs.protocol.vocabulary import Role
 from services.conductor.index import KVIndex
@@ -91,7 +92,7 @@ class DecisionLog:
             out.append(PrefixView(block_hash=name, num_blocks=num_blocks, hits=hits, holders=holders))
         return out
 
-    def view(self, instance_id: str, index: KVIndex, slo: SLO, max_decisions: int, max_prefixes: int) -> ConductorViewReply:
+    def view(self, instance_id: InstanceId, index: KVIndex, slo: SLO, max_decisions: int, max_prefixes: int) -> ConductorViewReply:
         """What the console shows; decisions keep their candidates for the next WATCHED_S seconds."""
         self._watched_until = self.clock() + WATCHED_S
         blocks = {i: {tier: len(held) for tier, held in index.contents(i).items()} for i in index.instances()}

@@ -18,6 +18,8 @@ Each conductor replica counts the admissions it made itself. Pure bookkeeping.
 
 from dataclasses import dataclass
 
+from libs.protocol.ids import RequestId
+
 ACTIVE_S = 10.0  # a tenant that sent a request this recently still has a share
 
 @dataclass(frozen=True)
@@ -46,13 +48,13 @@ class FairShare:
         if len(self._seen) > 1000:  # forget the long gone
             self._seen = {t: s for t, s in self._seen.items() if s[0] >= now - ACTIVE_S}
 
-    def add(self, request_id: str, tenant: str, weight: float, cost: float) -> None:
+    def add(self, request_id: RequestId, tenant: str, weight: float, cost: float) -> None:
         self.remove(request_id)
         self._charges[request_id] = Charge(tenant, weight, cost)
         self._cost[tenant] = self._cost.get(tenant, 0.0) + cost
         self._weight[tenant] = weight
 
-    def remove(self, request_id: str) -> None:
+    def remove(self, request_id: RequestId) -> None:
         charge = self._charges.pop(request_id, None)
         if charge is None:
             return

@@ -15,6 +15,7 @@ keeps its holders as bit sets by prefix length, and names them only when asked.
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from libs.protocol.ids import InstanceId
 from libs.common.kv_events import TIERS
 from libs.protocol.schema import KVEvent
 from libs.protocol.vocabulary import KVEventKind
@@ -42,7 +43,7 @@ class PrefixMatch:
             self._prefix = {i: length for length, ids in self.by_length() for i in ids}
         return self._prefix
 
-    def blocks(self, instance_id: str) -> int:
+    def blocks(self, instance_id: InstanceId) -> int:
         slot = self._slots.get(instance_id)
         if slot is None:
             return 0
@@ -64,7 +65,7 @@ class PrefixMatch:
                 holders ^= low
             yield length, out
 
-    def tiers(self, instance_id: str, start: int, end: int) -> list[str]:
+    def tiers(self, instance_id: InstanceId, start: int, end: int) -> list[str]:
         """The fastest tier ``instance_id`` holds each block of [start, end) in."""
         shift = _BITS * self._slots[instance_id]
         out = []
@@ -92,16 +93,16 @@ class KVIndex:
     def instances(self) -> list[str]:
         return sorted(self._slots)
 
-    def contents(self, instance_id: str) -> dict[str, set[Hashable]]:
+    def contents(self, instance_id: InstanceId) -> dict[str, set[Hashable]]:
         """Blocks ``instance_id`` holds, by tier (tiers it holds nothing in are left out)."""
         return {t: set(held) for (i, t), held in self._held.items() if i == instance_id and held}
 
     # --- changes ------------------------------------------------------------------
-    def apply_event(self, instance_id: str, event: KVEvent) -> None:
+    def apply_event(self, instance_id: InstanceId, event: KVEvent) -> None:
         self.apply(instance_id, event.kind, event.tier, event.block_hashes, event.source_tier)
 
     def apply(
-        self, instance_id: str, kind: KVEventKind, tier: str, blocks: Iterable[Hashable], source_tier: str | None = None
+        self, instance_id: InstanceId, kind: KVEventKind, tier: str, blocks: Iterable[Hashable], source_tier: str | None = None
     ) -> None:
         if kind in (KVEventKind.STORED, KVEventKind.PROMOTED):  # a promotion is a copy up: the source keeps it
             self.add(instance_id, tier, blocks)
@@ -115,7 +116,7 @@ class KVIndex:
         else:
             raise ValueError(f"unknown KV event kind {kind!r}")
 
-    def add(self, instance_id: str, tier: str, blocks: Iterable[Hashable]) -> None:
+    def add(self, instance_id: InstanceId, tier: str, blocks: Iterable[Hashable]) -> None:
         bit = 1 << (_BITS * self._slot(instance_id) + _TIER_BIT[tier])
         held = self._held.setdefault((instance_id, tier), set())
         where = self._where
@@ -123,7 +124,7 @@ class KVIndex:
             where[block] = where.get(block, 0) | bit
             held.add(block)
 
-    def discard(self, instance_id: str, tier: str, blocks: Iterable[Hashable]) -> None:
+    def discard(self, instance_id: InstanceId, tier: str, blocks: Iterable[Hashable]) -> None:
         held = self._held.get((instance_id, tier))
         if not held:
             return
@@ -138,7 +139,7 @@ class KVIndex:
                 else:
                     del where[block]
 
-    def replace(self, instance_id: str, tiers: dict[str, Iterable[Hashable]]) -> None:
+    def replace(self, instance_id: InstanceId, tiers: dict[str, Iterable[Hashable]]) -> None:
         """Make ``instance_id``'s contents exactly ``tiers`` (a snapshot); {} forgets it."""
         for tier in TIERS:
             held = self._held.get((instance_id, tier))
@@ -171,7 +172,7 @@ class KVIndex:
         return PrefixMatch(len(blocks), groups, masks, self._slots, self._ids)
 
     # --- slots ------------------------------------------------------------------------
-    def _slot(self, instance_id: str) -> int:
+    def _slot(self, instance_id: InstanceId) -> int:
         slot = self._slots.get(instance_id)
         if slot is None:
             slot = self._free_slots.pop() if self._free_slots else len(self._slots)
@@ -180,7 +181,7 @@ class KVIndex:
             self._slot_bits |= 1 << (_BITS * slot)
         return slot
 
-    def _release(self, instance_id: str) -> None:
+    def _release(self, instance_id: InstanceId) -> None:
         slot = self._slots.pop(instance_id, None)
         if slot is not None:
             self._slot_bits &= ~(1 << (_BITS * slot))

@@ -12,6 +12,7 @@ Pure bookkeeping: times are whatever clock the caller uses.
 
 from dataclasses import dataclass
 
+from libs.protocol.ids import RequestId
 from libs.common.prefill_order import Work, completions, plan
 
 
@@ -103,7 +104,7 @@ class PrefillLoad:
                        and after[k] > job.deadline + 1e-9)  # fmt: skip
         return Placement(after[key], broken)
 
-    def add(self, request_id: str, seconds: float, now: float, speed: float = 1.0, deadline: float | None = None) -> None:
+    def add(self, request_id: RequestId, seconds: float, now: float, speed: float = 1.0, deadline: float | None = None) -> None:
         """Book a job predicted to take ``seconds`` (the cost model's prediction times
         ``speed``, the instance's learned slowness), due at ``deadline``."""
         self._advance(now)
@@ -130,7 +131,7 @@ class PrefillLoad:
                 self._pinned = (started, left if self.chunk_s is None else min(left, self.chunk_s))
             self._replan(now)
 
-    def done(self, request_id: str, now: float) -> Served | None:
+    def done(self, request_id: RequestId, now: float) -> Served | None:
         """The request's prefill finished at ``now``."""
         self._advance(now)
         job = self._jobs.pop(request_id, None)
@@ -275,12 +276,12 @@ class DecodeLoad:
         """The batch changed: from now on the model gives it steps of ``step_s``."""
         self._step = step_s
 
-    def add(self, request_id: str, prompt_tokens: int, start: float, tokens: int, expected: int) -> None:
+    def add(self, request_id: RequestId, prompt_tokens: int, start: float, tokens: int, expected: int) -> None:
         self.done(request_id)
         self.records[request_id] = DecodeRecord(prompt_tokens, start, tokens, expected)
         self._prompts += prompt_tokens
 
-    def started(self, request_id: str, now: float) -> None:
+    def started(self, request_id: RequestId, now: float) -> None:
         record = self.records.get(request_id)
         if record is None or record.decoding:
             return
@@ -289,7 +290,7 @@ class DecodeLoad:
         self._decoding_prompts += record.prompt_tokens
         self._decoding_starts += now
 
-    def done(self, request_id: str) -> bool:
+    def done(self, request_id: RequestId) -> bool:
         record = self.records.pop(request_id, None)
         if record is None:
             return False

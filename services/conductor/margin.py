@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from libs.protocol.ids import InstanceId
 from libs.common.prefill_order import BAND_NAMES, band_of
 
 MIN_SAMPLES = 20  # ratios before a window's quantile is trusted over the next wider one
@@ -137,7 +138,7 @@ class Margins:
         self._ttft.setdefault(band, self._slack_window()).observe(observed, predicted)
         self.ttft_all.observe(observed, predicted)
 
-    def observe_tbt(self, instance_id: str, observed: float, predicted: float) -> None:
+    def observe_tbt(self, instance_id: InstanceId, observed: float, predicted: float) -> None:
         self._tbt.setdefault(instance_id, self._window(*TBT_MARGIN)).observe(observed, predicted)
         self.tbt_all.observe(observed, predicted)
         self._decode_speed.setdefault(instance_id, self._speed_window()).observe(observed, predicted)
@@ -145,27 +146,27 @@ class Margins:
         for listener in self.on_speed:
             listener(instance_id)
 
-    def decode_speed(self, instance_id: str) -> float:
+    def decode_speed(self, instance_id: InstanceId) -> float:
         """Measured/modelled step time, the median over recent requests decoded on ``instance_id``."""
         return _pick(self._decode_speed.get(instance_id), self.decode_speed_all, MIN_SPEED_SAMPLES)
 
-    def observe_prefill(self, instance_id: str, measured: float, predicted: float) -> None:
+    def observe_prefill(self, instance_id: InstanceId, measured: float, predicted: float) -> None:
         self._speed.setdefault(instance_id, self._speed_window()).observe(measured, predicted)
         self.speed_all.observe(measured, predicted)
         for listener in self.on_speed:
             listener(instance_id)
 
-    def prefill_speed(self, instance_id: str) -> float:
+    def prefill_speed(self, instance_id: InstanceId) -> float:
         """Measured/predicted prefill time, the median of recent prefills on ``instance_id``."""
         return _pick(self._speed.get(instance_id), self.speed_all, MIN_SPEED_SAMPLES)
 
-    def own_prefill_speed(self, instance_id: str) -> tuple[float, float | None] | None:
+    def own_prefill_speed(self, instance_id: InstanceId) -> tuple[float, float | None] | None:
         """``instance_id``'s prefill speed where it is its own (enough recent samples), and
         when it may next change with no new sample (`RatioWindow.changes_at`); None: it
         has the cluster's."""
         return _own(self._speed.get(instance_id))
 
-    def own_decode_speed(self, instance_id: str) -> tuple[float, float | None] | None:
+    def own_decode_speed(self, instance_id: InstanceId) -> tuple[float, float | None] | None:
         """The same for ``instance_id``'s decode speed."""
         return _own(self._decode_speed.get(instance_id))
 
@@ -173,7 +174,7 @@ class Margins:
         """The TTFT slack (seconds) for a prompt of this size: its band's, else every band's."""
         return _pick(self._ttft.get(band_of(num_prompt_tokens)), self.ttft_all, default=0.0)
 
-    def tbt(self, instance_id: str) -> float:
+    def tbt(self, instance_id: InstanceId) -> float:
         return _pick(self._tbt.get(instance_id), self.tbt_all)
 
     def slack_by_band(self) -> dict[str, float]:
@@ -183,7 +184,7 @@ class Margins:
     def tbt_by_instance(self) -> dict[str, float]:
         return {instance_id: self.tbt(instance_id) for instance_id in self._tbt}
 
-    def forget(self, instance_id: str) -> None:
+    def forget(self, instance_id: InstanceId) -> None:
         self._tbt.pop(instance_id, None)
         self._speed.pop(instance_id, None)
         self._decode_speed.pop(instance_id, None)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from math import ceil
 from typing import TYPE_CHECKING
 
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import AdmitRequest
 from libs.protocol.slo import SLO
 from libs.protocol.vocabulary import KVTier, Role
@@ -39,7 +40,7 @@ class PredictConfig:
 
 @dataclass(frozen=True)
 class PrefillEstimate:
-    instance_id: str
+    instance_id: InstanceId
     queue_s: float
     load_s: float  # store loads and peer copies
     compute_s: float
@@ -66,7 +67,7 @@ class PrefillEstimate:
 
 @dataclass(frozen=True)
 class DecodeEstimate:
-    instance_id: str
+    instance_id: InstanceId
     tbt_s: float  # step time with this request in the batch predicted for it
     batch_size: int  # that batch, this request included
     fits: bool = True  # its KV fits the instance's pool beside that batch's
@@ -119,7 +120,7 @@ class AdmitContext:
         self._store = self._best_store()
 
     # --- candidates -------------------------------------------------------------------
-    def instance(self, instance_id: str, role: str) -> Instance | None:
+    def instance(self, instance_id: InstanceId, role: str) -> Instance | None:
         """``instance_id`` if it is a live, not excluded instance of ``role``."""
         if self.candidates is None:
             pool = self.prefills if role == Role.PREFILL else self.decodes if role == Role.DECODE else self.stores

@@ -10,7 +10,7 @@ comes, forgotten at the same age). Pure conversion and bookkeeping: the NATS
 side is `app.py`'s.
 """
 
-from libs.protocol.ids import InstanceId
+from libs.protocol.ids import InstanceId, RequestId
 from libs.protocol.schema import ConductorAdmission
 from services.conductor.admitter import Booking, Admitter
 
@@ -41,7 +41,7 @@ class Replicas:
         self.scheduler = scheduler
         self.num_peer_bookings = 0  # peers' admissions booked here
 
-    def shared(self, request_id: str) -> ConductorAdmission | None:
+    def shared(self, request_id: RequestId) -> ConductorAdmission | None:
         """The message that tells the peers of this replica's admission of ``request_id``."""
         record = self.scheduler.admitted.get(request_id)
         if record is None or record.origin is not None:

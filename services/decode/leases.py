@@ -10,10 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from libs.protocol.ids import RequestId
+
 
 @dataclass
 class Lease:
-    request_id: str
+    request_id: RequestId
     block_ids: list[int]
     expires_at: float
     ticket_token: str | None = None  # the transfer ticket that may write into the blocks
@@ -28,15 +30,15 @@ class LeaseTable:
     def __len__(self) -> int:
         return len(self._leases)
 
-    def __contains__(self, request_id: str) -> bool:
+    def __contains__(self, request_id: RequestId) -> bool:
         return request_id in self._leases
 
-    def grant(self, request_id: str, block_ids: list[int], ticket_token: str | None = None) -> Lease:
+    def grant(self, request_id: RequestId, block_ids: list[int], ticket_token: str | None = None) -> Lease:
         lease = Lease(request_id, block_ids, self.clock() + self.lease_seconds, ticket_token)
         self._leases[request_id] = lease
         return lease
 
-    def take(self, request_id: str) -> Lease | None:
+    def take(self, request_id: RequestId) -> Lease | None:
         """Remove and return a live lease (the hand-over arrived)."""
         return self._leases.pop(request_id, None)
 

@@ -8,6 +8,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from libs.protocol.ids import InstanceId, RequestId
 from libs.engine.model.sequence import Sequence
 from libs.protocol.schema import TokenChunk
 from libs.protocol.vocabulary import FinishReason
@@ -43,7 +44,7 @@ class FinishedStreams:
         self._streams.move_to_end(seq.request_id)
         self._trim()
 
-    def get(self, request_id: str) -> _Finished | None:
+    def get(self, request_id: RequestId) -> _Finished | None:
         self._trim()
         return self._streams.get(request_id)
 
@@ -53,8 +54,8 @@ class FinishedStreams:
             self._streams.popitem(last=False)
 
 
-def resend_chunk(request_id: str, from_index: int, running: list[Sequence], finished: FinishedStreams,
-                 instance_id: str) -> TokenChunk | None:  # fmt: skip
+def resend_chunk(request_id: RequestId, from_index: int, running: list[Sequence], finished: FinishedStreams,
+                 instance_id: InstanceId) -> TokenChunk | None:  # fmt: skip
     """One chunk with the tokens from ``from_index`` on (and the finish reason, if it has
     finished); None if the request is neither running here nor recently finished."""
     seq = next((s for s in running if s.request_id == request_id and s.choice == 0), None)  # n = 1 only

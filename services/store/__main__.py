@@ -13,6 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
+from libs.protocol.ids import InstanceId
 from libs.engine.contract import kv_layout, make_contract
 from libs.engine.model.default_model import cache_dir
 from libs.engine.model.loader import open_model
@@ -32,7 +33,7 @@ def model_contract(model: ModelSettings) -> tuple[KVContract, int]:
     return make_contract(checkpoint.model_id, layout, quantization), layout.block_nbytes
 
 
-def default_directory(instance_id: str, contract: KVContract) -> Path:
+def default_directory(instance_id: InstanceId, contract: KVContract) -> Path:
     """``$KVSERVE_CACHE_DIR/store/<instance id>/<contract digest>``: one per contract."""
     return cache_dir() / "store" / instance_id / contract_digest(contract).hex()[:12]
 

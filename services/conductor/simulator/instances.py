@@ -14,6 +14,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from math import ceil, sqrt
 
+from libs.protocol.ids import InstanceId, RequestId
 from libs.engine.cost_model import CostModel
 from libs.common.prefill_order import Work, plan
 from libs.protocol.schema import DecodeBeat, Heartbeat, PrefillBeat, StoreBeat
@@ -25,7 +26,7 @@ from services.conductor.simulator.trace import TraceRequest
 @dataclass(eq=False)
 class SimRequest:
     trace: TraceRequest
-    request_id: str
+    request_id: RequestId
     decision: Decision | None = None
     outcome: str = "pending"  # rejected, wasted (prefilled, then refused by its decode instance), done
     reason: str | None = None
@@ -79,7 +80,7 @@ class BlockLRU:
 
 
 class SimStore:
-    def __init__(self, instance_id: str, capacity_blocks: int, cost: CostModel, reported: CostModel | None = None) -> None:
+    def __init__(self, instance_id: InstanceId, capacity_blocks: int, cost: CostModel, reported: CostModel | None = None) -> None:
         self.instance_id = instance_id
         self.cache = BlockLRU(capacity_blocks)
         self.cost = cost
@@ -97,7 +98,7 @@ class SimPrefill:
     earlier promises kept, late ones next, best effort last), so a job is cut only
     between chunks."""
 
-    def __init__(self, sim, instance_id: str, cost: CostModel, cache_blocks: int, chunk_tokens: int = 2048) -> None:
+    def __init__(self, sim, instance_id: InstanceId, cost: CostModel, cache_blocks: int, chunk_tokens: int = 2048) -> None:
         self.sim = sim
         self.instance_id = instance_id
         self.cost = cost
@@ -207,7 +208,7 @@ class SimDecode:
     epoch is the stretch of steps between two such changes, whose ``k`` steps take
     T(k) = k·(d + e·B + f·C) + f·B·k(k-1)/2 (every step adds B tokens of context)."""
 
-    def __init__(self, sim, instance_id: str, cost: CostModel, max_batch: int, kv_tokens: int) -> None:
+    def __init__(self, sim, instance_id: InstanceId, cost: CostModel, max_batch: int, kv_tokens: int) -> None:
         self.sim = sim
         self.instance_id = instance_id
         self.cost = cost
