@@ -20,7 +20,7 @@ from libs.common.tenants import Quotas, Tenant, Tenants
 from tests.integration.conftest import metric_value, start_cluster, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
-NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "gina", "hank")
+NAMES = ("alice", "bob", "carol", "dave", "erin", "frank", "gina", "hank", "ivy")
 QUOTAS = {"erin": Quotas(requests_per_minute=2, tokens_per_minute=10_000), "frank": Quotas(max_prompt_tokens=8)}
 
 
@@ -34,7 +34,8 @@ def tenant_cluster(tmp_path_factory, keys):
     path = tmp_path_factory.mktemp("tenants") / "tenants.toml"
     scopes = {"carol": "pub", "dave": "pub"}
     tenants = {name: Tenant(name, (tenants_file.hash_key(keys[name]),), cache_scope=scopes.get(name),
-                            quotas=QUOTAS.get(name, Quotas()), disabled=name == "gina") for name in NAMES}
+                            quotas=QUOTAS.get(name, Quotas()), disabled=name == "gina", admin=name == "ivy")
+               for name in NAMES}
     tenants_file.write(path, Tenants(tenants, tenants_file.new_secret()))
     cluster = start_cluster(tenants_file=str(path))
     yield cluster, path
@@ -201,3 +202,28 @@ def test_a_key_rotated_by_the_cli_takes_effect_without_a_restart_and_the_stream_
         log = "\n".join(cluster.logs(instance_id))
         for key in (old, new):
             assert key not in log and tenants_file.hash_key(key) not in log
+
+
+def test_the_console_and_status_show_an_admin_every_tenant_and_a_tenant_itself(tenant_cluster, keys):
+    cluster, _ = tenant_cluster
+    for name in ("alice", "bob"):
+        client(cluster, keys[name]).completions.create(model=MODEL, prompt=f"Hello from {name}", max_tokens=2)
+    admin = json.loads(get(cluster, "/console/api/state", keys["ivy"]))["tenants"]
+    rows = {row["tenant"]: row for row in admin}
+    assert {"alice", "bob"} <= set(rows) and rows["bob"]["requests"] >= 1
+    assert rows["bob"]["slo_met"] + rows["bob"]["slo_missed"] >= 1
+    own = json.loads(get(cluster, "/console/api/state", keys["alice"]))["tenants"]
+    assert [row["tenant"] for row in own] == ["alice"] and own[0]["requests"] == rows["alice"]["requests"]
+
+    def status(key: str) -> str:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "KVSERVE_API_KEY": key}
+        done = subprocess.run([sys.executable, "-m", "kvserve.cli.main", "status", "--url", cluster.gateway_url],
+                              env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert key not in done.stdout
+        lines = done.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("TENANTS"))
+        return [line.split()[0] for line in lines[at + 2:]]
+
+    assert {"alice", "bob"} <= set(status(keys["ivy"]))
+    assert status(keys["bob"]) == ["bob"]
