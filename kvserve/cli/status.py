@@ -1,6 +1,7 @@
 """``kvserve status``: the console's cluster view on one terminal screen, from the
 gateway's ``/console/api/state`` (instances with their load, KV usage and tiers;
-the last routing decisions; SLO attainment and latency over the last minutes).
+the last routing decisions; SLO attainment and latency over the last minutes;
+each tenant's use: every tenant's to an admin's key, its own to any other).
 ``--watch`` redraws it every few seconds."""
 
 import argparse
@@ -24,7 +25,11 @@ DESCRIPTION = """\
 Show the cluster on one screen, as the gateway's live console sees it: every instance
 with its role, load, KV pool usage, queue or batch and the KV blocks it holds by tier;
 SLO attainment, TTFT and TPOT over the last five minutes; the last routing decisions,
-predicted and measured. Read from the gateway's /console/api/state."""
+predicted and measured; with tenants, each tenant's requests, tokens and refusals
+since the gateway started and its SLOs met and missed over the last five minutes
+(every tenant for an admin's key: `admin = true` in the tenants file, or the one
+--api-key; any other tenant's key sees its own row). Read from the gateway's
+/console/api/state."""
 
 EPILOG = """\
 examples:
@@ -127,7 +132,19 @@ def render(state: dict[str, Any], url: str) -> str:
         *_table(["TIME", "REQUEST", "ROUTE", "PREDICTED", "ACTUAL", "REUSE"],
                 [_decision_row(d) for d in state["decisions"][:MAX_DECISIONS]]),  # fmt: skip
     ]
+    if tenants := state.get("tenants"):
+        minutes = f"{state['slo']['window_s'] / 60:g} min"
+        lines += ["", f"TENANTS (since the gateway started; SLO over the last {minutes})",
+                  *_table(["TENANT", "REQUESTS", "PROMPT", "CACHED", "COMPLETION", "REFUSED", "SLO MET", "MISSED"],
+                          [_tenant_row(t) for t in tenants])]  # fmt: skip
     return "\n".join(lines)
+
+
+def _tenant_row(t: dict[str, Any]) -> list[str]:
+    refused = ", ".join(f"{reason} {n}" for reason, n in sorted(t["refusals"].items())) or "-"
+    met, missed = ("-" if v is None else str(v) for v in (t["slo_met"], t["slo_missed"]))
+    return [t["tenant"], str(t["requests"]), str(t["prompt_tokens"]), str(t["cached_tokens"]),
+            str(t["completion_tokens"]), refused, met, missed]  # fmt: skip
 
 
 def _slo_line(slo: dict[str, Any]) -> str:

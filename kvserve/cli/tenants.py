@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add.add_argument("--max-prompt-tokens", type=int, metavar="N")
     add.add_argument("--cache-scope", metavar="NAME",
                      help="share KV cache with every tenant in this named scope (default: its own scope)")
+    add.add_argument("--admin", action="store_true",
+                     help="its keys see every tenant's usage in /console and `kvserve status` (default: its own only)")
     add.set_defaults(run=run_add)
 
     listing = actions.add_parser("list", help="the tenants, their weights, quotas and number of keys")
@@ -75,7 +77,7 @@ def run_add(args: argparse.Namespace) -> int:
         raise SystemExit(f"kvserve tenants: error: tenant {args.name!r} exists (rotate-key gives it a new key)")
     key = tenants_file.new_key()
     quotas = Quotas(args.requests_per_minute, args.tokens_per_minute, args.max_concurrent, args.max_prompt_tokens)
-    tenant = Tenant(args.name, (tenants_file.hash_key(key),), args.weight, quotas, args.cache_scope)
+    tenant = Tenant(args.name, (tenants_file.hash_key(key),), args.weight, quotas, args.cache_scope, admin=args.admin)
     _save(args.file, tenants_file.with_tenant(tenants, tenant))
     _print_key(args.name, key)
     return 0
@@ -86,7 +88,7 @@ def run_list(args: argparse.Namespace) -> int:
     print(f"{'TENANT':<20} {'WEIGHT':>6} {'KEYS':>4}  {'SCOPE':<16} QUOTAS")
     for t in tenants.tenants.values():
         quotas = ", ".join(f"{k}={v}" for k, v in vars(t.quotas).items() if v is not None) or "-"
-        state = " (disabled)" if t.disabled else ""
+        state = (" (admin)" if t.admin else "") + (" (disabled)" if t.disabled else "")
         print(f"{t.name:<20} {t.weight:>6g} {len(t.key_hashes):>4}  {t.cache_scope or '(own)':<16} {quotas}{state}")
     return 0
 

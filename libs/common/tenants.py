@@ -17,6 +17,7 @@ each tenant's cache scope unguessable; it never leaves the gateway.
     max_prompt_tokens = 8192
     cache_scope = "public-prompts"   # optional: share KV with every tenant naming it
     disabled = false
+    admin = true                     # optional: sees every tenant in /console and `kvserve status`
 """
 
 import hashlib
@@ -56,6 +57,7 @@ class Tenant:
     quotas: Quotas = field(default_factory=Quotas)
     cache_scope: str | None = None  # a named scope shared with other tenants; None: its own
     disabled: bool = False
+    admin: bool = False  # sees every tenant's usage in the console and `kvserve status`; else only its own
 
     def __repr__(self) -> str:  # never the key hashes, even in a traceback
         return f"Tenant({self.name!r}, weight={self.weight}, disabled={self.disabled})"
@@ -91,9 +93,10 @@ def hash_key(key: str) -> str:
 
 
 def single_key(key: str | None) -> Tenants:
-    """The one-tenant setup of ``--api-key`` (or of no key at all: every request is the default tenant's)."""
+    """The one-tenant setup of ``--api-key`` (or of no key at all: every request is the default tenant's).
+    Its tenant is an admin: whoever holds the deployment's one key runs it."""
     keys = (hash_key(key),) if key is not None else ()
-    return Tenants({DEFAULT_TENANT: Tenant(DEFAULT_TENANT, keys)})
+    return Tenants({DEFAULT_TENANT: Tenant(DEFAULT_TENANT, keys, admin=True)})  # the operator's own key
 
 
 def parse(text: str) -> Tenants:
@@ -115,7 +118,7 @@ def _tenant(name: str, entry: object) -> Tenant:
         raise TenantsFileError(f"tenant name {name!r}: letters, digits, '_', '.', '-' only (at most 64)")
     if not isinstance(entry, dict):
         raise TenantsFileError(f"tenants.{name} must be a table")
-    known = {"keys", "weight", "cache_scope", "disabled", *QUOTA_FIELDS}
+    known = {"keys", "weight", "cache_scope", "disabled", "admin", *QUOTA_FIELDS}
     if unknown := sorted(set(entry) - known):
         raise TenantsFileError(f"tenants.{name}: unknown field(s) {', '.join(unknown)}")
     keys = entry.get("keys", [])
@@ -136,7 +139,10 @@ def _tenant(name: str, entry: object) -> Tenant:
     disabled = entry.get("disabled", False)
     if not isinstance(disabled, bool):
         raise TenantsFileError(f"tenants.{name}.disabled must be true or false")
-    return Tenant(name, tuple(keys), float(weight), Quotas(**quotas), scope, disabled)
+    admin = entry.get("admin", False)
+    if not isinstance(admin, bool):
+        raise TenantsFileError(f"tenants.{name}.admin must be true or false")
+    return Tenant(name, tuple(keys), float(weight), Quotas(**quotas), scope, disabled, admin)
 
 
 def read(path: str | Path) -> Tenants:
@@ -163,6 +169,8 @@ def dumps(tenants: Tenants) -> str:
             lines.append(f'cache_scope = "{t.cache_scope}"')
         if t.disabled:
             lines.append("disabled = true")
+        if t.admin:
+            lines.append("admin = true")
         lines.append("")
     return "\n".join(lines)
 

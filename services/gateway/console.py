@@ -6,15 +6,18 @@ The page and its static files hold no data and are public; the data routes
 (``/console/api/*``) need the API key when one is set. The page asks for the key
 once, keeps it in the tab's sessionStorage and sends it as a Bearer header on its
 fetches (the feed too: it is read with fetch, not EventSource), so the key is
-never in a URL, a cookie or a log line. What the console shows is built in
+never in a URL, a cookie or a log line. The tenants table is every tenant's for
+an admin's key, the caller's own row for any other tenant's. What the console shows is built in
 console_data.py; this module only gathers it (the conductors' views over NATS)
 and serves it.
 """
 
 import asyncio
+import functools
 import logging
 import mimetypes
 import time
+from dataclasses import replace
 from importlib import resources
 from typing import Any
 
@@ -27,9 +30,10 @@ from libs.protocol.schema import BadMessageError, ConductorViewReply, ConductorV
 from libs.common.service import Service
 from libs.protocol.vocabulary import Role
 from services.gateway import sse
-from services.gateway.console_data import RequestLog, console_state
+from services.gateway.console_data import RequestLog, console_state, for_caller
 from services.gateway.errors import error_body
 from services.gateway.generation import Generations
+from services.gateway.tenancy import TENANT
 
 log = logging.getLogger("kvserve.gateway.console")
 
@@ -90,11 +94,14 @@ class Console:
                 "in_flight": self.generations.num_in_flight, "uptime_s": round(now - self.service.started_at, 3),
             }  # fmt: skip
             served = self.requests.recent()
+            usage = self.generations.usage
+            totals = {name: replace(t, refusals=dict(t.refusals)) for name, t in usage.totals.items()}  # a snapshot
             args = (gateway, self.generations.peers.heard(), views, unreachable, served, now, MAX_DECISIONS)
+            kwargs = {"usage": totals, "tenant_label": usage.label}
             if len(served) > INLINE_STATE_REQUESTS:
-                state = await asyncio.to_thread(console_state, *args)
+                state = await asyncio.to_thread(functools.partial(console_state, *args, **kwargs))
             else:
-                state = console_state(*args)
+                state = console_state(*args, **kwargs)
             self._built = (time.monotonic(), version, state)
             return state
 
@@ -133,9 +140,14 @@ class Console:
             raise web.HTTPNotFound()
         return await self._file(name)
 
+    async def caller_state(self, request: web.Request) -> dict[str, Any]:
+        """The state as the request's tenant may see it (console_data.for_caller)."""
+        return for_caller(await self.state(), request.get(TENANT), self.generations.usage.totals,
+                          self.requests.recent())  # fmt: skip
+
     async def state_json(self, request: web.Request) -> web.Response:
-        return web.Response(body=msgspec.json.encode(await self.state()), content_type="application/json",
-                            headers={"Cache-Control": "no-store"})  # fmt: skip
+        return web.Response(body=msgspec.json.encode(await self.caller_state(request)),
+                            content_type="application/json", headers={"Cache-Control": "no-store"})  # fmt: skip
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         """The state as server-sent events: one a second, sooner when a request ends;
@@ -149,7 +161,7 @@ class Console:
         stopping = self.service.stopping
         try:
             while not stopping.is_set():
-                await stream.write(sse.event(await self.state()))
+                await stream.write(sse.event(await self.caller_state(request)))
                 next_at = time.monotonic() + FEED_PERIOD
                 await self._wait(stopping, FEED_MIN_GAP)
                 if not stopping.is_set():

@@ -1,6 +1,7 @@
 """What the console shows, as one JSON-ready dict: the cluster from the heartbeats
 the gateway hears, the conductors' KV map and routing decisions, and the requests
-this gateway served (TTFT, TPOT, SLO attainment, cache hits) over the last minutes.
+this gateway served (TTFT, TPOT, SLO attainment, cache hits) over the last minutes,
+and each tenant's use: every tenant's to an admin, its own to any other tenant.
 
 `RequestLog` keeps the served requests; `console_state` is a pure function of
 its inputs, so tests build it from fakes. Nothing here touches NATS or HTTP.
@@ -10,14 +11,16 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import msgspec
 
+from libs.common.tenants import Tenant
 from libs.protocol.schema import ConductorViewReply, Heartbeat
 from libs.protocol.vocabulary import FinishReason, Role
+from services.gateway.tenant_usage import OTHER, UsageTotals
 
 HORIZON_S = 900.0  # served requests are kept this long ...
 MAX_SERVED = 20_000  # ... and at most this many
@@ -44,6 +47,7 @@ class Served:
     migrations: int = 0
     slo_ttft_s: float | None = None  # the request's own targets; None: the conductor's
     slo_tbt_s: float | None = None
+    tenant: str | None = None  # the tenant that sent it (None: no tenant, as a test may run it)
 
     def missed(self, slo_ttft_s: float, slo_tbt_s: float) -> str | None:
         """Which target it missed ("failed": it did not complete), judged against its own
@@ -95,6 +99,7 @@ class RequestLog:
             num_cached_tokens=text.num_cached_tokens, num_completion_tokens=n, ttft_s=ttft, tpot_s=tpot,
             finish_reason=text.finish_reason, migrations=run.migrations,
             slo_ttft_s=slo.ttft_s if slo else None, slo_tbt_s=slo.tbt_s if slo else None,
+            tenant=generation.tenant.name if generation.tenant is not None else None,
         ))  # fmt: skip
 
     def recent(self) -> list[Served]:
@@ -123,10 +128,14 @@ def console_state(
     now: float,
     max_decisions: int = 20,
     max_requests: int = 20,
+    usage: Mapping[str, UsageTotals] | None = None,
+    tenant_label: Callable[[str], str] = str,
 ) -> dict[str, Any]:
-    """Everything the page and `kvserve status` show, JSON-ready. ``heard``: every live
-    instance's last heartbeat and its age; ``views``: what each conductor answered
-    (``unreachable``: the conductors that did not); ``served``: oldest first."""
+    """Everything the page and `kvserve status` show, JSON-ready, as an admin sees it
+    (`for_caller` narrows it for any other tenant). ``heard``: every live instance's
+    last heartbeat and its age; ``views``: what each conductor answered
+    (``unreachable``: the conductors that did not); ``served``: oldest first;
+    ``usage``: each tenant's totals, shown under ``tenant_label`` of its name."""
     blocks: dict[str, dict[str, int]] = {}
     for view in views:
         for instance_id, tiers in view.blocks.items():
@@ -146,7 +155,49 @@ def console_state(
         "requests": [_served(s, slo_ttft, slo_tbt) for s in reversed(served[-max_requests:])],
         "slo": _summary(window, slo_ttft, slo_tbt),
         "series": _series(window, slo_ttft, slo_tbt, now),
+        "tenants": tenant_rows(usage or {}, window, slo_ttft, slo_tbt, tenant_label),
     }
+
+
+# --- tenants --------------------------------------------------------------------------
+def tenant_rows(usage: Mapping[str, UsageTotals], window: Sequence[Served], slo_ttft: float | None,
+                slo_tbt: float | None, label: Callable[[str], str] = str) -> list[dict[str, Any]]:  # fmt: skip
+    """One row per tenant label (the metrics' bounded label: past its first tenants,
+    the rest add up under ``other``), by name, ``other`` last: requests, tokens and
+    refusals by reason since the gateway started; SLO met and missed over ``window``
+    (None without known targets)."""
+    rows: dict[str, dict[str, Any]] = {}
+
+    def row(name: str) -> dict[str, Any]:
+        return rows.setdefault(label(name), {
+            "tenant": label(name), "requests": 0, "prompt_tokens": 0, "cached_tokens": 0, "completion_tokens": 0,
+            "refusals": {}, "slo_met": None if slo_ttft is None else 0, "slo_missed": None if slo_ttft is None else 0,
+        })  # fmt: skip
+
+    for name, totals in usage.items():
+        r = row(name)
+        for field in ("requests", "prompt_tokens", "cached_tokens", "completion_tokens"):
+            r[field] += getattr(totals, field)
+        for reason, n in totals.refusals.items():
+            r["refusals"][reason] = r["refusals"].get(reason, 0) + n
+    if slo_ttft is not None:
+        for s in window:
+            if s.tenant is not None:
+                row(s.tenant)["slo_met" if s.met(slo_ttft, slo_tbt) else "slo_missed"] += 1
+    return sorted(rows.values(), key=lambda r: (r["tenant"] == OTHER, r["tenant"]))
+
+
+def for_caller(state: dict[str, Any], caller: Tenant | None, usage: Mapping[str, UsageTotals],
+               served: Sequence[Served]) -> dict[str, Any]:  # fmt: skip
+    """``state`` as ``caller`` may see it: an admin (an `admin = true` tenant, the one
+    ``--api-key``, or anyone where no key is set) sees every tenant's row; any other
+    tenant its own row only, counted by its own name (never merged under ``other``)."""
+    if caller is None or caller.admin:
+        return state
+    slo = state["slo"]
+    window = [s for s in served if s.at >= state["time"] - WINDOW_S and s.tenant == caller.name]
+    own = {caller.name: usage.get(caller.name, UsageTotals())}
+    return {**state, "tenants": tenant_rows(own, window, slo["ttft_s"], slo["tbt_s"])}
 
 
 def _ordered(heard: Sequence[tuple[Heartbeat, float]]) -> list[tuple[Heartbeat, float]]:

@@ -20,7 +20,6 @@ from aiohttp import web
 
 from libs.protocol.errors import KVServeError
 from libs.common.service import Service
-from libs.common.tenants import Tenant
 from libs.protocol.vocabulary import KVTier, Role
 from services.gateway import console
 from services.gateway import openapi as openapi_document
@@ -40,6 +39,7 @@ from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import GenerateRequest, parse_chat_request, parse_completion_request
 from services.gateway.request_limits import content_codings, decode_body, decode_content
 from services.gateway.response_bodies import Choice, ResponseBodies, model_card, model_list
+from services.gateway.tenancy import TENANT
 from services.gateway.text_stream import Delta
 from services.gateway.tools import ToolUse
 
@@ -50,7 +50,6 @@ log = logging.getLogger("kvserve.gateway.http")
 PUBLIC_PATHS = frozenset({"/health", "/health/live", "/health/ready", "/openapi.json"}) | console.PUBLIC_PATHS  # no API key needed
 READY_ROLES = (Role.CONDUCTOR, Role.PREFILL, Role.DECODE)  # a request needs a live instance of each
 INLINE_DECODE_BYTES = 64 * 1024  # larger bodies are decoded off the event loop
-TENANT = web.RequestKey("tenant", Tenant)  # who sent the request (the auth middleware's finding)
 
 
 class Handlers:

@@ -436,7 +436,8 @@ def _console_paths() -> dict[str, Schema]:
             "responses": {"200": {"description": "The file.", "content": {"*/*": {}}}, **not_found},
         }},
         "/console/api/state": {"get": {
-            "summary": "What the console shows: instances, KV map, routing decisions, requests, SLO attainment.",
+            "summary": "What the console shows: instances, KV map, routing decisions, requests, SLO attainment, "
+                       "tenants (every tenant for an admin's key, the caller's own otherwise).",
             "responses": {"200": _json("The cluster's state.", {"type": "object"}), **_errors(401)},
         }},
         "/console/api/events": {"get": {

@@ -15,6 +15,8 @@ import signal
 from contextlib import AsyncExitStack
 from pathlib import Path
 
+from aiohttp import web
+
 from libs.common import tenants as tenants_file
 from libs.protocol.hashing import ROOT, BlockHash, scope_root
 from libs.common.tenants import DEFAULT_TENANT, Tenant, Tenants, TenantsFileError
@@ -23,6 +25,8 @@ from services.gateway.errors import AuthenticationError, PermissionDeniedError
 POLL_INTERVAL = 1.0  # seconds between looks at the tenants file's stat
 
 log = logging.getLogger("kvserve.gateway.tenants")
+
+TENANT = web.RequestKey("tenant", Tenant)  # who sent a request (the auth middleware's finding)
 
 NO_KEY = ("You didn't provide an API key. Provide it in an Authorization header using Bearer auth "
           "(i.e. Authorization: Bearer YOUR_KEY).")  # fmt: skip

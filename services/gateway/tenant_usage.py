@@ -50,7 +50,7 @@ class TenantUsage:
         totals.prompt_tokens += usage.prompt_tokens
         totals.cached_tokens += usage.cached_tokens
         totals.completion_tokens += usage.completion_tokens
-        label = self._label(name)
+        label = self.label(name)
         self.requests.labels(label).inc()
         self.prompt_tokens.labels(label).inc(usage.prompt_tokens)
         self.cached_tokens.labels(label).inc(usage.cached_tokens)
@@ -60,13 +60,15 @@ class TenantUsage:
         name = _name(tenant)
         refusals = self.totals.setdefault(name, UsageTotals()).refusals
         refusals[reason] = refusals.get(reason, 0) + 1
-        self.refusals.labels(self._label(name), reason).inc()
+        self.refusals.labels(self.label(name), reason).inc()
 
     def of(self, tenant: Tenant | None) -> dict[str, Any]:
         """``tenant``'s totals, as `GET /v1/usage` shows them."""
         return asdict(self.totals.get(_name(tenant), UsageTotals()))
 
-    def _label(self, name: str) -> str:
+    def label(self, name: str) -> str:
+        """``name``'s value of the ``tenant`` label: its own among the first
+        MAX_TENANT_LABELS tenants seen, else ``other``."""
         if name in self._labels:
             return name
         if len(self._labels) < MAX_TENANT_LABELS:

@@ -1,7 +1,8 @@
 """The console in a real browser: Playwright drives the system's Chromium (never a
 browser Playwright downloads) against a local cluster with an API key. The page
 takes the key in its form, then shows a request's routing decision with the
-instances that served it and, after the same prompt again, a non-zero cache hit.
+instances that served it, after the same prompt again a non-zero cache hit, and the
+key's tenant in the tenants table.
 A screenshot is saved under the test's tmp dir. Where no Chromium can be had
 (`make test` installs it with apt where it can), that test skips saying so.
 `kvserve status` reads the same cluster's state and shows a request's route."""
@@ -76,6 +77,8 @@ def test_the_console_shows_a_requests_decision_and_the_cache_hit_of_its_repeat(c
             sync_api.expect(repeat.locator("td.cached")).to_have_text(str(cached), timeout=WAIT_MS)
             sync_api.expect(page.locator("#cache-hit")).to_have_text(re.compile(r"^(?!0%)\d+(\.\d)?%$"))
             sync_api.expect(page.locator(f'#instances tr[data-instance="{prefill_id}"]')).to_contain_text("prefill")
+            tenant = page.locator('#tenants tr[data-tenant="default"]')  # the one --api-key: an admin's view
+            sync_api.expect(tenant.locator("td").nth(1)).to_have_text(re.compile(r"^[1-9]\d*$"), timeout=WAIT_MS)
 
             shot = tmp_path / "console.png"
             page.screenshot(path=str(shot), full_page=True)

@@ -113,6 +113,18 @@ function renderKV(state) {
     h("td", { class: r.slo_met ? "good" : "bad" }, r.slo_met == null ? "–" : r.slo_met ? "met" : `missed: ${r.slo_missed}`))));
 }
 
+function renderTenants(state) {
+  const rows = state.tenants || [];
+  $("tenants-section").hidden = rows.length === 0;
+  $("tenants-window").textContent = `${state.slo.window_s / 60} min`;
+  const refused = (r) => Object.entries(r.refusals).sort().map(([k, n]) => `${k} ${n}`).join(", ") || "–";
+  fill("tenants", rows.map((t) => h("tr", { "data-tenant": t.tenant },
+    h("td", {}, t.tenant), h("td", { class: "num" }, t.requests), h("td", { class: "num" }, t.prompt_tokens),
+    h("td", { class: "num cached" }, t.cached_tokens), h("td", { class: "num" }, t.completion_tokens),
+    h("td", { class: "wrap" }, refused(t)), h("td", { class: "num good" }, t.slo_met ?? "–"),
+    h("td", { class: t.slo_missed ? "num bad" : "num" }, t.slo_missed ?? "–"))));
+}
+
 // --- charts ------------------------------------------------------------------------
 function makeChart(el, series, yRange) {
   const opts = {
@@ -146,6 +158,7 @@ function render(state) {
   renderInstances(state);
   renderDecisions(state);
   renderKV(state);
+  renderTenants(state);
   renderCharts(state);
   document.body.dataset.updated = String(state.time);
 }

@@ -12,12 +12,13 @@ from kvserve.cli.main import main
 from kvserve.cli.status import StatusError, fetch_state, render
 from libs.protocol.schema import CandidateView, ConductorViewReply, DecisionView, DecodeBeat, Heartbeat, PrefillBeat
 from services.gateway.console_data import Served, console_state
+from services.gateway.tenant_usage import UsageTotals
 
 KEY = "status-test-key"
 NOW = 1_800_000_000.0
 
 
-def state() -> dict:
+def state(**tenants) -> dict:
     decisions = [
         DecisionView(request_id="req-2", at=NOW - 1, policy="cache_aware", prefill_id="prefill-0", decode_id="decode-0",
                      rejected="ttft_slo", why="predicted TTFT 3.100 s on prefill-0 (queue 2.900 s) exceeds the 2.000 s target"),
@@ -37,10 +38,12 @@ def state() -> dict:
         Served(request_id="req-0", at=NOW - 30, prefill_id="prefill-0", decode_id="decode-0", num_prompt_tokens=64,
                num_cached_tokens=0, num_completion_tokens=8, ttft_s=3.0, tpot_s=0.05, finish_reason="stop"),
         Served(request_id="req-1", at=NOW - 1, prefill_id="prefill-0", decode_id="decode-0", num_prompt_tokens=64,
-               num_cached_tokens=48, num_completion_tokens=8, ttft_s=0.2, tpot_s=0.05, finish_reason="stop"),
+               num_cached_tokens=48, num_completion_tokens=8, ttft_s=0.2, tpot_s=0.05, finish_reason="stop",
+               tenant="alice"),
     ]  # fmt: skip
     gateway = {"instance_id": "gateway-0", "model": "tiny", "in_flight": 3, "uptime_s": 60.0}
-    return json.loads(json.dumps(console_state(gateway, heard, [view], [], served, NOW)))  # as it crosses HTTP
+    state = console_state(gateway, heard, [view], [], served, NOW, **tenants)
+    return json.loads(json.dumps(state))  # as it crosses HTTP
 
 
 def test_the_screen_shows_instances_slo_and_decisions():
@@ -57,6 +60,25 @@ def test_the_screen_shows_instances_slo_and_decisions():
     assert "TTFT 200 ms, 48/64 cached" in accepted and accepted.endswith("device 48")
     (rejected,) = [line for line in lines if "req-2" in line]
     assert "rejected (ttft_slo)" in rejected and "exceeds the 2.000 s target" in rejected
+
+
+def test_the_screen_shows_a_table_of_the_tenants_it_is_given_and_none_without():
+    usage = {"alice": UsageTotals(1, 64, 48, 8, {}),
+             "bob": UsageTotals(0, 0, 0, 0, {"requests_per_minute": 2, "fair_share": 1})}  # fmt: skip
+    lines = render(state(usage=usage), "http://gw:8000").splitlines()
+    at = lines.index("TENANTS (since the gateway started; SLO over the last 5 min)")
+    assert lines[at + 1].split() == ["TENANT", "REQUESTS", "PROMPT", "CACHED", "COMPLETION", "REFUSED", "SLO", "MET",
+                                     "MISSED"]  # fmt: skip
+    assert lines[at + 2].split() == ["alice", "1", "64", "48", "8", "-", "1", "0"]
+    assert lines[at + 3].split() == ["bob", "0", "0", "0", "0", "fair_share", "1,", "requests_per_minute", "2", "0",
+                                     "0"]  # fmt: skip
+    assert len(lines) == at + 4
+    untenanted = state()
+    for tenants in ([], None):  # no tenant served yet; a gateway from before tenants
+        untenanted["tenants"] = tenants
+        if tenants is None:
+            del untenanted["tenants"]
+        assert not any(line.startswith("TENANTS") for line in render(untenanted, "http://gw:8000").splitlines())
 
 
 class FakeGateway(BaseHTTPRequestHandler):

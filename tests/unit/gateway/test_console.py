@@ -24,7 +24,11 @@ from libs.protocol.schema import (
 )
 from services.gateway.app import Gateway
 from services.gateway.console import INLINE_STATE_REQUESTS
-from services.gateway.console_data import BUCKET_S, RequestLog, Served, console_state
+from libs.common import tenants as tenants_file
+from libs.common.tenants import Tenant, Tenants
+from services.gateway.console_data import BUCKET_S, RequestLog, Served, console_state, for_caller, tenant_rows
+from services.gateway.response_bodies import Usage
+from services.gateway.tenant_usage import UsageTotals
 from services.gateway.dispatch import SLOOverride
 from services.gateway.routes import init_app
 from tests.unit.gateway.conftest import gateway_settings
@@ -130,13 +134,97 @@ def test_the_request_log_measures_tpot_after_the_first_token_and_forgets_old_req
     run = SimpleNamespace(request_id="req-9", ttft_s=0.5, migrations=1,
                           served_by=lambda: {"prefill_instances": ["p0", "p1"], "decode_instances": ["d0", "d1"]})
     text = SimpleNamespace(num_prompt_tokens=40, num_cached_tokens=32, num_completion_tokens=11, finish_reason="stop")
-    log.observe(SimpleNamespace(run=run, text=text, slo=SLOOverride(ttft_s=3.0), started_at=100.0, ended_at=102.5))
+    log.observe(SimpleNamespace(run=run, text=text, slo=SLOOverride(ttft_s=3.0), started_at=100.0, ended_at=102.5,
+                                tenant=Tenant("alice")))  # fmt: skip
     (entry,) = log.recent()
+    assert entry.tenant == "alice"
     assert entry.tpot_s == pytest.approx((2.5 - 0.5) / 10)  # ten tokens after the first
     assert (entry.prefill_id, entry.decode_id, entry.migrations) == ("p0", "d1", 1)  # where it started, where it ended
     assert (entry.num_cached_tokens, entry.slo_ttft_s, entry.slo_tbt_s) == (32, 3.0, None)
     now[0] += 61
     assert log.recent() == []
+
+
+# --- tenants -------------------------------------------------------------------------------
+def usage_totals() -> dict[str, UsageTotals]:
+    return {
+        "alice": UsageTotals(2, 128, 48, 16, {"requests_per_minute": 1}),
+        "bob": UsageTotals(1, 64, 0, 8, {"fair_share": 2, "requests_per_minute": 1}),
+        "carol": UsageTotals(1, 64, 32, 8, {}),
+    }
+
+
+def tenants_log() -> list[Served]:
+    return [served("old", NOW - 400, 3.0, 0.05, tenant="alice"),  # outside the window: not in the SLO counts
+            served("a1", NOW - 3, 0.5, 0.05, tenant="alice"), served("a2", NOW - 2, 1.5, 0.05, tenant="alice"),
+            served("b1", NOW - 2, 0.5, 0.05, tenant="bob"), served("c1", NOW - 1, 0.5, 0.05, finish=None,
+                                                                   tenant="carol"),
+            served("untenanted", NOW - 1, 0.5, 0.05)]  # fmt: skip
+
+
+def test_each_tenant_has_a_row_of_its_usage_refusals_and_slos_over_the_window():
+    rows = console_state({}, [], [view()], [], tenants_log(), NOW, usage=usage_totals())["tenants"]
+    assert rows == [
+        {"tenant": "alice", "requests": 2, "prompt_tokens": 128, "cached_tokens": 48, "completion_tokens": 16,
+         "refusals": {"requests_per_minute": 1}, "slo_met": 1, "slo_missed": 1},
+        {"tenant": "bob", "requests": 1, "prompt_tokens": 64, "cached_tokens": 0, "completion_tokens": 8,
+         "refusals": {"fair_share": 2, "requests_per_minute": 1}, "slo_met": 1, "slo_missed": 0},
+        {"tenant": "carol", "requests": 1, "prompt_tokens": 64, "cached_tokens": 32, "completion_tokens": 8,
+         "refusals": {}, "slo_met": 0, "slo_missed": 1},
+    ]  # fmt: skip
+    no_targets = console_state({}, [], [], [], tenants_log(), NOW, usage=usage_totals())["tenants"]
+    assert {(r["slo_met"], r["slo_missed"]) for r in no_targets} == {(None, None)}  # no conductor: unknown
+
+
+def test_the_tenant_rows_use_the_bounded_label_and_other_comes_last():
+    label = {"bob": "bob"}.get
+    window = tenants_log()[1:]
+    rows = tenant_rows(usage_totals(), window, 1.0, 0.1, lambda name: label(name, "other"))
+    assert [r["tenant"] for r in rows] == ["bob", "other"]  # alice and carol add up under "other"
+    other = rows[1]
+    assert (other["requests"], other["prompt_tokens"], other["cached_tokens"]) == (3, 192, 80)
+    assert (other["refusals"], other["slo_met"], other["slo_missed"]) == ({"requests_per_minute": 1}, 1, 2)
+
+
+def test_an_admin_sees_every_tenant_and_any_other_tenant_only_itself():
+    log = tenants_log()
+    state = console_state({}, [], [view()], [], log, NOW, usage=usage_totals(), tenant_label=lambda name: "other")
+    assert for_caller(state, Tenant("root", admin=True), usage_totals(), log) is state
+    assert for_caller(state, None, usage_totals(), log) is state  # no tenants at all: nothing to hide
+    mine = for_caller(state, Tenant("alice"), usage_totals(), log)
+    assert mine["tenants"] == [  # its own name and counts, though its label is "other"
+        {"tenant": "alice", "requests": 2, "prompt_tokens": 128, "cached_tokens": 48, "completion_tokens": 16,
+         "refusals": {"requests_per_minute": 1}, "slo_met": 1, "slo_missed": 1}]  # fmt: skip
+    assert mine["slo"] == state["slo"] and len(state["tenants"]) == 1
+    assert for_caller(state, Tenant("dave"), usage_totals(), log)["tenants"][0]["requests"] == 0  # nothing yet
+
+
+@pytest.fixture
+async def tenant_console(served_model, tmp_path):
+    keys = {name: tenants_file.new_key() for name in ("root", "alice", "bob")}
+    path = tmp_path / "tenants.toml"
+    tenants = {name: Tenant(name, (tenants_file.hash_key(key),), admin=name == "root") for name, key in keys.items()}
+    tenants_file.write(path, Tenants(tenants, b"secret"))
+    gateway = Gateway(gateway_settings(tenants_file=str(path)), model=served_model)
+    for name in ("alice", "bob"):
+        gateway.generations.usage.observe(tenants[name], Usage(prompt_tokens=10, completion_tokens=2, cached_tokens=0))
+    async with TestClient(TestServer(init_app(gateway, gateway.generations))) as client:
+        yield client, keys
+
+
+async def test_the_console_shows_an_admins_key_every_tenant_and_a_tenants_key_its_own(tenant_console):
+    client, keys = tenant_console
+
+    async def tenants_seen(key: str, path: str = "/console/api/state") -> list[str]:
+        response = await client.get(path, headers={"Authorization": f"Bearer {key}", "Accept": "text/event-stream"})
+        state = await (response.json() if path.endswith("state") else next_event(response))
+        response.close()
+        return [row["tenant"] for row in state["tenants"]]
+
+    for path in ("/console/api/state", "/console/api/events"):
+        assert await tenants_seen(keys["root"], path) == ["alice", "bob"], path
+        assert await tenants_seen(keys["alice"], path) == ["alice"], path
+        assert await tenants_seen(keys["bob"], path) == ["bob"], path
 
 
 # --- the routes ----------------------------------------------------------------------------
@@ -183,7 +271,7 @@ async def test_state_asks_each_live_conductor_and_answers_json(console):
     assert response.status == 200 and response.headers["Cache-Control"] == "no-store"
     assert [(s, m) for s, m in asked] == [(subjects.conductor_view("conductor-0"), ConductorViewRequest(max_decisions=20))]
     assert set(state) == {"time", "gateway", "instances", "conductors", "kv_map", "decisions", "requests", "slo",
-                          "series"}  # fmt: skip
+                          "series", "tenants"}  # fmt: skip
     assert state["gateway"]["instance_id"] == "gateway-test" and state["gateway"]["model"] == "tiny-llama"
     assert {i["instance_id"]: i["kv_usage"] for i in state["instances"]} == {"conductor-0": None, "prefill-0": 0.25}
     assert state["decisions"][0]["request_id"] == "req-1" and state["slo"]["ttft_s"] == 1.0

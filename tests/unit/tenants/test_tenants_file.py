@@ -24,10 +24,11 @@ def test_a_key_finds_its_tenant_and_nothing_else_does():
 def test_the_file_round_trips_and_stores_no_key():
     key = tenants_file.new_key()
     tenant = Tenant("alice", (tenants_file.hash_key(key),), 2.5, Quotas(60, 1000, 4, 128), "public", True)
-    written = Tenants({"alice": tenant, "bob": Tenant("bob")}, b"abc")
+    written = Tenants({"alice": tenant, "bob": Tenant("bob"), "root": Tenant("root", admin=True)}, b"abc")
     text = tenants_file.dumps(written)
     assert key not in text
     assert tenants_file.parse(text) == written
+    assert [t.admin for t in tenants_file.parse(text).tenants.values()] == [False, False, True]
 
 
 @pytest.mark.parametrize("text, words", [
@@ -37,6 +38,7 @@ def test_the_file_round_trips_and_stores_no_key():
     ("[tenants.a]\ncolour = 'red'", "colour"),
     ("[tenants.'a b']\n", "tenant name"),
     ("[tenants.a]\ncache_scope = 'x y'", "cache_scope"),
+    ("[tenants.a]\nadmin = 'yes'", "admin"),
     ("[tenants.a\n", "not TOML"),
 ])  # fmt: skip
 def test_a_bad_file_is_refused_naming_what_is_wrong(text, words):
@@ -67,6 +69,11 @@ def test_the_cli_adds_lists_rotates_and_removes(tmp_path, capsys):
     secret = read.scope_secret
     assert len(secret) == 64
 
+    assert not read.tenants["alice"].admin
+    assert main(["tenants", "add", "root", "--file", str(path), "--admin"]) == 0
+    capsys.readouterr()
+    assert tenants_file.read(path).tenants["root"].admin
+
     assert main(["tenants", "rotate-key", "alice", "--file", str(path)]) == 0
     new_key = capsys.readouterr().out.strip()
     read = tenants_file.read(path)
@@ -77,8 +84,10 @@ def test_the_cli_adds_lists_rotates_and_removes(tmp_path, capsys):
     assert main(["tenants", "list", "--file", str(path)]) == 0
     listed = capsys.readouterr().out
     assert "alice" in listed and new_key not in listed and "requests_per_minute=60" in listed
+    assert [line.endswith("(admin)") for line in listed.splitlines()[1:]] == [False, True]
 
     assert main(["tenants", "remove", "alice", "--file", str(path)]) == 0
+    assert main(["tenants", "remove", "root", "--file", str(path)]) == 0
     assert tenants_file.read(path).tenants == {}
     assert sorted(os.listdir(tmp_path)) == ["tenants.toml"]  # no temporary file left behind
 
