@@ -190,14 +190,24 @@ def tenant_rows(usage: Mapping[str, UsageTotals], window: Sequence[Served], slo_
 def for_caller(state: dict[str, Any], caller: Tenant | None, usage: Mapping[str, UsageTotals],
                served: Sequence[Served]) -> dict[str, Any]:  # fmt: skip
     """``state`` as ``caller`` may see it: an admin (an `admin = true` tenant, the one
-    ``--api-key``, or anyone where no key is set) sees every tenant's row; any other
-    tenant its own row only, counted by its own name (never merged under ``other``)."""
+    ``--api-key``, or anyone where no key is set) sees everything; any other tenant its
+    own row only, counted by its own name (never merged under ``other``), and its own
+    requests only, without the routing decisions and hot prefixes, which would show
+    whether another tenant's prompts are cached."""
     if caller is None or caller.admin:
         return state
     slo = state["slo"]
-    window = [s for s in served if s.at >= state["time"] - WINDOW_S and s.tenant == caller.name]
+    mine = [s for s in served if s.tenant == caller.name]
+    window = [s for s in mine if s.at >= state["time"] - WINDOW_S]
     own = {caller.name: usage.get(caller.name, UsageTotals())}
-    return {**state, "tenants": tenant_rows(own, window, slo["ttft_s"], slo["tbt_s"])}
+    shown = len(state["requests"])
+    return {
+        **state,
+        "tenants": tenant_rows(own, window, slo["ttft_s"], slo["tbt_s"]),
+        "requests": [_served(s, slo["ttft_s"], slo["tbt_s"]) for s in reversed(mine[-shown:])] if shown else [],
+        "decisions": [],
+        "kv_map": {**state["kv_map"], "hot_prefixes": []},
+    }
 
 
 def _ordered(heard: Sequence[tuple[Heartbeat, float]]) -> list[tuple[Heartbeat, float]]:

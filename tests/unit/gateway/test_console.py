@@ -199,6 +199,18 @@ def test_an_admin_sees_every_tenant_and_any_other_tenant_only_itself():
     assert for_caller(state, Tenant("dave"), usage_totals(), log)["tenants"][0]["requests"] == 0  # nothing yet
 
 
+def test_a_tenant_sees_its_own_requests_and_no_routing_decisions_or_hot_prefixes():
+    log = tenants_log()
+    state = console_state({}, [], [view()], [], log, NOW, usage=usage_totals())
+    assert state["decisions"] and state["kv_map"]["hot_prefixes"] and len(state["requests"]) == len(log)
+    mine = for_caller(state, Tenant("alice"), usage_totals(), log)
+    assert [r["request_id"] for r in mine["requests"]] == ["a2", "a1", "old"]  # newest first, as the admin's
+    assert mine["requests"] == [r for r in state["requests"] if r["tenant"] == "alice"]
+    # which prefixes are hot, and what each routing decision found cached, is about everyone's prompts
+    assert mine["decisions"] == [] and mine["kv_map"]["hot_prefixes"] == []
+    assert mine["kv_map"]["blocks"] == state["kv_map"]["blocks"]  # block counts per instance say nothing of whose
+
+
 @pytest.fixture
 async def tenant_console(served_model, tmp_path):
     keys = {name: tenants_file.new_key() for name in ("root", "alice", "bob")}
