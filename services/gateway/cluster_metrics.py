@@ -4,6 +4,7 @@ once, its samples from every instance, told apart by their ``instance`` label)."
 
 import asyncio
 
+from libs.protocol.ids import InstanceId
 from libs.protocol import subjects
 from libs.common.metrics import merge_expositions
 from libs.common.peers import PeerDirectory
@@ -19,7 +20,7 @@ async def cluster_metrics(service: Service, peers: PeerDirectory) -> str:
     """Every live instance's metrics (asked in parallel) in the Prometheus text format."""
     others = [hb.instance_id for role in ROLES for hb in peers.alive(role) if hb.instance_id != service.instance_id]
 
-    async def ask(instance_id: str) -> str:
+    async def ask(instance_id: InstanceId) -> str:
         try:
             reply = await service.request(
                 subjects.metrics(instance_id), MetricsRequest(), MetricsReply, timeout=METRICS_TIMEOUT

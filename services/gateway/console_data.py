@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from libs.protocol.ids import RequestId
 from libs.common.tenants import Tenant
 from libs.protocol.schema import ConductorViewReply, Heartbeat
 from libs.protocol.vocabulary import FinishReason, Role
@@ -34,7 +35,7 @@ COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
 class Served:
     """One request this gateway served, once it was over."""
 
-    request_id: str
+    request_id: RequestId
     at: float  # wall-clock seconds when it ended
     prefill_id: str | None
     decode_id: str | None

@@ -26,6 +26,7 @@ from typing import NoReturn
 import nats.errors
 from nats.aio.msg import Msg
 
+from libs.protocol.ids import InstanceId
 from libs.protocol import schema, subjects
 from libs.protocol.schema import (
     Ack,
@@ -88,7 +89,7 @@ class WorkerLostError(ServiceUnavailableError):
     ``until_heard``: only suspected gone (a hand-off found it not answering): it serves
     again once heard from, as a live worker is within a heartbeat."""
 
-    def __init__(self, message: str, instance_id: str | None, role: str,  # None: the control plane
+    def __init__(self, message: str, instance_id: InstanceId | None, role: str,  # None: the control plane
                  started_at: float | None = None, until_heard: bool = False) -> None:  # fmt: skip
         super().__init__(message, "worker_lost")
         self.instance_id = instance_id
@@ -322,11 +323,11 @@ class RequestRun:
                  ask.from_index)  # fmt: skip
         return True
 
-    def _started_at(self, instance_id: str | None) -> float | None:
+    def _started_at(self, instance_id: InstanceId | None) -> float | None:
         """The start time of the process admission chose under ``instance_id``, as watched."""
         return self.watch.started_at(instance_id) if self.watch is not None and instance_id else None
 
-    def _decoding_on(self, instance_id: str) -> None:
+    def _decoding_on(self, instance_id: InstanceId) -> None:
         """The decode worker's first token came: the prefill worker's part is done."""
         self.serving_decode_id = instance_id
         if self.watch is None:
@@ -419,7 +420,7 @@ class _Answerer:
     unreachable: str  # NATS failed otherwise
     failed: str  # the reply is no valid message
     code: ErrorCode  # the ServiceUnavailableError code when NATS failed
-    instance_id: str | None = None  # a worker: its id, its role and its process's start time below
+    instance_id: InstanceId | None = None  # a worker: its id, its role and its process's start time below
     role: str = ""
     started_at: float | None = None
 
@@ -437,7 +438,7 @@ _CONDUCTOR = _Answerer(
 )
 
 
-def _worker(instance_id: str, role: str, started_at: float | None = None) -> _Answerer:
+def _worker(instance_id: InstanceId, role: str, started_at: float | None = None) -> _Answerer:
     return _Answerer(
         where=f"{role} instance {instance_id}",
         gone="{where} is unavailable",  # its process is gone; the conductor has not noticed yet

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from libs.protocol.ids import InstanceId, RequestId
 from libs.protocol.hashing import BlockHash, block_hashes, model_extra
 from libs.common.peers import PeerDirectory
 from libs.common.service import Service
@@ -82,7 +83,7 @@ class Generations:
 
     @asynccontextmanager
     async def generate(
-        self, request: GenerateRequest, request_id: str, slo: SLOOverride | None = None, session_id: str | None = None,
+        self, request: GenerateRequest, request_id: RequestId, slo: SLOOverride | None = None, session_id: str | None = None,
         tenant: Tenant | None = None,
     ) -> AsyncIterator[Generation]:
         """Admit ``request`` and start it on the cluster; inside the block, read its
@@ -133,11 +134,11 @@ class Generations:
                 for observe in self.observers:
                     observe(generation)
 
-    def _started_at(self, instance_id: str) -> float | None:
+    def _started_at(self, instance_id: InstanceId) -> float | None:
         heard = self.peers.last_heard(instance_id)
         return None if heard is None else heard[0].started_at
 
-    def _heard_at(self, instance_id: str) -> float | None:
+    def _heard_at(self, instance_id: InstanceId) -> float | None:
         heard = self.peers.last_heard(instance_id)
         return None if heard is None else heard[1]
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import msgspec
 
+from libs.protocol.ids import InstanceId
 from libs.protocol.hashing import BlockHash
 from libs.protocol.schema import AdmitReply, TokenChunk
 from libs.protocol.vocabulary import ErrorCode
@@ -197,7 +198,7 @@ class MigratingRun:
         once it has been heard from since."""
         return frozenset(i for i, (started, heard) in self._gone.items() if self._still_gone(i, started, heard))
 
-    def _still_gone(self, instance_id: str, started: float | None, heard: float | None) -> bool:
+    def _still_gone(self, instance_id: InstanceId, started: float | None, heard: float | None) -> bool:
         if started is None:
             return True
         if self._process_start(instance_id) != started:

@@ -7,6 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
+from libs.protocol.ids import RequestId
 from libs.protocol.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
 from libs.protocol.hashing import ROOT, BlockHash, block_hashes, model_extra
 from libs.engine.model.checkpoint import open_checkpoint
@@ -25,7 +26,7 @@ log = logging.getLogger("kvserve.gateway")
 
 @dataclass(frozen=True)
 class PreparedRequest:
-    request_id: str
+    request_id: RequestId
     prompt_token_ids: list[int]
     sampling: SamplingParams
     block_hashes: list[BlockHash]
@@ -60,14 +61,14 @@ class ServedModel:
         log.info("serving %s (context window %d tokens, KV blocks of %d)", model_id, window, block_size)
         return cls(model_id, checkpoint.tokenizer(), window, config.vocab_size, block_size)
 
-    async def prepare(self, request: GenerateRequest, request_id: str, hash_root: BlockHash = ROOT) -> PreparedRequest:
+    async def prepare(self, request: GenerateRequest, request_id: RequestId, hash_root: BlockHash = ROOT) -> PreparedRequest:
         """`prepare_blocking`, on a worker thread when the prompt is long."""
         if _prompt_chars(request) > INLINE_TOKENIZE_CHARS:
             return await asyncio.to_thread(self.prepare_blocking, request, request_id, hash_root)
         return self.prepare_blocking(request, request_id, hash_root)
 
     def prepare_blocking(
-        self, request: GenerateRequest, request_id: str, hash_root: BlockHash = ROOT
+        self, request: GenerateRequest, request_id: RequestId, hash_root: BlockHash = ROOT
     ) -> PreparedRequest:
         """Tokenize, resolve max_tokens, validate; raise InvalidRequestError when it cannot be served."""
         prompt_param = "messages" if request.is_chat else "prompt"

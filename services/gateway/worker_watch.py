@@ -11,6 +11,7 @@ only guard. Pure logic: no NATS, the directory's clock.
 import math
 from dataclasses import dataclass
 
+from libs.protocol.ids import InstanceId
 from libs.common.peers import PeerDirectory
 from libs.protocol.vocabulary import Role
 
@@ -19,7 +20,7 @@ LOST_AFTER_HEARTBEATS = 2.5  # silence, in heartbeat intervals, after which a wo
 
 @dataclass(frozen=True)
 class Gone:
-    instance_id: str
+    instance_id: InstanceId
     role: Role  # PREFILL or DECODE
     why: str  # for the log and the error message
     started_at: float  # the start time of the process seen gone (a restarted one has another)
@@ -36,17 +37,17 @@ class WorkerWatch:
         """Instance id -> role, of every instance watched now."""
         return {instance_id: role for instance_id, (role, _) in self._watched.items()}
 
-    def watch(self, instance_id: str, role: str) -> None:
+    def watch(self, instance_id: InstanceId, role: str) -> None:
         heard = self.peers.last_heard(instance_id)
         if heard is not None and instance_id not in self._watched:
             self._watched[instance_id] = (role, heard[0].started_at)
 
-    def started_at(self, instance_id: str) -> float | None:
+    def started_at(self, instance_id: InstanceId) -> float | None:
         """The start time of the process watched under ``instance_id``; None if not watched."""
         watched = self._watched.get(instance_id)
         return watched[1] if watched is not None else None
 
-    def unwatch(self, instance_id: str) -> None:
+    def unwatch(self, instance_id: InstanceId) -> None:
         self._watched.pop(instance_id, None)
 
     def gone(self) -> Gone | None:
