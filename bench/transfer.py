@@ -3,7 +3,8 @@
 For each size: our shm path against a torch ``copy_`` between two preallocated,
 touched tensors; our TCP path (1, 4 and 8 connections, 4 MiB slices) against a
 bare blocking socket (one connection, ``sendall`` / ``recv_into``); Mooncake's
-Transfer Engine over TCP where it installs. Receivers live in other processes
+Transfer Engine over TCP where it installs; our TCP path with mutual TLS (1 and 4
+connections, a throwaway CA made with the openssl CLI) beside the same path in clear. Receivers live in other processes
 (bench/transfer_peer.py); the shm path is also run with the receiver in this
 process. Then the KV hand-off of a 2,048-token prompt (bench/transfer_handoff.py).
 Repetitions alternate between the contenders so machine noise hits all of them;
@@ -47,6 +48,7 @@ from bench.transfer_report import machine_load, report, write_report  # noqa: E4
 from libs.protocol.schema import WriteTicket  # noqa: E402
 from libs.transfer import SharedSegment, Span, TransferEngine  # noqa: E402
 from libs.transfer.segment import SHM_DIR, new_segment_name  # noqa: E402
+from tests.unit.transfer.tls_certs import TestCA  # noqa: E402
 
 PEER = ROOT / "bench" / "transfer_peer.py"
 NETNS_ENV = "KVSERVE_BENCH_NETNS"
@@ -122,6 +124,10 @@ class WireBench:
     def __init__(self, stack: ExitStack, logdir: Path, max_size: int, room: int, mooncake: bool, pids: list[int]) -> None:
         self.pids = pids  # every process that may leave a segment behind
         self.peer = self._peer(stack, logdir, "kvserve", max(max_size, room))
+        ca = TestCA(logdir, "bench")
+        receiver_tls = ca.leaf("receiver")
+        self.tls_peer = self._peer(stack, logdir, "kvserve-tls", max_size, receiver_tls.cert, receiver_tls.key,
+                                   receiver_tls.ca)  # fmt: skip
         self.socket_peer = self._peer(stack, logdir, "socket", max_size)
         self.source = self._segment(stack, "src", max_size)
         torch.manual_seed(0)
@@ -133,6 +139,10 @@ class WireBench:
         for c in (1, 4, 8):
             self.engines[f"tcp{c}"] = self._engine(stack, TransferEngine("bench-host", transport="tcp", connections=c,
                                                                          slice_bytes=SLICE))  # fmt: skip
+        sender_tls = ca.leaf("sender")
+        for c in (1, 4):
+            self.engines[f"tls{c}"] = self._engine(stack, TransferEngine("bench-host", transport="tcp", connections=c,
+                                                                         slice_bytes=SLICE, tls=sender_tls))  # fmt: skip
         for engine in self.engines.values():
             engine.register(self.source)
         self.memcpy_src = torch.ones(max_size, dtype=torch.uint8)
@@ -164,7 +174,7 @@ class WireBench:
         return engine
 
     def contenders(self) -> list[str]:
-        names = ["memcpy", "memcpy-1t", "shm", "shm-local", "socket", "tcp1", "tcp4", "tcp8"]
+        names = ["memcpy", "memcpy-1t", "shm", "shm-local", "socket", "tcp1", "tcp4", "tcp8", "tls1", "tls4"]
         return names + (["mooncake", "mooncake-batch"] if self.mooncake_tx is not None else [])
 
     def source_hash(self, n: int) -> str:
@@ -203,7 +213,8 @@ class WireBench:
             tickets = [self.local.expect(self.local_destination.name, [(0, n)], ttl=600) for _ in range(k)]
             engine = self.engines["shm"]
         else:
-            tickets = [msgspec.convert(t, WriteTicket) for t in self.peer.ask("tickets", k)["tickets"]]
+            peer = self.tls_peer if name.startswith("tls") else self.peer
+            tickets = [msgspec.convert(t, WriteTicket) for t in peer.ask("tickets", k)["tickets"]]
             engine = self.engines[name]
         start = time.perf_counter()
         for ticket in tickets:
@@ -231,7 +242,7 @@ class WireBench:
                 time.sleep(1.0)
                 arrived = self.mooncake_rx.ask("hash", 0, n)["hash"]
         else:
-            peer = {"socket": self.socket_peer}.get(name, self.peer)
+            peer = {"socket": self.socket_peer, "tls1": self.tls_peer, "tls4": self.tls_peer}.get(name, self.peer)
             if name == "shm-local":
                 self.local_destination.tensor[:n].zero_()
             else:

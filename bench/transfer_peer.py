@@ -11,6 +11,7 @@ Modes:
 - ``kvserve SIZE``: our TransferEngine listening on 127.0.0.1, owning one
   pre-faulted SIZE-byte segment; ``tickets K`` issues K one-time tickets for the
   whole segment (closing the previous ones).
+- ``kvserve-tls SIZE CERT KEY CA``: the same, with mutual TLS on its listener (PEM files).
 - ``socket SIZE``: a bare blocking-socket receiver on 127.0.0.1: frames of a u64
   length then that many bytes, ``recv_into`` a preallocated buffer, one ack byte each.
 - ``mooncake-rx SIZE``: Mooncake's Transfer Engine (P2PHANDSHAKE, tcp) with a
@@ -64,13 +65,15 @@ def serve(buffer: memoryview, zero, commands: dict) -> None:
             reply({"error": f"unknown command {words[0]!r}"})
 
 
-def run_kvserve(size: int) -> None:
+def run_kvserve(size: int, tls_files: list[str] | None = None) -> None:
     import msgspec
 
     from libs.transfer import SharedSegment, TransferEngine
     from libs.transfer.segment import new_segment_name
+    from libs.transfer.tcp.tls import TlsFiles
 
-    engine = TransferEngine("peer-host", listen="127.0.0.1:0", transport="tcp")  # tcp: listening from the start
+    tls = TlsFiles(*tls_files) if tls_files else None
+    engine = TransferEngine("peer-host", listen="127.0.0.1:0", transport="tcp", tls=tls)  # tcp: listening from the start
     segment = SharedSegment.create(new_segment_name("bench", "rx"), size)
     engine.register(segment)
     issued: list[str] = []
@@ -187,6 +190,8 @@ def main() -> None:
     mode, size = sys.argv[1], int(sys.argv[2])
     if mode == "kvserve":
         run_kvserve(size)
+    elif mode == "kvserve-tls":
+        run_kvserve(size, sys.argv[3:6])
     elif mode == "socket":
         run_socket(size)
     elif mode == "mooncake-rx":

@@ -15,6 +15,7 @@ import torch
 
 KEEP = "<!-- Everything below this line is written by hand and kept when the bench reruns. -->"
 SHM_TARGET = TCP_TARGET = 0.8
+TLS_TARGET = 0.25  # the most TLS may cost of TCP's throughput at >= 4 MiB
 TARGET_FROM = 4 << 20
 
 
@@ -101,6 +102,16 @@ def wire_tables(wire: dict[int, dict[str, list[float]]]) -> list[str]:
             best = max(gbps(n, s["mooncake"]), gbps(n, s["mooncake-batch"]))
             row += f" {cell(n, s['mooncake'])} | {cell(n, s['mooncake-batch'])} | {gbps(n, s['tcp4']) / best:.2f}x |"
         lines.append(row)
+    if all("tls4" in s for s in wire.values()):
+        lines += ["", "## TCP with mutual TLS vs in clear", "",
+                  "The same path and receiver process, its listener with TLS 1.3 (`KVSERVE_TRANSFER_TLS_*`, a "
+                  "throwaway CA); connections are pooled, so the handshake is paid once per connection, not per "
+                  "transfer. Cost = 1 - TLS / clear.", "",
+                  "| size | clear ×1 | TLS ×1 | cost ×1 | clear ×4 (default) | TLS ×4 | cost ×4 |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
+        for n, s in wire.items():
+            lines.append(f"| {size_label(n)} | {cell(n, s['tcp1'])} | {cell(n, s['tls1'])} "
+                         f"| {tls_cost(n, s, 1)} | {cell(n, s['tcp4'])} | {cell(n, s['tls4'])} | {tls_cost(n, s, 4)} |")  # fmt: skip
     small = [n for n in wire if n <= 1 << 20]
     if small:
         names = list(next(iter(wire.values())))
@@ -109,6 +120,10 @@ def wire_tables(wire: dict[int, dict[str, list[float]]]) -> list[str]:
         for n in small:
             lines.append(f"| {size_label(n)} | " + " | ".join(f"{statistics.median(wire[n][m]) * 1e6:.0f}" for m in names) + " |")
     return lines
+
+
+def tls_cost(n: int, s: dict[str, list[float]], connections: int) -> str:
+    return f"{(1 - gbps(n, s[f'tls{connections}']) / gbps(n, s[f'tcp{connections}'])) * 100:.0f}%"
 
 
 def target_lines(wire: dict[int, dict[str, list[float]]]) -> list[str]:
@@ -123,6 +138,12 @@ def target_lines(wire: dict[int, dict[str, list[float]]]) -> list[str]:
         missed = [size_label(n) for n, share in shares.items() if share < target]
         detail = ", ".join(f"{size_label(n)} {share * 100:.0f}%" for n, share in shares.items())
         lines.append(f"- {label}: {'met' if not missed else 'NOT met at ' + ', '.join(missed)} ({detail})")
+    if all("tls4" in wire[n] for n in big):
+        costs = {n: 1 - gbps(n, wire[n]["tls4"]) / gbps(n, wire[n]["tcp4"]) for n in big}
+        over = [size_label(n) for n, cost in costs.items() if cost > TLS_TARGET]
+        detail = ", ".join(f"{size_label(n)} {cost * 100:.0f}%" for n, cost in costs.items())
+        lines.append(f"- TLS costs <= {TLS_TARGET * 100:.0f}% of TCP's throughput (4 connections): "
+                     f"{'met' if not over else 'NOT met at ' + ', '.join(over)} ({detail})")  # fmt: skip
     if all("mooncake" in wire[n] for n in big):
         shares = {n: gbps(n, wire[n]["tcp4"]) / max(gbps(n, wire[n]["mooncake"]), gbps(n, wire[n]["mooncake-batch"]))
                   for n in wire}  # fmt: skip

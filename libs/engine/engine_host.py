@@ -102,6 +102,7 @@ class EngineHost:
             timeout=transfer.timeout,
             max_connections=transfer.max_connections,
             idle_timeout=transfer.idle_timeout,
+            tls=transfer.tls,
             metrics=metrics,
         )
         transfers.register(segment)

@@ -40,6 +40,7 @@ class ErrorCode(StrEnum):
     BAD_TOKEN = "bad_token"
     BAD_RANGE = "bad_range"
     TRUNCATED = "truncated"
+    TLS = "tls"  # the data plane's TLS failed: a certificate the CA did not sign, or TLS on one side only
 
 
 class Role(StrEnum):

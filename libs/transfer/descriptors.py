@@ -19,6 +19,7 @@ CAUSES = (
     ErrorCode.BAD_TOKEN,
     ErrorCode.BAD_RANGE,
     ErrorCode.TRUNCATED,
+    ErrorCode.TLS,
     ErrorCode.CANCELLED,
     ErrorCode.INTERNAL,  # a bug in the engine, not the peer's doing
 )

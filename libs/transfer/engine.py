@@ -26,6 +26,7 @@ from libs.transfer.ranges import RangeSet
 from libs.transfer.registry import TRANSPORTS
 from libs.transfer.segment import SHM_DIR, SharedSegment
 from libs.transfer.shm import ShmTransport, copy_spans
+from libs.transfer.tcp.tls import TlsFiles
 from libs.transfer.tickets import OpenTicket, TicketBook, claim, ticket_id
 from libs.transfer.transfer_metrics import TransferMetrics
 from libs.transfer.transport import Transport
@@ -46,6 +47,7 @@ class TransferEngine:
         timeout: float = 30.0,
         max_connections: int = 64,
         idle_timeout: float = 60.0,
+        tls: TlsFiles | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         """``listen`` ("host:port", port 0 for any): where a TCP listener binds, so peers on
@@ -53,6 +55,7 @@ class TransferEngine:
         transport (a name in `registry.TRANSPORTS`) for sending, and one that reaches other
         hosts is opened for receiving at once. The listener serves at most
         ``max_connections`` connections and closes those idle ``idle_timeout`` seconds.
+        ``tls``: mutual TLS on TCP, both ways (`tcp/tls.py`); None: plain TCP.
         ``metrics``: the process's, where the engine counts (a private set when None)."""
         if transport != AUTO and transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {(AUTO, *TRANSPORTS)}, got {transport!r}")
@@ -64,6 +67,7 @@ class TransferEngine:
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
         self.listen = listen
+        self.tls = tls
         self.tickets = TicketBook()
         self.pool = ThreadPoolExecutor(max_workers=MAX_LANE_THREADS, thread_name_prefix="kv-writer")
         self._segments: dict[str, SharedSegment] = {}

@@ -44,6 +44,8 @@ class Refusal(StrEnum):
     SPENT = "spent"  # every byte it allows is written
     OUTSIDE = "outside_ticket"  # a frame for bytes the ticket does not allow
     REWRITE = "already_written"  # a frame for bytes (some of) which were written before
+    TLS_HANDSHAKE = "tls_handshake"  # no certificate the CA signed (the data plane's TLS)
+    TLS_MISMATCH = "tls_mismatch"  # TLS on one side only
 
     @property
     def text(self) -> str:
@@ -61,6 +63,8 @@ _REFUSAL_TEXT = {
     Refusal.SPENT: "every byte of the ticket is written",
     Refusal.OUTSIDE: "outside its ticket",
     Refusal.REWRITE: "already written",
+    Refusal.TLS_HANDSHAKE: "TLS handshake failed (no certificate the cluster CA signed?)",
+    Refusal.TLS_MISMATCH: "TLS on one side only (KVSERVE_TRANSFER_TLS_*)",
 }
 
 

@@ -5,13 +5,16 @@ interface; `registry.py` names the ones it builds.
 
 from abc import ABC, abstractmethod
 from concurrent.futures import Executor
-from typing import ClassVar, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from libs.protocol.schema import WriteTicket
 from libs.transfer.segment import SharedSegment
 from libs.transfer.tickets import TicketBook
 from libs.transfer.transfer_metrics import TransferMetrics
 from libs.transfer.writers import Writer
+
+if TYPE_CHECKING:  # the tcp package imports this module
+    from libs.transfer.tcp.tls import TlsFiles
 
 
 class Host(Protocol):
@@ -23,6 +26,7 @@ class Host(Protocol):
     slice_bytes: int  # spans are cut into slices of at most this many bytes
     max_connections: int  # a listener serves at most this many connections
     idle_timeout: float  # ... and closes those idle this long
+    tls: "TlsFiles | None"  # mutual TLS between hosts; None: plain TCP
     tickets: TicketBook  # the tickets this engine has issued
     pool: Executor  # the threads that run writers' lanes
     metrics: TransferMetrics  # where transfers and the listener's refusals are counted

@@ -82,7 +82,7 @@ class StoreService(Service):
         self.transfers = TransferEngine(settings.host_id, listen=f"{t.listen_host}:0", transport=t.transport,
                                         connections=t.connections, timeout=t.timeout,
                                         max_connections=t.max_connections, idle_timeout=t.idle_timeout,
-                                        metrics=self.metrics)  # fmt: skip
+                                        tls=t.tls, metrics=self.metrics)  # fmt: skip
         self.transfers.register(self.segment)
         lower: list[LowerTier] = []  # the tiers below DRAM, fastest first: a new tier is one entry here
         if settings.disk_bytes:

@@ -7,12 +7,16 @@ Senders keep connections whose last transfer ended well in a small per-peer pool
 the greeting and one for the final status, not a TCP handshake and a thread; one the
 receiver has closed meanwhile is replaced without a word.
 
-Blocking sockets on pooled threads: the GIL is released in every send/recv, and the
-event loop never waits on the wire.
+With TLS on the data plane (``tls``, the client context of `tls.py`), a new connection
+opens its TLS session before the greeting; a pooled one keeps its session.
+
+Blocking sockets on pooled threads: the GIL is released in every send/recv (and in
+TLS's encryption), and the event loop never waits on the wire.
 """
 
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +27,18 @@ from libs.transfer.tcp.wire import END_OFFSET, FRAME, STATUS_CAUSE, Status, gree
 
 REUSE_SECONDS = 30.0  # the sender reuses an idle connection only this long
 IDLE_PER_PEER = 8
-_STATUS_TEXT = {Status.BUSY: "has too many connections"}
+_STATUS_TEXT = {
+    Status.BUSY: "has too many connections",
+    Status.TLS_REQUIRED: "requires TLS on the data plane, and this sender has none (KVSERVE_TRANSFER_TLS_*)",
+}
+
+
+def _cause(error: OSError) -> ErrorCode:
+    """A broken connection's cause: TLS when the TLS session failed (an alert: the peer
+    refused our certificate, say), else the peer gone. An EOF inside TLS is the peer gone."""
+    if isinstance(error, ssl.SSLError) and not isinstance(error, (ssl.SSLEOFError, ssl.SSLZeroReturnError)):
+        return ErrorCode.TLS
+    return ErrorCode.PEER_GONE
 
 
 def _closed_by_peer(sock: socket.socket) -> bool:
@@ -82,11 +97,12 @@ class TcpConnection:
 
     def __init__(
         self, address: str, token: str, deadline: float, pool: IdleConnections,
-        nonces: Iterator[int] | None = None,
+        nonces: Iterator[int] | None = None, tls: ssl.SSLContext | None = None,
     ) -> None:  # fmt: skip
         self.address = address
         self.deadline = deadline
         self.pool = pool
+        self.tls = tls
         nonces = new_nonces() if nonces is None else nonces
         self.sock = pool.take(address)
         if self.sock is not None:
@@ -111,7 +127,19 @@ class TcpConnection:
         except OSError as e:
             raise TransferError(ErrorCode.PEER_GONE, f"cannot connect to {address}: {e}") from None
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+        if self.tls is None:
+            return sock
+        try:
+            sock.settimeout(self._remaining())
+            return self.tls.wrap_socket(sock)  # the handshake, within the deadline
+        except TimeoutError:
+            sock.close()
+            raise TransferError(ErrorCode.TIMEOUT, f"TLS handshake with {address} timed out") from None
+        except OSError as e:  # any failure here is the handshake's: a plain receiver, an unknown CA
+            sock.close()
+            raise TransferError(ErrorCode.TLS, (
+                f"TLS handshake with {address} failed: {e} (does the receiver use TLS, with a certificate "
+                f"from the same CA?)")) from None  # fmt: skip
 
     def _greet(self, token: str, nonce: int) -> None:
         hello = greeting(token, nonce)
@@ -128,7 +156,10 @@ class TcpConnection:
         for span in spans:
             header = FRAME.pack(span.dst_offset, span.length)
             payload = source[span.src_offset : span.src_offset + span.length]
-            self._guard(lambda: _sendmsg_all(self.sock, [header, payload]))
+            if self.tls is None:
+                self._guard(lambda: _sendmsg_all(self.sock, [header, payload]))
+            else:  # no sendmsg in TLS: the header is a record of its own
+                self._guard(lambda: (self.sock.sendall(header), self.sock.sendall(payload)))
 
     def finish(self) -> None:
         """Send the end frame and wait for the receiver's OK; the connection then goes
@@ -155,7 +186,10 @@ class TcpConnection:
             raise TransferError(ErrorCode.TIMEOUT, "the receiver stopped taking bytes") from None
         except OSError as e:
             # the receiver may have said why before closing: prefer its reason
-            raise TransferError(self._status_after_error() or ErrorCode.PEER_GONE, f"connection lost: {e}") from None
+            cause = _cause(e)
+            if cause != ErrorCode.TLS:
+                cause = self._status_after_error() or ErrorCode.PEER_GONE
+            raise TransferError(cause, f"connection lost: {e}") from None
 
     def _expect_ok(self, what: str) -> None:
         self.sock.settimeout(self._remaining())
@@ -164,7 +198,7 @@ class TcpConnection:
         except TimeoutError:
             raise TransferError(ErrorCode.TIMEOUT, f"no answer to the {what}") from None
         except OSError as e:
-            raise TransferError(ErrorCode.PEER_GONE, f"connection lost waiting for the {what}: {e}") from None
+            raise TransferError(_cause(e), f"connection lost waiting for the {what}: {e}") from None
         if not status:
             raise TransferError(ErrorCode.PEER_GONE, f"the receiver closed the connection at the {what}")
         if status[0] != Status.OK:
@@ -175,8 +209,8 @@ class TcpConnection:
         try:
             self.sock.settimeout(0.2)
             status = self.sock.recv(1)
-        except OSError:
-            return None
+        except OSError as e:
+            return ErrorCode.TLS if _cause(e) == ErrorCode.TLS else None
         return STATUS_CAUSE.get(status[0]) if status else None
 
 

@@ -11,13 +11,21 @@ Nothing is written for a greeting that is refused (`tickets.py` says when), nor 
 a frame outside its ticket's ranges or over bytes already written; each refusal is
 logged — never with the token, which does not cross the wire — counted by reason,
 and ends the connection.
+
+With TLS (``tls``, the server context of `tls.py`), each accepted connection completes
+its handshake on the event loop before its greeting, and a sender whose certificate
+the CA did not sign is refused there; a sender without TLS is answered TLS_REQUIRED, in
+clear. The event loop drives plain and TLS sockets alike through `_io`.
 """
 
 import asyncio
 import logging
 import socket
+import ssl
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from libs.protocol.vocabulary import ErrorCode
 from libs.common import failpoints
@@ -27,7 +35,11 @@ from libs.transfer.transfer_metrics import TransferMetrics
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 CLOSE_WAIT_SECONDS = 5.0  # at close, how long connections get to end before they are dropped
+HANDSHAKE_SECONDS = 10.0  # how long a new connection's TLS handshake may take
+TLS_RECORD = 0x16  # the first byte a TLS client sends (a handshake record)
 
 
 class TcpListener:
@@ -40,12 +52,14 @@ class TcpListener:
         *,
         max_connections: int = 64,
         idle_timeout: float = 60.0,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         if max_connections < 1 or idle_timeout <= 0:
             raise ValueError("max_connections and idle_timeout must be positive")
         self.tickets = tickets
         self.max_connections = max_connections
         self.idle_timeout = idle_timeout
+        self.tls = tls  # a server context: every connection is mutual TLS; None: plain TCP
         self.metrics = metrics if metrics is not None else TransferMetrics()
         self._sock = socket.create_server((host, port), backlog=128)
         self._sock.setblocking(False)
@@ -134,12 +148,17 @@ class TcpListener:
         try:
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.tls is not None:
+                secured = await self._secure(conn, peer)
+                if secured is None:
+                    return
+                conn = secured
             first = True
             while True:
                 ticket = await self._greeting(conn, peer, first)
                 if ticket is None:
                     return
-                await loop.sock_sendall(conn, bytes([Status.OK]))
+                await _send_all(conn, bytes([Status.OK]))
                 status = await loop.run_in_executor(self._receivers, self._receive, conn, ticket, peer)
                 if status != Status.OK:
                     return
@@ -150,6 +169,37 @@ class TcpListener:
             self._conns.discard(conn)
             conn.close()
 
+    async def _secure(self, conn: socket.socket, peer) -> ssl.SSLSocket | None:
+        """``conn`` in a TLS session whose peer the CA certified; None (``conn`` closed) if not."""
+        try:
+            async with asyncio.timeout(HANDSHAKE_SECONDS):
+                opening = await _io(conn, lambda: conn.recv(len(MAGIC), socket.MSG_PEEK))
+        except (TimeoutError, OSError):
+            opening = b""
+        if not opening or opening[0] != TLS_RECORD:
+            if opening and MAGIC.startswith(opening):  # a sender without TLS: tell it why, in clear
+                await self._refuse(conn, peer, Refusal.TLS_MISMATCH, "a sender without TLS",
+                                   status=Status.TLS_REQUIRED)  # fmt: skip
+            elif opening:
+                await self._refuse(conn, peer, Refusal.BAD_GREETING, "no TLS handshake")
+            self._conns.discard(conn)
+            conn.close()
+            return None
+        secured = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+        self._conns.discard(conn)  # ``conn`` is now detached: its socket is ``secured``'s
+        self._conns.add(secured)
+        try:
+            async with asyncio.timeout(HANDSHAKE_SECONDS):
+                await _io(secured, secured.do_handshake)
+        except (TimeoutError, OSError) as e:
+            log.warning("refused a TCP transfer connection from %s:%s: %s: %s",
+                        peer[0], peer[1], Refusal.TLS_HANDSHAKE.text, e)  # fmt: skip
+            self.metrics.refused.labels(Refusal.TLS_HANDSHAKE).inc()
+            self._conns.discard(secured)
+            secured.close()
+            return None
+        return secured
+
     async def _greeting(self, conn: socket.socket, peer, first: bool) -> OpenTicket | None:
         """The next greeting's ticket; None when the connection is to be closed."""
         hello = bytearray(len(MAGIC) + GREETING.size)
@@ -158,6 +208,8 @@ class TcpListener:
             async with asyncio.timeout(self.idle_timeout):
                 await _recv_exact(conn, view[: len(MAGIC)])
                 if hello[: len(MAGIC)] != MAGIC:
+                    if first and hello[0] == TLS_RECORD:  # a TLS sender; this listener has none
+                        return await self._refuse(conn, peer, Refusal.TLS_MISMATCH, "a TLS sender, and no TLS here")
                     return await self._refuse(conn, peer, Refusal.BAD_GREETING, Refusal.BAD_GREETING.text)
                 await _recv_exact(conn, view[len(MAGIC) :])
         except TimeoutError:
@@ -175,11 +227,13 @@ class TcpListener:
             return await self._refuse(conn, peer, reason, f"ticket {tid.hex()[:8]}: {reason.text}")
         return ticket
 
-    async def _refuse(self, conn: socket.socket, peer, reason: Refusal, what: str) -> None:
+    async def _refuse(
+        self, conn: socket.socket, peer, reason: Refusal, what: str, status: Status = Status.REFUSED
+    ) -> None:
         log.warning("refused a TCP transfer from %s:%s: %s", peer[0], peer[1], what)
         self.metrics.refused.labels(reason).inc()
         try:
-            await asyncio.get_running_loop().sock_sendall(conn, bytes([Status.REFUSED]))
+            await _send_all(conn, bytes([status]))
         except OSError:
             pass
         return None
@@ -237,14 +291,48 @@ class TcpListener:
             return Status.FAILED
 
 
-async def _recv_exact(conn: socket.socket, view: memoryview) -> None:
+async def _io(conn: socket.socket, op: Callable[[], T], writing: bool = False) -> T:
+    """``op`` on a non-blocking socket, plain or TLS, waiting on the event loop while it would
+    block (asyncio's ``sock_*`` methods take no TLS socket). A TLS read may need to write
+    (and the other way round): the error says which to wait for."""
     loop = asyncio.get_running_loop()
+    while True:
+        try:
+            return op()
+        except ssl.SSLWantReadError:
+            await _ready(conn, loop.add_reader, loop.remove_reader)
+        except ssl.SSLWantWriteError:
+            await _ready(conn, loop.add_writer, loop.remove_writer)
+        except BlockingIOError:
+            if writing:
+                await _ready(conn, loop.add_writer, loop.remove_writer)
+            else:
+                await _ready(conn, loop.add_reader, loop.remove_reader)
+
+
+async def _ready(conn: socket.socket, add: Callable, remove: Callable) -> None:
+    fd = conn.fileno()
+    ready = asyncio.get_running_loop().create_future()
+    add(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await ready
+    finally:
+        remove(fd)
+
+
+async def _recv_exact(conn: socket.socket, view: memoryview) -> None:
     got = 0
     while got < len(view):
-        n = await loop.sock_recv_into(conn, view[got:])
+        n = await _io(conn, lambda: conn.recv_into(view[got:]))
         if n == 0:
             raise EOFError(f"stream ended after {got} of {len(view)} bytes")
         got += n
+
+
+async def _send_all(conn: socket.socket, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[await _io(conn, lambda: conn.send(view), writing=True) :]
 
 
 def _recv_exact_blocking(sock: socket.socket, view: memoryview) -> None:

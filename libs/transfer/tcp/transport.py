@@ -11,6 +11,7 @@ from libs.protocol.schema import WriteTicket
 from libs.transfer.segment import SharedSegment
 from libs.transfer.tcp.connection import IdleConnections
 from libs.transfer.tcp.listener import TcpListener
+from libs.transfer.tcp.tls import DataPlaneTls
 from libs.transfer.tcp.writer import TcpWriter
 from libs.transfer.transport import Host, Transport
 from libs.transfer.writers import Writer
@@ -24,6 +25,7 @@ class TcpTransport(Transport):
     def __init__(self, host: Host) -> None:
         super().__init__(host)
         self.idle = IdleConnections()  # connections to receivers, kept for the next transfer
+        self.tls = None if host.tls is None else DataPlaneTls(host.tls)
         self.listener: TcpListener | None = None
         self._lock = threading.Lock()
 
@@ -32,7 +34,8 @@ class TcpTransport(Transport):
 
     def make_writer(self, ticket: WriteTicket, source: SharedSegment, timeout: float) -> Writer:
         host = self.host
-        return TcpWriter(source, ticket, timeout, host.pool, self.idle, host.connections, host.slice_bytes)
+        return TcpWriter(source, ticket, timeout, host.pool, self.idle, host.connections, host.slice_bytes,
+                         tls=None if self.tls is None else self.tls.client)  # fmt: skip
 
     def open_receiver(self) -> str | None:
         with self._lock:
@@ -40,8 +43,9 @@ class TcpTransport(Transport):
                 address, port = self.host.listen.rsplit(":", 1)
                 self.listener = TcpListener(address, int(port), self.host.tickets, self.host.metrics,
                                             max_connections=self.host.max_connections,
-                                            idle_timeout=self.host.idle_timeout)  # fmt: skip
-                log.info("transfer listener on %s", self.listener.address)
+                                            idle_timeout=self.host.idle_timeout,
+                                            tls=None if self.tls is None else self.tls.server)  # fmt: skip
+                log.info("transfer listener on %s (%s)", self.listener.address, "TLS" if self.tls else "plain TCP")
             return None if self.listener is None else self.listener.address
 
     def close(self) -> None:

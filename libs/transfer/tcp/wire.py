@@ -9,7 +9,9 @@ Per connection::
               then the end frame (END_OFFSET, 0)
     receiver: 1 status byte: OK once every byte is in the segment, else why not
 
-The token itself never crosses the wire: the greeting names the ticket by a hash of
+With TLS on the data plane (`tls.py`), all of this is said inside the TLS session, which
+the sender opens first; a receiver with TLS answers a sender without it TLS_REQUIRED, in
+clear, and closes. The token itself never crosses the wire: the greeting names the ticket by a hash of
 its token and proves the sender holds the token with an HMAC of a fresh nonce
 (`tickets.py`), so each greeting is good once. A transfer sliced over several
 connections greets on each with a new nonce. After an OK the connection may carry
@@ -41,6 +43,7 @@ class Status(IntEnum):
     SHORT = 3  # the stream ended inside a frame
     FAILED = 4  # the receiver could not finish (timeout, broken connection)
     BUSY = 5  # the receiver has too many connections
+    TLS_REQUIRED = 6  # in clear, to a sender without TLS: this receiver speaks only TLS
 
 
 # What a sender's TransferError says for each refusal.
@@ -50,6 +53,7 @@ STATUS_CAUSE = {
     Status.SHORT: ErrorCode.TRUNCATED,
     Status.FAILED: ErrorCode.PEER_GONE,
     Status.BUSY: ErrorCode.PEER_GONE,
+    Status.TLS_REQUIRED: ErrorCode.TLS,
 }
 
 

@@ -3,6 +3,7 @@ connections (one per lane), opened or taken from the engine's idle ones only as 
 slices need them.
 """
 
+import ssl
 from concurrent.futures import Executor
 
 from libs.protocol.vocabulary import ErrorCode
@@ -21,7 +22,7 @@ class TcpWriter(Writer):
 
     def __init__(
         self, source: SharedSegment, ticket: WriteTicket, timeout: float, pool: Executor, idle: IdleConnections,
-        connections: int, slice_bytes: int,
+        connections: int, slice_bytes: int, tls: ssl.SSLContext | None = None,
     ) -> None:  # fmt: skip
         super().__init__(source, timeout, pool)
         if not ticket.address:
@@ -31,6 +32,7 @@ class TcpWriter(Writer):
                 f"/dev/shm)"))  # fmt: skip
         self.ticket = ticket
         self.idle = idle  # the engine's idle connections, by receiver address
+        self.tls = tls  # the client context of the data plane's TLS; None: plain TCP
         self.nonces = new_nonces()  # one greeting nonce per connection of this transfer
         self.slice_bytes = slice_bytes
         self.max_lanes = max(1, connections)
@@ -72,7 +74,7 @@ class TcpWriter(Writer):
         try:
             if lane.connection is None:
                 lane.connection = TcpConnection(self.ticket.address, self.ticket.token, self.deadline, self.idle,
-                                                nonces=self.nonces)  # fmt: skip
+                                                nonces=self.nonces, tls=self.tls)  # fmt: skip
             lane.connection.send(self.source.view, item)
         except TransferError:
             if lane.connection is not None:
