@@ -1,14 +1,14 @@
 """Giving freed heap memory back to the system.
 
 glibc keeps memory a process freed in its arenas (one per thread that allocates) for
-reuse, and returns it to the kernel only from the top of each heap. A worker whose
+reuse, and returns it to the kernel only from the top of each heap, so a worker whose
 engine, transfer and event-loop threads allocate and free tensors and buffers of many
-sizes therefore grows in resident memory long after its live data stopped growing:
-over a 30-minute soak the prefill worker's RSS rose 4.4% from its warm snapshot
-(bench/results/soak.md) while an engine prefilling distinct prompts in one process
-gave back all of its growth, and more, to one ``malloc_trim(0)``. So each service
-trims its heap every ``KVSERVE_HEAP_TRIM_S`` seconds (60 by default; 0 turns it off),
-on a thread, off its event loop.
+sizes holds far more resident memory than it uses. Each service therefore trims its
+heap every ``KVSERVE_HEAP_TRIM_S`` seconds (60 by default; 0 turns it off), on a
+thread, off its event loop. In the 30-minute soak the prefill worker's RSS at its warm
+snapshot fell from 1,837 MB to 1,493 MB with it (bench/results/soak.md, two runs of
+the same day); its slow growth after warm-up remained, so that growth is not memory
+the allocator merely kept.
 """
 
 import ctypes
