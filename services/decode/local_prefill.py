@@ -8,16 +8,13 @@ worker does. Also calibrates the worker's cost
 model at start-up and reports it, with the batch it is running, in heartbeats.
 """
 
-import asyncio
 import time
 
 from nats.aio.msg import Msg
 
 from libs.protocol import subjects
 from libs.engine.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
-from libs.protocol.errors import KVServeError
-from libs.protocol.hashing import ROOT
-from libs.engine.model.grammar import check_grammar
+from libs.engine.prefill_request import sequence_of
 from libs.engine.model.scheduler import Due
 from libs.engine.model.sequence import Sequence
 from libs.protocol.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
@@ -39,15 +36,9 @@ class LocalPrefill:
 
     async def on_prefill(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
         engine = self.worker.engine
-        try:
-            request.sampling.validate(engine.model.config.vocab_size)
-            engine.check_prompt(len(request.prompt_token_ids))
-            if request.sampling.grammar is not None:  # its schema, checked off the loop (compiled on admission)
-                await asyncio.to_thread(check_grammar, request.sampling.grammar)
-        except KVServeError as e:
-            return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
-        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
-                                   request.num_prior_output_tokens, request.hash_root or ROOT)  # fmt: skip
+        seq = await sequence_of(engine, request)
+        if isinstance(seq, ErrorReply):
+            return seq
         if not engine.cache.can_allocate(seq, seq.num_tokens + engine.block_size):
             return ErrorReply(code=ErrorCode.NO_CAPACITY, message=f"{self.worker.instance_id} has no free KV blocks")
         now = time.monotonic()  # the scheduler's clock

@@ -29,8 +29,8 @@ from libs.common import failpoints
 from libs.engine.cost_model import CostModel, uncalibrated_coefficients
 from libs.engine.engine_host import EngineHost
 from libs.protocol.errors import KVServeError, OutOfKVBlocksError
-from libs.protocol.hashing import ROOT
-from libs.engine.model.grammar import GrammarCompiler, check_grammar
+from libs.engine.model.grammar import GrammarCompiler
+from libs.engine.prefill_request import sequence_of
 from libs.engine.model.scheduler import TokenOutput, sample_tokens, token_stop
 from libs.engine.model.sequence import Sequence
 from libs.common.prefill_order import Work, plan
@@ -112,15 +112,9 @@ class PrefillWorker(Service):
         self.spawn(asyncio.to_thread(self.grammars.warm))  # in the background: it does not hold up readiness
 
     async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
-        try:
-            request.sampling.validate(self.engine.model.config.vocab_size)
-            self.engine.check_prompt(len(request.prompt_token_ids))
-            if request.sampling.grammar is not None:  # its schema, checked off the loop (compiled in _prepare)
-                await asyncio.to_thread(check_grammar, request.sampling.grammar)
-        except KVServeError as e:
-            return ErrorReply(code=ErrorCode.INVALID_REQUEST, message=str(e))
-        seq = Sequence.from_prompt(request.request_id, request.prompt_token_ids, request.sampling,
-                                   request.num_prior_output_tokens, request.hash_root or ROOT)  # fmt: skip
+        seq = await sequence_of(self.engine, request)
+        if isinstance(seq, ErrorReply):
+            return seq
         now = asyncio.get_running_loop().time()
         deadline = None if request.ttft_budget_s is None else now + request.ttft_budget_s
         job = Job(request, seq, now, deadline)

@@ -27,6 +27,7 @@ from libs.engine.model.quant import (
     QuantizedWeight,
     concat,
     convert,
+    float_row_op,
     kernels_apply,
     quantize_int8,
     quantized_linear,
@@ -53,12 +54,7 @@ class Linear(nn.Module):
     def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``forward`` for 2-D ``dtype`` rows without its dispatch (as quant's row_op); None
         when the weight is in another dtype."""
-        if self.weight_t.dtype != dtype:
-            return None
-        weight_t, bias = self.weight_t, self.bias
-        if bias is None:
-            return lambda x: torch.mm(x, weight_t)
-        return lambda x: torch.addmm(bias, x, weight_t)
+        return float_row_op(self.weight_t, self.bias, dtype)
 
 
 class RMSNorm(nn.Module):

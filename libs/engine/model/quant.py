@@ -303,12 +303,18 @@ class FloatLinear(nn.Module):
 
     def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """As Int4Linear.row_op."""
-        if self.weight_t.dtype != dtype:
-            return None
-        weight_t, bias = self.weight_t, self.bias
-        if bias is None:
-            return lambda x: torch.mm(x, weight_t)
-        return lambda x: torch.addmm(bias, x, weight_t)
+        return float_row_op(self.weight_t, self.bias, dtype)
+
+
+def float_row_op(weight_t: torch.Tensor, bias: torch.Tensor | None,
+                 dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:  # fmt: skip
+    """``x W^T + b`` for 2-D ``dtype`` rows, W kept ``[K, N]``, without a module's dispatch;
+    None when the weight is in another dtype."""
+    if weight_t.dtype != dtype:
+        return None
+    if bias is None:
+        return lambda x: torch.mm(x, weight_t)
+    return lambda x: torch.addmm(bias, x, weight_t)
 
 
 class StackedLinear(nn.Module):
