@@ -8,8 +8,8 @@ configuration's peak-goodput and capacity probes. Formatting only; the searches 
 from collections.abc import Mapping, Sequence
 
 from kvserve.replay.capacity import Capacity
-from libs.protocol.slo import SLO
 from kvserve.replay.report import BANDS_LEGEND, capacity_bands, capacity_verdict, probes_table
+from libs.protocol.slo import SLO
 
 BASELINES = ("llama.cpp", "kvserve-nocache", "kvserve-baseline")
 

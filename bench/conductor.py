@@ -41,14 +41,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from libs.protocol import schema  # noqa: E402
 from libs.engine.cost_model import uncalibrated_coefficients  # noqa: E402
+from libs.protocol import schema  # noqa: E402
 from libs.protocol.schema import AdmitReply, AdmitRequest, DecodeBeat, Heartbeat, PrefillBeat, StoreBeat  # noqa: E402
 from services.conductor.admission_policy import build_policy  # noqa: E402
+from services.conductor.admitter import Admitter, AdmitterConfig  # noqa: E402
 from services.conductor.cluster import ClusterView  # noqa: E402
 from services.conductor.index import KVIndex  # noqa: E402
 from services.conductor.margin import MarginConfig  # noqa: E402
-from services.conductor.admitter import Admitter, AdmitterConfig  # noqa: E402
 from services.conductor.simulator.report import summarize, table  # noqa: E402
 from services.conductor.simulator.scenarios import hot_prefix, swinging  # noqa: E402
 from services.conductor.simulator.simulation import SimConfig, simulate  # noqa: E402

@@ -59,18 +59,14 @@ from bench.cpu_use import cpu_line, cpu_seconds, machine_busy_seconds, start_pro
 from bench.llama_server import LLAMA_ARGS, llama_server  # noqa: E402
 from kvserve.cli.bench import input_cap, load_vocab  # noqa: E402
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
-from libs.protocol.errors import KVServeError  # noqa: E402
-from libs.protocol.models import DEFAULT_MODEL_ID  # noqa: E402
-from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S  # noqa: E402
 from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
 from kvserve.replay.history import load_history, shared_prefixes  # noqa: E402
-from libs.protocol.slo import SLO  # noqa: E402
 from kvserve.replay.metrics import Summary, goodput_at_attainment, summarize  # noqa: E402
+from kvserve.replay.plots import capacity_curves  # noqa: E402
 from kvserve.replay.prompts import PromptSynthesizer  # noqa: E402
 from kvserve.replay.records import Run  # noqa: E402
-from kvserve.replay.plots import capacity_curves  # noqa: E402
 from kvserve.replay.report import bands_table, capacity_verdict, probes_table, run_name, runs_table  # noqa: E402
 from kvserve.replay.sweep import (  # noqa: E402
     SweepSettings,
@@ -80,6 +76,10 @@ from kvserve.replay.sweep import (  # noqa: E402
     write_outputs,
 )
 from kvserve.replay.trace import load_trace  # noqa: E402
+from libs.protocol.errors import KVServeError  # noqa: E402
+from libs.protocol.models import DEFAULT_MODEL_ID  # noqa: E402
+from libs.protocol.slo import SLO  # noqa: E402
+from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 

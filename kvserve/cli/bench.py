@@ -155,10 +155,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvserve.replay.client import Endpoint
     from kvserve.replay.history import load_history
-    from libs.protocol.slo import SLO
     from kvserve.replay.report import bands_table, run_name, runs_table
     from kvserve.replay.sweep import SweepSettings, run_sweep, write_outputs
     from kvserve.replay.trace import load_trace
+    from libs.protocol.slo import SLO
 
     search_options = {"--target-attainment": args.target_attainment, "--max-probes": args.max_probes,
                       "--start-scale": args.start_scale, "--max-scale": args.max_scale}  # fmt: skip
@@ -233,8 +233,8 @@ def find_capacity(
 
 def load_vocab(spec: str | None) -> list[int]:
     """The ordinary token ids of a tokenizer: a tokenizer.json, a HF folder, or the default model."""
-    from libs.engine.model.default_model import resolve_model_path
     from kvserve.replay.prompts import ordinary_vocab
+    from libs.engine.model.default_model import resolve_model_path
 
     path = Path(spec) if spec is not None else resolve_model_path(None)[0]
     tok_file = path if path.is_file() else path / "tokenizer.json"

@@ -14,8 +14,8 @@ import os
 import signal
 import socket
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,11 +41,11 @@ from kvserve.cli.supervisor import (
 )
 from libs.common import standby
 from libs.common.cpu_share import available_cpus
+from libs.common.nats_server import NatsServer
+from libs.common.settings import without_secrets
 from libs.protocol.errors import KVServeError
 from libs.protocol.models import DEFAULT_MODEL_ID
-from libs.common.nats_server import NatsServer
 from libs.protocol.schema import Heartbeat
-from libs.common.settings import without_secrets
 from libs.protocol.vocabulary import Role
 from services.conductor.settings import DEFAULT_POLICY
 

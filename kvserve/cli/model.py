@@ -6,8 +6,8 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.protocol.errors import KVServeError
 from libs.engine.model.default_model import prepare_default_model, resolve_model_path
+from libs.protocol.errors import KVServeError
 from libs.protocol.models import DEFAULT_MODEL_ID
 
 

@@ -3,7 +3,6 @@ cluster run by something other than ``kvserve up`` (docker compose runs it first
 
 import argparse
 
-from libs.protocol.errors import KVServeError
 from libs.common.nats_auth import (
     CREDENTIALS,
     MIN_SECRET_LENGTH,
@@ -16,6 +15,7 @@ from libs.common.nats_auth import (
     write_auth_files,
 )
 from libs.common.settings import env_str
+from libs.protocol.errors import KVServeError
 
 DESCRIPTION = f"""\
 Write nats-server's configuration, with one NATS user per kvserve role (gateway,

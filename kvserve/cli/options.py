@@ -3,8 +3,8 @@
 import argparse
 from pathlib import Path
 
-from libs.protocol.models import DEFAULT_MODEL_ID
 from libs.common.settings import QUANTIZATIONS
+from libs.protocol.models import DEFAULT_MODEL_ID
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:

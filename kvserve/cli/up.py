@@ -13,8 +13,8 @@ import sys
 
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.cpus import cpus_argument
-from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
 from kvserve.cli.options import add_model_options, count, positive_int, read_api_key_file
+from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
 from libs.common import tenants as tenants_file
 from libs.common.cpu_share import available_cpus
 from libs.common.tenants import TenantsFileError

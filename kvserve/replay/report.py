@@ -5,8 +5,8 @@ from ``metrics``."""
 from collections.abc import Sequence
 
 from kvserve.replay.capacity import Capacity
-from libs.protocol.slo import SLO
 from kvserve.replay.metrics import Distribution, Summary, goodput_at_attainment
+from libs.protocol.slo import SLO
 
 
 def _num(value: float | None, digits: int = 0) -> str:

@@ -24,12 +24,12 @@ from pathlib import Path
 from kvserve.replay import history, plots, report
 from kvserve.replay.capacity import Capacity, Measure, Probe
 from kvserve.replay.client import Endpoint, plan, replay
-from libs.protocol.slo import SLO
 from kvserve.replay.metrics import Summary, summarize
 from kvserve.replay.prompts import PromptSynthesizer
 from kvserve.replay.records import Run
 from kvserve.replay.trace import TraceRequest, arrival_offsets_ms
 from libs.protocol.errors import KVServeError
+from libs.protocol.slo import SLO
 
 
 @dataclass(frozen=True)

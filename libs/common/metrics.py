@@ -16,10 +16,9 @@ from dataclasses import dataclass
 import prometheus_client
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
-from prometheus_client.parser import text_string_to_metric_families
-
 
 # No `<name>_created` series: they double every counter's and histogram's lines and
 # nothing here reads them (Prometheus computes rates from the counters themselves).

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Self, TypeVar
 
 from libs.common.cpu_share import available_cpus, format_cpu_list, parse_cpu_list
-from libs.protocol.ids import InstanceId
 from libs.common.nats_auth import NatsAuthError, load_credentials
+from libs.protocol.ids import InstanceId
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_CACHE_DIR = "~/.cache/kvserve"

@@ -11,10 +11,10 @@ them with the transfer engine.
 from typing import TypeVar
 
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
 from libs.protocol import schema, subjects
-from libs.protocol.vocabulary import StoreTier
 from libs.protocol.schema import (
     BadMessageError,
     ErrorReply,
@@ -34,6 +34,7 @@ from libs.protocol.schema import (
     StoreStatsRequest,
     WriteTicket,
 )
+from libs.protocol.vocabulary import StoreTier
 
 STORE_CALLS: dict[str, tuple[type[Message], type[Message]]] = {  # op -> (request, reply)
     "exists": (StoreExistsRequest, StoreExistsReply),

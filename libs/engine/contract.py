@@ -8,9 +8,9 @@ mismatch can never show up as a silent 0% cache hit rate.
 
 import torch
 
-from libs.protocol.hashing import HASH_SCHEME
 from libs.engine.model.config import ModelConfig
 from libs.engine.model.kv_pool import KVLayout
+from libs.protocol.hashing import HASH_SCHEME
 from libs.protocol.schema import KVContract
 
 

@@ -15,16 +15,16 @@ from typing import TypeVar
 
 import torch
 
-from libs.engine.contract import make_contract
-from libs.common.metrics import Metrics
 from libs.common.cpu_share import apply_cpu_share, format_cpu_list
+from libs.common.metrics import Metrics
+from libs.common.settings import ModelSettings
+from libs.engine.contract import make_contract
 from libs.engine.model.engine import Engine, EngineConfig
 from libs.engine.model.loader import LoadedModel, build_engine, load_model
 from libs.protocol.schema import KVContract
-from libs.common.settings import ModelSettings
-from libs.transfer.settings import TransferSettings
 from libs.transfer import SharedSegment, TransferEngine
 from libs.transfer.segment import new_segment_name, remove_stale_segments
+from libs.transfer.settings import TransferSettings
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from libs.protocol.vocabulary import ErrorCode
 
-
 # Why a transfer can end badly: the `ErrorCode` a service replies with when a transfer
 # it needed failed, and the labels of the failure metric.
 CAUSES = (

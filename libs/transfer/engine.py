@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from libs.protocol.vocabulary import ErrorCode
 from libs.common.metrics import Metrics
 from libs.protocol.schema import WriteTicket
+from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.descriptors import Descriptor, Span, TransferError
 from libs.transfer.ranges import RangeSet
 from libs.transfer.registry import TRANSPORTS

@@ -8,8 +8,8 @@ from concurrent.futures import Executor
 
 import torch
 
-from libs.protocol.vocabulary import ErrorCode
 from libs.protocol.schema import WriteTicket
+from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.descriptors import Span, TransferError
 from libs.transfer.segment import SHM_DIR, SharedSegment
 from libs.transfer.transport import Transport

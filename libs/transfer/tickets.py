@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-
 from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.ranges import RangeSet, WrittenRanges
 from libs.transfer.segment import SHM_DIR

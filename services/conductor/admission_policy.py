@@ -32,9 +32,17 @@ from typing import Protocol
 from libs.protocol.vocabulary import ErrorCode
 from services.conductor.affinity import Home, stay_or_move
 from services.conductor.cluster import Instance
-from services.conductor.routers import (OPTIONS, ROUTERS, Decision, Route, Router, build_router, local_route,
-                                         missing_roles)
 from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEstimate
+from services.conductor.routers import (
+    OPTIONS,
+    ROUTERS,
+    Decision,
+    Route,
+    Router,
+    build_router,
+    local_route,
+    missing_roles,
+)
 
 _SLACK = 1e-9  # seconds: a prediction equal to the SLO meets it
 

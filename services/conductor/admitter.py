@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from libs.protocol.ids import RequestId
 from libs.protocol.schema import AdmitRequest
+from libs.protocol.slo import SLO
 from libs.protocol.vocabulary import ErrorCode, Role
 from services.conductor.admission_policy import Policy
 from services.conductor.affinity import Home, SessionTable
@@ -23,9 +24,8 @@ from services.conductor.fair_share import FairShare, FairShareConfig
 from services.conductor.index import KVIndex
 from services.conductor.margin import MarginConfig, Margins
 from services.conductor.overload import Overload, OverloadConfig
-from services.conductor.routers import Decision
-from libs.protocol.slo import SLO
 from services.conductor.predict import AdmitContext, PredictConfig, modelled_step
+from services.conductor.routers import Decision
 
 
 @dataclass(frozen=True)

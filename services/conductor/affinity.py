@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from libs.protocol.vocabulary import Role
-from services.conductor.routers import Route
 from services.conductor.predict import AdmitContext
+from services.conductor.routers import Route
 
 MAX_SESSIONS = 100_000
 E = TypeVar("E")  # a role's estimate for one instance

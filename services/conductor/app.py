@@ -11,12 +11,12 @@ from contextlib import AsyncExitStack
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 
-from libs.protocol.ids import InstanceId
-from libs.protocol import subjects
-
 from libs.common import failpoints
 from libs.common.kv_events import KVEventTracker
 from libs.common.recent import RecentIds
+from libs.common.service import Service
+from libs.protocol import subjects
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import (
     AdmitReply,
     AdmitRequest,
@@ -33,15 +33,14 @@ from libs.protocol.schema import (
     LearnedView,
     RequestProgress,
 )
-from libs.common.service import Service
 from libs.protocol.vocabulary import Role
 from services.conductor.admission_policy import build_policy
+from services.conductor.admitter import Admitter
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.conductor_metrics import ConductorMetrics
 from services.conductor.explain import DecisionLog
 from services.conductor.index import KVIndex
 from services.conductor.replicas import Replicas
-from services.conductor.admitter import Admitter
 from services.conductor.settings import ConductorSettings
 
 SNAPSHOT_TIMEOUT = 5.0

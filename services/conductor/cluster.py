@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from libs.protocol.ids import InstanceId
 from libs.engine.cost_model import CostModel, uncalibrated_coefficients
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import Heartbeat, PrefillBeat
 from services.conductor.load import DecodeLoad, PrefillLoad
 

@@ -7,9 +7,9 @@ from collections.abc import Callable
 
 from libs.common.kv_events import KVEventTracker
 from libs.common.metrics import FAST_BUCKETS, Metrics
+from services.conductor.admitter import Admitter, PredictionErrors
 from services.conductor.index import KVIndex
 from services.conductor.routers import Decision
-from services.conductor.admitter import PredictionErrors, Admitter
 
 # in the scrape at zero; error codes join as they occur
 REJECTION_REASONS = ("ttft_slo", "tbt_slo", "decode_full", "fair_share")

@@ -16,11 +16,11 @@ from collections.abc import Callable, Hashable
 
 from libs.protocol.ids import InstanceId
 from libs.protocol.schema import CandidateView, ConductorViewReply, DecisionView, PrefixView
+from libs.protocol.slo import SLO
 from libs.protocol.vocabulary import Role
 from services.conductor.index import KVIndex
-from services.conductor.routers import Decision
-from libs.protocol.slo import SLO
 from services.conductor.predict import AdmitContext
+from services.conductor.routers import Decision
 
 MAX_DECISIONS = 200
 MAX_PREFIXES = 4096  # reused prefixes counted; the least recently reused is forgotten first

@@ -15,8 +15,8 @@ keeps its holders as bit sets by prefix length, and names them only when asked.
 from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from libs.protocol.ids import InstanceId
 from libs.common.kv_events import TIERS
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import KVEvent
 from libs.protocol.vocabulary import KVEventKind
 

@@ -12,8 +12,8 @@ Pure bookkeeping: times are whatever clock the caller uses.
 
 from dataclasses import dataclass
 
-from libs.protocol.ids import RequestId
 from libs.common.prefill_order import Work, completions, plan
+from libs.protocol.ids import RequestId
 
 
 @dataclass(frozen=True)

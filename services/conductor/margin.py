@@ -24,8 +24,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from libs.protocol.ids import InstanceId
 from libs.common.prefill_order import BAND_NAMES, band_of
+from libs.protocol.ids import InstanceId
 
 MIN_SAMPLES = 20  # ratios before a window's quantile is trusted over the next wider one
 # A margin only covers the spread of the predictions around what the instance runs at (its

@@ -12,7 +12,7 @@ side is `app.py`'s.
 
 from libs.protocol.ids import InstanceId, RequestId
 from libs.protocol.schema import ConductorAdmission
-from services.conductor.admitter import Booking, Admitter
+from services.conductor.admitter import Admitter, Booking
 
 
 def to_message(booking: Booking, conductor_id: str) -> ConductorAdmission:

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from typing import Self
 
 from libs.common.settings import ServiceSettings, env_float, env_int, env_str, service_env
+from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S, SLO
 from services.conductor.admission_policy import build_policy
+from services.conductor.admitter import AdmitterConfig
 from services.conductor.fair_share import FairShareConfig
 from services.conductor.overload import OverloadConfig
-from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S, SLO
 from services.conductor.predict import PredictConfig
-from services.conductor.admitter import AdmitterConfig
 
 # Cache-aware routing that refuses (429 + Retry-After) what it predicts would miss its SLO,
 # judged against the decode batch predicted for when its prefill ends: in the simulator it

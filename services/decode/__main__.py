@@ -6,9 +6,9 @@ it loads the model first and waits as a warm spare until its launcher names its 
 """
 
 from libs.common import standby
-from libs.engine.engine_host import preload_model
 from libs.common.service import configure_logging, run_service
 from libs.common.settings import ModelSettings, settings_or_exit
+from libs.engine.engine_host import preload_model
 from services.decode.settings import DecodeSettings
 from services.decode.worker import DecodeWorker
 

@@ -12,11 +12,11 @@ import time
 
 from nats.aio.msg import Msg
 
-from libs.protocol import subjects
 from libs.engine.cost_model import CostModel, calibrate_once, uncalibrated_coefficients
-from libs.engine.prefill_request import sequence_of
 from libs.engine.model.scheduler import Due
 from libs.engine.model.sequence import Sequence
+from libs.engine.prefill_request import sequence_of
+from libs.protocol import subjects
 from libs.protocol.schema import Ack, CostCoefficients, DecodeBeat, ErrorReply, PrefillRequest
 from libs.protocol.vocabulary import ErrorCode
 

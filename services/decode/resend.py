@@ -8,8 +8,8 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from libs.protocol.ids import InstanceId, RequestId
 from libs.engine.model.sequence import Sequence
+from libs.protocol.ids import InstanceId, RequestId
 from libs.protocol.schema import TokenChunk
 from libs.protocol.vocabulary import FinishReason
 

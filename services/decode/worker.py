@@ -10,30 +10,30 @@ from contextlib import AsyncExitStack
 
 from nats.aio.msg import Msg
 
-from libs.protocol import subjects
+from libs.common.recent import RecentIds
+from libs.common.service import Service
 from libs.engine.engine_host import EngineHost
+from libs.engine.model.grammar import GrammarCompiler
+from libs.engine.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
+from libs.engine.model.sequence import Sequence
+from libs.engine.token_chunks import error_chunk, token_chunk
+from libs.engine.worker_metrics import WorkerMetrics
+from libs.protocol import subjects
 from libs.protocol.errors import KVServeError, OutOfKVBlocksError
 from libs.protocol.hashing import ROOT
-from libs.engine.model.scheduler import Due, Scheduler, StepFailed, run_step, token_stop
-from libs.engine.model.grammar import GrammarCompiler
-from libs.engine.model.sequence import Sequence
-from libs.common.recent import RecentIds
 from libs.protocol.schema import (
     Ack,
     Cancel,
+    DecodeBeat,
     ErrorReply,
     HandoffRequest,
-    DecodeBeat,
     Heartbeat,
     ReleaseRequest,
+    ResendRequest,
     ReserveReply,
     ReserveRequest,
-    ResendRequest,
 )
-from libs.common.service import Service
-from libs.engine.token_chunks import error_chunk, token_chunk
 from libs.protocol.vocabulary import ErrorCode
-from libs.engine.worker_metrics import WorkerMetrics
 from services.decode.leases import LeaseTable
 from services.decode.local_prefill import LocalPrefill
 from services.decode.resend import FinishedStreams, resend_chunk

@@ -11,10 +11,10 @@ KVSERVE_GATEWAY_MAX_ATTEMPTS (3 tries per request when its workers die under it)
 A bad value: one line on stderr naming the variable, exit status 2 (see settings.py).
 """
 
-from libs.protocol.errors import ModelCorruptError, ModelNotFoundError
 from libs.common.service import configure_logging, run_service
 from libs.common.settings import settings_or_exit
 from libs.common.tenants import TenantsFileError
+from libs.protocol.errors import ModelCorruptError, ModelNotFoundError
 from services.gateway.app import Gateway
 from services.gateway.settings import GatewaySettings
 

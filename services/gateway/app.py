@@ -14,9 +14,9 @@ import msgspec
 from nats.aio.msg import Msg
 
 from libs.common.peers import PeerDirectory
+from libs.common.service import Service
 from libs.protocol.schema import GatewayBeat, Heartbeat
 from libs.protocol.slo import SLO
-from libs.common.service import Service
 from services.gateway.generation import Generations
 from services.gateway.listener import ConnectionGuard, serve
 from services.gateway.request_metrics import RequestMetrics

@@ -4,12 +4,12 @@ once, its samples from every instance, told apart by their ``instance`` label)."
 
 import asyncio
 
-from libs.protocol.ids import InstanceId
-from libs.protocol import subjects
 from libs.common.metrics import merge_expositions
 from libs.common.peers import PeerDirectory
-from libs.protocol.schema import ErrorReply, MetricsReply, MetricsRequest
 from libs.common.service import Service
+from libs.protocol import subjects
+from libs.protocol.ids import InstanceId
+from libs.protocol.schema import ErrorReply, MetricsReply, MetricsRequest
 from libs.protocol.vocabulary import Role
 
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)

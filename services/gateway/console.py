@@ -25,9 +25,9 @@ import msgspec
 from aiohttp import web
 from nats.errors import Error as NatsError
 
+from libs.common.service import Service
 from libs.protocol import subjects
 from libs.protocol.schema import BadMessageError, ConductorViewReply, ConductorViewRequest
-from libs.common.service import Service
 from libs.protocol.vocabulary import Role
 from services.gateway import sse
 from services.gateway.console_data import RequestLog, console_state, for_caller

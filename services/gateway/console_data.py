@@ -17,8 +17,8 @@ from typing import Any
 
 import msgspec
 
-from libs.protocol.ids import RequestId
 from libs.common.tenants import Tenant
+from libs.protocol.ids import RequestId
 from libs.protocol.schema import ConductorViewReply, Heartbeat
 from libs.protocol.vocabulary import FinishReason, Role
 from services.gateway.tenant_usage import OTHER, UsageTotals

@@ -26,11 +26,12 @@ from typing import NoReturn
 import nats.errors
 from nats.aio.msg import Msg
 
-from libs.protocol.ids import InstanceId
+from libs.common.service import Service
 from libs.protocol import schema, subjects
+from libs.protocol.hashing import ROOT
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import (
     Ack,
-    ResendRequest,
     AdmitReply,
     AdmitRequest,
     BadMessageError,
@@ -39,10 +40,9 @@ from libs.protocol.schema import (
     ErrorReply,
     PrefillRequest,
     RequestProgress,
+    ResendRequest,
     TokenChunk,
 )
-from libs.protocol.hashing import ROOT
-from libs.common.service import Service
 from libs.protocol.vocabulary import ErrorCode, Role
 from services.gateway.errors import (
     InvalidParameterError,

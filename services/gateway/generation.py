@@ -14,11 +14,11 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from libs.protocol.ids import InstanceId, RequestId
-from libs.protocol.hashing import BlockHash, block_hashes, model_extra
 from libs.common.peers import PeerDirectory
 from libs.common.service import Service
 from libs.common.tenants import Tenant
+from libs.protocol.hashing import BlockHash, block_hashes, model_extra
+from libs.protocol.ids import InstanceId, RequestId
 from services.gateway.dispatch import RequestRun, SLOOverride
 from services.gateway.errors import ModelNotServedError, QuotaExceededError, RateLimitedError
 from services.gateway.migration import MigratingRun

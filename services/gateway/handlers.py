@@ -18,8 +18,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from libs.protocol.errors import KVServeError
 from libs.common.service import Service
+from libs.protocol.errors import KVServeError
 from libs.protocol.vocabulary import KVTier, Role
 from services.gateway import console
 from services.gateway import openapi as openapi_document

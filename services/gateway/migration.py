@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from libs.protocol.ids import InstanceId
 from libs.protocol.hashing import BlockHash
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import AdmitReply, TokenChunk
 from libs.protocol.vocabulary import ErrorCode
 from services.gateway.dispatch import RequestRun, WorkerLostError

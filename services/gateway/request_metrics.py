@@ -10,8 +10,8 @@ admission never gets here (the conductor counts those, kvserve_requests_rejected
 from itertools import pairwise
 
 from libs.common.metrics import ITL_BUCKETS, REQUEST_BUCKETS, TTFT_BUCKETS, Metrics
-from libs.protocol.vocabulary import FinishReason
 from libs.protocol.slo import SLO
+from libs.protocol.vocabulary import FinishReason
 from services.gateway.generation import Generation
 
 SLOS = ("ttft", "tpot", "all")  # the `slo` label: each target, and both at once (goodput)

@@ -7,12 +7,12 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from libs.protocol.ids import RequestId
-from libs.protocol.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
-from libs.protocol.hashing import ROOT, BlockHash, block_hashes, model_extra
 from libs.engine.model.checkpoint import open_checkpoint
 from libs.engine.model.default_model import resolve_model_path
 from libs.engine.model.tokenizer import Tokenizer
+from libs.protocol.errors import EmptyPromptError, InvalidRequestError, PromptTooLongError
+from libs.protocol.hashing import ROOT, BlockHash, block_hashes, model_extra
+from libs.protocol.ids import RequestId
 from libs.protocol.sampling_params import SamplingParams
 from services.gateway.errors import InvalidParameterError
 from services.gateway.openai_protocol import GenerateRequest

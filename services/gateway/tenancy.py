@@ -18,8 +18,8 @@ from pathlib import Path
 from aiohttp import web
 
 from libs.common import tenants as tenants_file
-from libs.protocol.hashing import ROOT, BlockHash, scope_root
 from libs.common.tenants import DEFAULT_TENANT, Tenant, Tenants, TenantsFileError
+from libs.protocol.hashing import ROOT, BlockHash, scope_root
 from services.gateway.errors import AuthenticationError, PermissionDeniedError
 
 POLL_INTERVAL = 1.0  # seconds between looks at the tenants file's stat

@@ -11,8 +11,8 @@ only guard. Pure logic: no NATS, the directory's clock.
 import math
 from dataclasses import dataclass
 
-from libs.protocol.ids import InstanceId
 from libs.common.peers import PeerDirectory
+from libs.protocol.ids import InstanceId
 from libs.protocol.vocabulary import Role
 
 LOST_AFTER_HEARTBEATS = 2.5  # silence, in heartbeat intervals, after which a worker counts as gone

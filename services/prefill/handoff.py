@@ -21,12 +21,14 @@ import enum
 import time
 from dataclasses import dataclass
 
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
-from libs.protocol import subjects
+from libs.common.peers import PeerDirectory
+from libs.common.service import M, Service
 from libs.engine.engine_host import EngineHost
 from libs.engine.model.sequence import Sequence
-from libs.common.peers import PeerDirectory
+from libs.protocol import subjects
 from libs.protocol.schema import (
     Ack,
     BadMessageError,
@@ -38,10 +40,9 @@ from libs.protocol.schema import (
     ReserveReply,
     ReserveRequest,
 )
-from libs.common.service import M, Service
+from libs.protocol.vocabulary import ErrorCode
 from libs.transfer import Span, TransferError
 from libs.transfer.writers import Writer
-from libs.protocol.vocabulary import ErrorCode
 
 RESERVE_TIMEOUT = 15.0  # the decode worker waits up to 10 s for blocks before saying no
 HANDOFF_TIMEOUT = 5.0

@@ -4,10 +4,10 @@ start-up on this machine. The worker calls `start` and `fill` (its heartbeat);
 the block pool's listener is set here, so the worker's loop knows nothing of it.
 """
 
+from libs.common.kv_events import KVEventLog, KVEventPublisher
 from libs.engine.cost_model import CostModel, calibrate_once
 from libs.engine.engine_host import EngineHost
 from libs.protocol.hashing import BlockHash
-from libs.common.kv_events import KVEventLog, KVEventPublisher
 from libs.protocol.schema import CostCoefficients, PrefillBeat
 from libs.protocol.vocabulary import KVEventKind, KVTier
 

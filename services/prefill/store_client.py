@@ -19,15 +19,15 @@ from typing import TypeVar
 from nats.aio.msg import Msg
 
 from libs.common import store_client
+from libs.common.hash_ring import HashRing
+from libs.common.peers import PeerDirectory
+from libs.common.service import Service
 from libs.engine.cost_model import CostModel
 from libs.engine.engine_host import EngineHost
-from libs.common.hash_ring import HashRing
 from libs.engine.model.sequence import Sequence
-from libs.common.peers import PeerDirectory
 from libs.protocol.schema import CostCoefficients, Heartbeat, WriteTicket
-from libs.common.service import Service
-from libs.transfer import Descriptor, Span, TransferError
 from libs.protocol.vocabulary import KVTier, Role
+from libs.transfer import Descriptor, Span, TransferError
 from services.prefill.fetch_policy import FetchPolicy
 
 STORE_TIMEOUT = 5.0

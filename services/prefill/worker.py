@@ -23,29 +23,27 @@ from dataclasses import dataclass, replace
 import torch
 from nats.aio.msg import Msg
 
-from libs.protocol import subjects
-
 from libs.common import failpoints
-from libs.engine.cost_model import CostModel, uncalibrated_coefficients
-from libs.engine.engine_host import EngineHost
-from libs.protocol.errors import KVServeError, OutOfKVBlocksError
-from libs.engine.model.grammar import GrammarCompiler
-from libs.engine.prefill_request import sequence_of
-from libs.engine.model.scheduler import TokenOutput, sample_tokens, token_stop
-from libs.engine.model.sequence import Sequence
+from libs.common.peers import PeerDirectory
 from libs.common.prefill_order import Work, plan
 from libs.common.recent import RecentIds
-from libs.common.peers import PeerDirectory
-from libs.protocol.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest, TokenChunk
 from libs.common.service import Service
+from libs.engine.cost_model import CostModel, uncalibrated_coefficients
+from libs.engine.engine_host import EngineHost
+from libs.engine.model.grammar import GrammarCompiler
+from libs.engine.model.scheduler import TokenOutput, sample_tokens, token_stop
+from libs.engine.model.sequence import Sequence
+from libs.engine.prefill_request import sequence_of
 from libs.engine.token_chunks import error_chunk, token_chunk
-from libs.protocol.vocabulary import ErrorCode, KVTier, Role
 from libs.engine.worker_metrics import WorkerMetrics
+from libs.protocol import subjects
+from libs.protocol.errors import KVServeError, OutOfKVBlocksError
+from libs.protocol.schema import Ack, Cancel, ErrorInfo, ErrorReply, Heartbeat, PrefillBeat, PrefillRequest, TokenChunk
+from libs.protocol.vocabulary import ErrorCode, KVTier, Role
 from services.prefill.handoff import Handoff, HandoffError, Transfer
 from services.prefill.kv_reports import KVReports
 from services.prefill.settings import PrefillSettings
 from services.prefill.store_client import StoreClient
-
 
 SPEED_STEPS = 64  # steps whose measured/predicted time gives the worker's speed
 

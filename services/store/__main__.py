@@ -13,13 +13,13 @@ import logging
 import sys
 from pathlib import Path
 
-from libs.protocol.ids import InstanceId
+from libs.common.service import configure_logging, run_service
+from libs.common.settings import ModelSettings, settings_or_exit
 from libs.engine.contract import kv_layout, make_contract
 from libs.engine.model.default_model import cache_dir
 from libs.engine.model.loader import open_model
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import KVContract
-from libs.common.service import configure_logging, run_service
-from libs.common.settings import ModelSettings, settings_or_exit
 from services.store.app import StoreService
 from services.store.block_files import contract_digest
 from services.store.manifest import StoreDirectoryError

@@ -20,9 +20,11 @@ from contextlib import AsyncExitStack
 
 from nats.aio.msg import Msg
 
+from libs.common.kv_events import KVEventLog, KVEventPublisher
+from libs.common.service import Service
+from libs.common.store_client import STORE_CALLS
 from libs.protocol import subjects
 from libs.protocol.hashing import BlockHash
-from libs.common.kv_events import KVEventLog, KVEventPublisher
 from libs.protocol.schema import (
     CostCoefficients,
     ErrorReply,
@@ -42,11 +44,9 @@ from libs.protocol.schema import (
     StoreStatsReply,
     StoreStatsRequest,
 )
-from libs.common.service import Service
-from libs.common.store_client import STORE_CALLS
+from libs.protocol.vocabulary import ErrorCode, KVTier
 from libs.transfer import Descriptor, SharedSegment, Span, TransferEngine, TransferError
 from libs.transfer.segment import new_segment_name, remove_stale_segments
-from libs.protocol.vocabulary import ErrorCode, KVTier
 from services.store.block_files import BlockFiles, contract_digest
 from services.store.disk import DiskTier
 from services.store.manifest import claim_directory

@@ -24,10 +24,10 @@ from collections import Counter
 from collections.abc import Sequence
 from functools import partial
 
-from libs.protocol.hashing import BlockHash
 from libs.common.kv_events import KVEventLog
-from libs.transfer import SharedSegment
+from libs.protocol.hashing import BlockHash
 from libs.protocol.vocabulary import KVEventKind, KVTier
+from libs.transfer import SharedSegment
 from services.store.dram import DramTier
 from services.store.tier import LowerTier, Tier
 

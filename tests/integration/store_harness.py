@@ -14,10 +14,10 @@ from pathlib import Path
 
 import nats
 
-from libs.protocol import schema, subjects
-from libs.protocol.schema import Heartbeat, KVContract, KVEventBatch, StoreStatsReply
 from libs.common.settings import ModelSettings
 from libs.common.store_client import StoreClient
+from libs.protocol import schema, subjects
+from libs.protocol.schema import Heartbeat, KVContract, KVEventBatch, StoreStatsReply
 from libs.transfer import Descriptor, SharedSegment, Span, TransferEngine
 from libs.transfer.segment import new_segment_name
 

@@ -12,8 +12,8 @@ import nats
 import pytest
 
 from kvserve.cli.cluster import LocalCluster
-from libs.protocol import schema, subjects
 from libs.engine.cost_model import CostModel
+from libs.protocol import schema, subjects
 from libs.protocol.schema import MetricsReply, MetricsRequest
 from tests.integration.conftest import CLUSTER_ENV, metric_value, wait_until
 from tests.integration.test_one_request import reference

@@ -16,12 +16,11 @@ from urllib.parse import urlsplit
 import nats
 import pytest
 
-from libs.protocol import subjects
-
 from libs.common import nats_auth
 from libs.common.nats_server import NatsServer
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings
+from libs.protocol import subjects
 from tests.integration.conftest import start_cluster, wait_until_async
 
 WAIT = 10.0  # seconds any single expected event may take

@@ -9,7 +9,6 @@ from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
 from libs.protocol.sampling_params import SamplingParams
-
 from tests.integration.conftest import wait_until
 
 MODEL = "SmolLM2-135M-Instruct"

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from libs.protocol import schema, subjects
 from libs.common.hash_ring import HashRing
 from libs.common.kv_events import KVEventTracker
 from libs.common.nats_server import NatsServer
-from libs.protocol.schema import KVEventBatch, KVSnapshotReply, KVSnapshotRequest
 from libs.common.store_client import StoreClient, StoreError
+from libs.protocol import schema, subjects
+from libs.protocol.schema import KVEventBatch, KVSnapshotReply, KVSnapshotRequest
 from tests.integration.conftest import wait_until_async
 from tests.integration.store_harness import Caller, StoreProcess, block_bytes, block_hash, store_contract
 

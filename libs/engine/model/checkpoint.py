@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer as HFTokenizer
 
-from libs.protocol.errors import ModelCorruptError, ModelNotFoundError
 from libs.engine.model.config import ModelConfig
 from libs.engine.model.quant import NONE, QuantizedWeight
 from libs.engine.model.tokenizer import Tokenizer
+from libs.protocol.errors import ModelCorruptError, ModelNotFoundError
 
 
 @dataclass

@@ -31,11 +31,11 @@ from collections.abc import Callable
 
 import torch
 
+from libs.common.settings import ProcessSettings
 from libs.engine.model.attention import AttentionBatch
 from libs.engine.model.kv_pool import KVPool
 from libs.engine.model.llama import LlamaModel
 from libs.engine.model.quant import KERNEL_MAX_ROWS
-from libs.common.settings import ProcessSettings
 
 log = logging.getLogger(__name__)
 

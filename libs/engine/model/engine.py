@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from libs.protocol.errors import EmptyPromptError, PromptTooLongError
+from libs.common.settings import ProcessSettings
 from libs.engine.model.attention import AttentionBatch, PrefillSpan
 from libs.engine.model.compiled import (
     MIN_ROWS,
@@ -26,8 +26,7 @@ from libs.engine.model.kv_cache import KVCacheManager
 from libs.engine.model.kv_pool import KVPool
 from libs.engine.model.llama import LlamaModel
 from libs.engine.model.sequence import Sequence
-from libs.common.settings import ProcessSettings
-
+from libs.protocol.errors import EmptyPromptError, PromptTooLongError
 
 # Called on the engine thread after each layer of a prefill chunk with the layer index
 # and the sequences this chunk completes: their K/V for that layer is final.

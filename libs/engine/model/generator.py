@@ -11,13 +11,13 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from libs.protocol.errors import OutOfKVBlocksError
 from libs.engine.model.engine import Engine
 from libs.engine.model.grammar import GrammarCompiler
 from libs.engine.model.scheduler import Scheduler, StepFailed, run_step
 from libs.engine.model.sequence import Sequence
 from libs.engine.model.stopping import StopChecker
 from libs.engine.model.tokenizer import Tokenizer
+from libs.protocol.errors import OutOfKVBlocksError
 from libs.protocol.sampling_params import SamplingParams
 from libs.protocol.schema import TokenLogprobs
 from libs.protocol.vocabulary import FinishReason

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from libs.protocol.errors import ModelCorruptError, ModelNotFoundError, UnsupportedModelError
 from libs.engine.model import gguf_blocks, quant
 from libs.engine.model.gguf_file import GGUFFile, GGUFTensor
+from libs.protocol.errors import ModelCorruptError, ModelNotFoundError, UnsupportedModelError
 
 log = logging.getLogger(__name__)
 _FLOAT_TYPES = ("F32", "F16", "BF16", "F64")

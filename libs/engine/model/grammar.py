@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from libs.protocol.errors import InvalidRequestError
 from libs.engine.model.tokenizer import Tokenizer
+from libs.protocol.errors import InvalidRequestError
 from libs.protocol.sampling_params import Grammar
 
 if TYPE_CHECKING:

@@ -7,9 +7,9 @@ called); it touches no tensors.
 
 from dataclasses import replace
 
-from libs.protocol.hashing import block_hashes, hash_block, ROOT
 from libs.engine.model.block_pool import BlockListener, BlockPool
 from libs.engine.model.sequence import Sequence
+from libs.protocol.hashing import ROOT, block_hashes, hash_block
 
 
 class KVCacheManager:

@@ -14,11 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from libs.protocol.errors import ModelCorruptError
-from libs.protocol.hashing import model_extra
 from libs.engine.model import quant
 from libs.engine.model.checkpoint import Checkpoint, open_checkpoint
-from libs.protocol.models import DEFAULT_MODEL_ID
 from libs.engine.model.default_model import (
     check_default_intact,
     default_gguf_path,
@@ -29,6 +26,9 @@ from libs.engine.model.kv_cache import KVCacheManager
 from libs.engine.model.kv_pool import KVLayout, KVPool
 from libs.engine.model.llama import LlamaModel
 from libs.engine.model.tokenizer import Tokenizer
+from libs.protocol.errors import ModelCorruptError
+from libs.protocol.hashing import model_extra
+from libs.protocol.models import DEFAULT_MODEL_ID
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from libs.common.prefill_order import Work, plan
 from libs.engine.model.engine import Engine
 from libs.engine.model.grammar import GrammarCompiler
 from libs.engine.model.kv_cache import KVCacheManager
 from libs.engine.model.sampling import sample_sequences
 from libs.engine.model.sequence import Sequence
 from libs.engine.model.stopping import check_finish
-from libs.common.prefill_order import Work, plan
 from libs.protocol.schema import TokenLogprobs
 from libs.protocol.vocabulary import FinishReason
 

@@ -2,8 +2,8 @@
 
 from dataclasses import dataclass, field
 
-from libs.protocol.hashing import ROOT, BlockHash
 from libs.engine.model.grammar import GrammarState
+from libs.protocol.hashing import ROOT, BlockHash
 from libs.protocol.sampling_params import SamplingParams
 from libs.protocol.vocabulary import FinishReason
 

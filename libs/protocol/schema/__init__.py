@@ -6,80 +6,80 @@ the console. Services import them from here (``from libs.protocol import schema`
 the transfer engine.
 """
 
-from libs.protocol.schema.codec import (  # noqa: F401
-    BadMessageError,
-    ProtocolVersionError,
-    Message,
-    ErrorInfo,
-    ErrorReply,
-    encode,
-    decode,
-    decode_reply,
-    to_builtins,
-    PROTOCOL_VERSION,
-)
-from libs.protocol.schema.contracts import (  # noqa: F401
-    KVContract,
-    WriteTicket,
-    CostCoefficients,
-)
-from libs.protocol.schema.membership import (  # noqa: F401
-    ROLE_BEATS,
-    Beat,
-    GatewayBeat,
-    ConductorBeat,
-    KVPoolBeat,
-    PrefillBeat,
-    DecodeBeat,
-    StoreBeat,
-    Heartbeat,
-    RollCall,
-    MetricsRequest,
-    MetricsReply,
-)
 from libs.protocol.schema.admission import (  # noqa: F401
-    AdmitRequest,
     AdmitReply,
+    AdmitRequest,
     ConductorAdmission,
     RequestProgress,
+)
+from libs.protocol.schema.codec import (  # noqa: F401
+    PROTOCOL_VERSION,
+    BadMessageError,
+    ErrorInfo,
+    ErrorReply,
+    Message,
+    ProtocolVersionError,
+    decode,
+    decode_reply,
+    encode,
+    to_builtins,
+)
+from libs.protocol.schema.console import (  # noqa: F401
+    CandidateView,
+    ConductorViewReply,
+    ConductorViewRequest,
+    DecisionView,
+    LearnedView,
+    PrefixView,
+)
+from libs.protocol.schema.contracts import (  # noqa: F401
+    CostCoefficients,
+    KVContract,
+    WriteTicket,
 )
 from libs.protocol.schema.kv_events import (  # noqa: F401
     KVEvent,
     KVEventBatch,
-    KVSnapshotRequest,
     KVSnapshotReply,
+    KVSnapshotRequest,
+)
+from libs.protocol.schema.membership import (  # noqa: F401
+    ROLE_BEATS,
+    Beat,
+    ConductorBeat,
+    DecodeBeat,
+    GatewayBeat,
+    Heartbeat,
+    KVPoolBeat,
+    MetricsReply,
+    MetricsRequest,
+    PrefillBeat,
+    RollCall,
+    StoreBeat,
 )
 from libs.protocol.schema.requests import (  # noqa: F401
-    PrefillRequest,
     Ack,
-    ResendRequest,
-    ReserveRequest,
-    ReserveReply,
-    HandoffRequest,
-    ReleaseRequest,
     Cancel,
-    TokenLogprobs,
+    HandoffRequest,
+    PrefillRequest,
+    ReleaseRequest,
+    ResendRequest,
+    ReserveReply,
+    ReserveRequest,
     TokenChunk,
+    TokenLogprobs,
 )
 from libs.protocol.schema.store import (  # noqa: F401
-    StoreExistsRequest,
-    StoreExistsReply,
-    StoreGetRequest,
-    StoreGetReply,
-    StorePutRequest,
-    StorePutReply,
-    StoreCommitRequest,
     StoreCommitReply,
-    StoreRemoveRequest,
+    StoreCommitRequest,
+    StoreExistsReply,
+    StoreExistsRequest,
+    StoreGetReply,
+    StoreGetRequest,
+    StorePutReply,
+    StorePutRequest,
     StoreRemoveReply,
-    StoreStatsRequest,
+    StoreRemoveRequest,
     StoreStatsReply,
-)
-from libs.protocol.schema.console import (  # noqa: F401
-    ConductorViewRequest,
-    CandidateView,
-    DecisionView,
-    PrefixView,
-    LearnedView,
-    ConductorViewReply,
+    StoreStatsRequest,
 )

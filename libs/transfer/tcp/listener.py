@@ -27,8 +27,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from libs.protocol.vocabulary import ErrorCode
 from libs.common import failpoints
+from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status
 from libs.transfer.tickets import OpenTicket, Refusal, TicketBook
 from libs.transfer.transfer_metrics import TransferMetrics

@@ -24,7 +24,6 @@ import struct
 from collections.abc import Iterator
 from enum import IntEnum
 
-
 from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.tickets import PROOF_LEN, TICKET_ID_LEN, greeting_proof, ticket_id
 

@@ -6,8 +6,8 @@ slices need them.
 import ssl
 from concurrent.futures import Executor
 
-from libs.protocol.vocabulary import ErrorCode
 from libs.protocol.schema import WriteTicket
+from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.descriptors import Span, TransferError, split_spans
 from libs.transfer.segment import SharedSegment
 from libs.transfer.tcp.connection import IdleConnections, TcpConnection

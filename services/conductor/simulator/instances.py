@@ -14,9 +14,9 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from math import ceil, sqrt
 
-from libs.protocol.ids import InstanceId, RequestId
-from libs.engine.cost_model import CostModel
 from libs.common.prefill_order import Work, plan
+from libs.engine.cost_model import CostModel
+from libs.protocol.ids import InstanceId, RequestId
 from libs.protocol.schema import DecodeBeat, Heartbeat, PrefillBeat, StoreBeat
 from libs.protocol.vocabulary import KVTier, Role
 from services.conductor.routers import Decision

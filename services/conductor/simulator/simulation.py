@@ -18,14 +18,14 @@ import msgspec
 
 from libs.engine.cost_model import CostModel, reference_coefficients
 from libs.protocol.schema import AdmitRequest, CostCoefficients
-from services.conductor.admission_policy import AdmitAll, build_policy
-from services.conductor.cluster import ClusterView
-from services.conductor.index import KVIndex
-from services.conductor.fair_share import FairShareConfig
-from services.conductor.overload import OverloadConfig
 from libs.protocol.slo import SLO
-from services.conductor.predict import PredictConfig
+from services.conductor.admission_policy import AdmitAll, build_policy
 from services.conductor.admitter import Admitter, AdmitterConfig
+from services.conductor.cluster import ClusterView
+from services.conductor.fair_share import FairShareConfig
+from services.conductor.index import KVIndex
+from services.conductor.overload import OverloadConfig
+from services.conductor.predict import PredictConfig
 from services.conductor.simulator.instances import SimDecode, SimPrefill, SimRequest, SimStore
 from services.conductor.simulator.trace import TRACE_BLOCK_SIZE, TraceRequest
 

@@ -19,9 +19,9 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 from libs.common import standby
-from libs.protocol.schema import Heartbeat
 from libs.common.service import Service, run_service
 from libs.common.settings import ServiceSettings, env_int, env_str
+from libs.protocol.schema import Heartbeat
 
 REPORTED = ("MODEL", "DTYPE", "QUANTIZATION", "DEVICE", "HOST_ID", "API_KEY", "GATEWAY_HOST", "GATEWAY_PORT", "NUM_BLOCKS", "USE_STORE")
 

@@ -2,12 +2,12 @@
 cost models, heartbeats and an index filled by hand."""
 
 from libs.protocol.schema import ROLE_BEATS, AdmitRequest, CostCoefficients, Heartbeat
+from libs.protocol.slo import SLO
 from libs.protocol.vocabulary import Role
+from services.conductor.admitter import AdmitterConfig
 from services.conductor.cluster import ClusterView
 from services.conductor.index import KVIndex
-from libs.protocol.slo import SLO
 from services.conductor.predict import PredictConfig
-from services.conductor.admitter import AdmitterConfig
 
 
 class Clock:

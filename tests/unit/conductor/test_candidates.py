@@ -6,9 +6,9 @@ import random
 
 from libs.protocol.vocabulary import Role
 from services.conductor.admission_policy import build_policy
+from services.conductor.admitter import Admitter
 from services.conductor.candidates import Candidates
 from services.conductor.margin import Margins
-from services.conductor.admitter import Admitter
 from services.conductor.simulator.scenarios import hot_prefix
 from services.conductor.simulator.simulation import SimConfig, Simulation
 from tests.unit.conductor.helpers import beat, cluster, coefficients, config, request

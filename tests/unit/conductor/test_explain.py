@@ -6,10 +6,10 @@ import pytest
 
 from libs.protocol import schema
 from libs.protocol.schema import ConductorViewReply
-from services.conductor.admission_policy import build_policy
-from services.conductor.explain import WATCHED_S, DecisionLog
 from libs.protocol.slo import SLO
+from services.conductor.admission_policy import build_policy
 from services.conductor.admitter import Admitter
+from services.conductor.explain import WATCHED_S, DecisionLog
 from tests.unit.conductor.helpers import PROMPT, beat, cluster, config, request
 
 P0, P1, D0 = beat("p0", "prefill"), beat("p1", "prefill"), beat("d0", "decode")

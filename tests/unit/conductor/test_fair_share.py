@@ -9,8 +9,8 @@ import pytest
 
 from libs.engine.cost_model import CostModel, reference_coefficients
 from services.conductor.admission_policy import build_policy
-from services.conductor.fair_share import ACTIVE_S, FairShare
 from services.conductor.admitter import Admitter
+from services.conductor.fair_share import ACTIVE_S, FairShare
 from services.conductor.simulator.report import meets_slo
 from services.conductor.simulator.scenarios import noisy_neighbour
 from services.conductor.simulator.simulation import SimConfig, simulate

@@ -7,11 +7,11 @@ import asyncio
 import openai
 import pytest
 
-from libs.protocol import schema, subjects
 from libs.common import tenants as tenants_file
+from libs.common.tenants import Tenant, Tenants
+from libs.protocol import schema, subjects
 from libs.protocol.hashing import ROOT
 from libs.protocol.schema import Ack, AdmitReply, ErrorReply, PrefillRequest, RequestProgress
-from libs.common.tenants import Tenant, Tenants
 from tests.unit.gateway.conftest import nats_server, nc  # noqa: F401  (fixtures)
 from tests.unit.gateway.test_gateway_nats import (  # noqa: F401  (fixtures)
     MESSAGES,

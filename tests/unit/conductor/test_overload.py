@@ -4,8 +4,8 @@ guard stops that preference before a band is starved."""
 import pytest
 
 from services.conductor.admission_policy import build_policy
-from services.conductor.overload import WINDOW_S, Overload, OverloadConfig
 from services.conductor.admitter import Admitter
+from services.conductor.overload import WINDOW_S, Overload, OverloadConfig
 from tests.unit.conductor.helpers import beat, cluster, config, request
 
 

@@ -7,8 +7,8 @@ from libs.protocol import schema
 from libs.protocol.schema import ConductorAdmission
 from libs.protocol.vocabulary import Role
 from services.conductor.admission_policy import build_policy
-from services.conductor.replicas import Replicas
 from services.conductor.admitter import Admitter
+from services.conductor.replicas import Replicas
 from services.conductor.settings import DEFAULT_POLICY
 from tests.unit.conductor.helpers import Clock, beat, block, cluster, config, request
 

@@ -5,6 +5,10 @@ import sys
 
 import pytest
 
+from libs.engine.model.engine import EngineConfig
+from libs.engine.model.generator import Generator
+from libs.engine.model.loader import build_engine, load_model
+from libs.engine.model.sequence import Sequence
 from libs.protocol.errors import (
     EmptyPromptError,
     ModelCorruptError,
@@ -12,10 +16,6 @@ from libs.protocol.errors import (
     OutOfKVBlocksError,
     PromptTooLongError,
 )
-from libs.engine.model.engine import EngineConfig
-from libs.engine.model.generator import Generator
-from libs.engine.model.loader import build_engine, load_model
-from libs.engine.model.sequence import Sequence
 from libs.protocol.sampling_params import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 

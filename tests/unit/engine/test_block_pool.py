@@ -2,9 +2,9 @@
 
 import pytest
 
+from libs.engine.model.block_pool import BlockPool
 from libs.protocol.errors import OutOfKVBlocksError
 from libs.protocol.hashing import BlockHash
-from libs.engine.model.block_pool import BlockPool
 
 
 def h(i: int) -> BlockHash:

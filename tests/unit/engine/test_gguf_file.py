@@ -5,9 +5,9 @@ damaged file is an error, never a wrong model."""
 import numpy as np
 import pytest
 
-from libs.protocol.errors import ModelCorruptError
 from libs.engine.model.gguf_checkpoint import GGUFCheckpoint
 from libs.engine.model.gguf_file import GGUFFile
+from libs.protocol.errors import ModelCorruptError
 
 gguf = pytest.importorskip("gguf")
 

@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 
-from libs.protocol.errors import InvalidRequestError
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.grammar import GrammarCompiler, check_grammar
@@ -17,6 +16,7 @@ from libs.engine.model.sampling import _sync_grammars, sample_sequences
 from libs.engine.model.scheduler import sample_tokens
 from libs.engine.model.sequence import Sequence
 from libs.engine.model.tokenizer import Tokenizer
+from libs.protocol.errors import InvalidRequestError
 from libs.protocol.sampling_params import Grammar, SamplingParams
 from libs.protocol.vocabulary import FinishReason
 

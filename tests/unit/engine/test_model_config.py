@@ -3,8 +3,8 @@ download) map to the options of the one forward pass, or to a one-line refusal."
 
 import pytest
 
-from libs.protocol.errors import UnsupportedModelError
 from libs.engine.model.config import ModelConfig
+from libs.protocol.errors import UnsupportedModelError
 
 QWEN25_05B = dict(
     model_type="qwen2", hidden_act="silu", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,

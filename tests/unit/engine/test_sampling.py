@@ -3,9 +3,9 @@
 import torch
 
 from libs.engine.model.sampling import sample
-from libs.protocol.vocabulary import FinishReason
 from libs.engine.model.stopping import StopChecker
 from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.vocabulary import FinishReason
 
 LOGITS = torch.tensor([[0.0, 3.0, 2.9, 1.0, -5.0]])
 

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from libs.common import tenants as tenants_file
+from libs.common.tenants import Tenant, Tenants
 from libs.protocol import subjects
 from libs.protocol.schema import (
     CandidateView,
@@ -24,13 +26,11 @@ from libs.protocol.schema import (
 )
 from services.gateway.app import Gateway
 from services.gateway.console import INLINE_STATE_REQUESTS
-from libs.common import tenants as tenants_file
-from libs.common.tenants import Tenant, Tenants
 from services.gateway.console_data import BUCKET_S, RequestLog, Served, console_state, for_caller, tenant_rows
-from services.gateway.response_bodies import Usage
-from services.gateway.tenant_usage import UsageTotals
 from services.gateway.dispatch import SLOOverride
+from services.gateway.response_bodies import Usage
 from services.gateway.routes import init_app
+from services.gateway.tenant_usage import UsageTotals
 from tests.unit.gateway.conftest import gateway_settings
 
 KEY = "console-test-key"

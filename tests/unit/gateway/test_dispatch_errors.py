@@ -118,10 +118,10 @@ class OneMessage(FakeSubscription):
 async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_suspect_only():
     # the prefill worker's lease or hand-over to d0 went unanswered: d0 is passed over by the
     # next attempt until heard from again (or restarted), as the process seen then
-    from libs.protocol import schema
     from libs.common.peers import PeerDirectory
-    from libs.protocol.schema import Heartbeat
     from libs.engine.token_chunks import error_chunk
+    from libs.protocol import schema
+    from libs.protocol.schema import Heartbeat
     from libs.protocol.vocabulary import ErrorCode
     from services.gateway.worker_watch import WorkerWatch
 

@@ -9,14 +9,14 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from libs.common import tenants as tenants_file
-from libs.protocol.hashing import ROOT
 from libs.common.tenants import Tenant, Tenants
+from libs.protocol.hashing import ROOT
 from services.gateway.app import Gateway
 from services.gateway.errors import AuthenticationError, PermissionDeniedError
 from services.gateway.routes import init_app
 from services.gateway.tenancy import TenantDirectory
-from tests.unit.gateway.conftest import gateway_settings
 from tests.integration.conftest import wait_until_async
+from tests.unit.gateway.conftest import gateway_settings
 
 
 def write_tenants(path, **tenants: Tenant) -> None:

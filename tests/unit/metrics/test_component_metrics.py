@@ -9,9 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from libs.common.metrics import Metrics
 from libs.engine.model.block_pool import BlockPool
 from libs.engine.worker_metrics import WorkerMetrics
+from services.conductor.admitter import TBT_ERROR_BUCKETS, PredictionErrors
 from services.conductor.conductor_metrics import ConductorMetrics
 from services.conductor.routers import Decision
-from services.conductor.admitter import TBT_ERROR_BUCKETS, PredictionErrors
 from services.store.store_metrics import declare_store_metrics
 from services.store.tier import TierStats
 

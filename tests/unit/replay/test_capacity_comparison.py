@@ -4,9 +4,9 @@ side has no capacity)."""
 
 from bench.capacity import comparison_table, document
 from kvserve.replay.capacity import Capacity, Probe
-from libs.protocol.slo import SLO
 from kvserve.replay.metrics import summarize
 from kvserve.replay.records import RequestRecord, Run
+from libs.protocol.slo import SLO
 
 
 def searched(label: str, *points: tuple[float, float]) -> Capacity:

@@ -6,9 +6,9 @@ import asyncio
 import pytest
 
 from kvserve.replay.client import Endpoint, PlannedRequest, replay
-from libs.protocol.slo import SLO
 from kvserve.replay.metrics import summarize
 from kvserve.replay.records import RequestRecord
+from libs.protocol.slo import SLO
 from tests.unit.replay import fake_openai
 from tests.unit.replay.fake_openai import FakeServer, Script
 

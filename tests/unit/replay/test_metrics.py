@@ -4,10 +4,9 @@ import json
 
 import pytest
 
-from libs.protocol.slo import SLO
-
 from kvserve.replay.metrics import band_of, goodput_at_attainment, rejected_while_idle, summarize
 from kvserve.replay.records import RequestRecord, Run
+from libs.protocol.slo import SLO
 
 
 def ok(index, ttft, e2e, output_tokens, itl=(), cached=0, expected_blocks=0) -> RequestRecord:

@@ -95,8 +95,8 @@ def test_the_baselines_runs_are_read_back_in_the_order_they_ran_and_relabelled(t
 
 
 def test_the_baselines_probes_make_its_capacity(tmp_path):
-    from libs.protocol.slo import SLO
     from kvserve.replay.metrics import summarize
+    from libs.protocol.slo import SLO
 
     saved(tmp_path, 4.0, seed=10, started_at=None, attained=True)
     saved(tmp_path, 2.0, seed=11, started_at=None, attained=False)

@@ -2,10 +2,10 @@
 peak-goodput and capacity probes. Exact rows from hand-made records."""
 
 from kvserve.replay.capacity import Capacity, Probe
-from libs.protocol.slo import SLO
 from kvserve.replay.metrics import summarize
 from kvserve.replay.records import RequestRecord, Run
 from kvserve.replay.report import bands_table, capacity_bands, runs_table
+from libs.protocol.slo import SLO
 
 SLO_1S = SLO.from_ms(1000, 100)
 

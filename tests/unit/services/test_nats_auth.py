@@ -8,11 +8,10 @@ import stat
 
 import pytest
 
-from libs.protocol import subjects
-
 from libs.common import nats_auth
 from libs.common.nats_auth import NatsAuthError, NatsCredentials, load_credentials, redact_url
 from libs.common.settings import ServiceSettings
+from libs.protocol import subjects
 
 
 def private_file(path, text: str):

@@ -7,14 +7,14 @@ import asyncio
 import nats
 import pytest
 
-from libs.protocol import schema, subjects
+from libs.common.nats_server import NatsServer
+from libs.common.settings import ModelSettings
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
-from libs.common.nats_server import NatsServer
+from libs.protocol import schema, subjects
 from libs.protocol.sampling_params import SamplingParams
 from libs.protocol.schema import Ack, PrefillRequest, TokenChunk
-from libs.common.settings import ModelSettings
 from services.decode.settings import DecodeSettings
 from services.decode.worker import DecodeWorker
 

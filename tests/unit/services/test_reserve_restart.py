@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import nats
 import pytest
 
-from libs.protocol import schema, subjects
 from libs.common.nats_server import NatsServer
 from libs.common.peers import PeerDirectory
-from libs.protocol.schema import ErrorReply, Heartbeat, KVContract, PrefillRequest, ReserveRequest
-from libs.protocol.sampling_params import SamplingParams
 from libs.common.service import Service
+from libs.protocol import schema, subjects
+from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.schema import ErrorReply, Heartbeat, KVContract, PrefillRequest, ReserveRequest
 from libs.protocol.vocabulary import ErrorCode
 from services.prefill import handoff as handoff_module
 from services.prefill.handoff import Handoff, HandoffError

@@ -7,11 +7,11 @@ import asyncio
 import nats
 import pytest
 
-from libs.protocol import schema, subjects
 from libs.common.nats_server import NatsServer
-from libs.protocol.schema import Heartbeat
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings
+from libs.protocol import schema, subjects
+from libs.protocol.schema import Heartbeat
 
 WAIT = 10.0  # seconds any single expected event may take
 NEVER = 3600.0  # a heartbeat interval no test outlives: the only beats are the first and answers

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from libs.common import failpoints
-from libs.engine.model.default_model import cache_dir
 from libs.common.settings import ProcessSettings, ServiceSettings
+from libs.engine.model.default_model import cache_dir
 from libs.transfer.settings import TransferSettings
 from services.conductor.settings import ConductorSettings
 from services.decode.settings import DecodeSettings

@@ -2,11 +2,12 @@
 request and reply type, and every failure mapped to one StoreError."""
 
 import pytest
-from nats.errors import NoRespondersError, TimeoutError as NatsTimeout
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
 
+from libs.common.store_client import BAD_REPLY, STORE_CALLS, UNAVAILABLE, StoreClient, StoreError
 from libs.protocol import schema, subjects
 from libs.protocol.schema import ErrorReply, Message, StoreCommitReply, StoreExistsReply, StorePutReply
-from libs.common.store_client import BAD_REPLY, STORE_CALLS, UNAVAILABLE, StoreClient, StoreError
 from tests.unit.store.conftest import CONTRACT, h
 
 

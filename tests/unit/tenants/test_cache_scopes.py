@@ -7,10 +7,10 @@ import json
 import pytest
 
 from libs.common import tenants as tenants_file
-from libs.protocol.hashing import ROOT, block_hashes, hash_block, scope_root
+from libs.common.tenants import Tenant, Tenants
 from libs.engine.model.kv_cache import KVCacheManager
 from libs.engine.model.sequence import Sequence
-from libs.common.tenants import Tenant, Tenants
+from libs.protocol.hashing import ROOT, block_hashes, hash_block, scope_root
 from services.conductor.simulator.trace import load_trace
 from services.gateway.errors import InvalidParameterError
 from services.gateway.openai_protocol import parse_completion_request

@@ -5,13 +5,13 @@ the engine's own APIs (tickets, writers, metrics)."""
 import pytest
 import torch
 
-from libs.protocol.vocabulary import ErrorCode
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
 from libs.engine.model.sampling import sample
 from libs.engine.model.sequence import Sequence
 from libs.protocol.schema import WriteTicket
+from libs.protocol.vocabulary import ErrorCode
 from libs.transfer import Span, TransferEngine, TransferError, Transport
 from libs.transfer.registry import TRANSPORTS
 from libs.transfer.segment import SharedSegment
