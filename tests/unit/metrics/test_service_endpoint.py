@@ -3,7 +3,6 @@ reaches NATS, healthy only while connected, and gone when the service stops."""
 
 import asyncio
 import socket
-import time
 
 import aiohttp
 import pytest
@@ -12,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from libs.common.nats_server import NatsServer
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings
+from tests.integration.conftest import wait_until_async
 
 WAIT = 10.0  # seconds any single expected event may take
 NEVER = 3600.0
@@ -29,13 +29,6 @@ def unused_nats_url() -> str:
         return f"nats://127.0.0.1:{s.getsockname()[1]}"  # nothing listens there once closed
 
 
-async def until(condition, what: str) -> None:
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        assert time.monotonic() < deadline, what
-        await asyncio.sleep(0.02)  # polling with a deadline
-
-
 async def get(url: str) -> tuple[int, str]:
     async with aiohttp.ClientSession() as session, session.get(url) as response:
         return response.status, await response.text()
@@ -50,7 +43,8 @@ async def test_healthy_while_connected_to_nats_with_the_service_s_metrics(nats_s
     service = Service(settings(nats_server.url, "store-m"))
     running = asyncio.create_task(service.run())
     try:
-        await until(lambda: service.metrics_address and service.nc and service.nc.is_connected, "never connected")
+        await wait_until_async(lambda: service.metrics_address and service.nc and service.nc.is_connected, WAIT,
+                               "never connected")
         status, body = await get(service.metrics_address + "/healthz")
         assert status == 200 and '"ok"' in body
         status, text = await get(service.metrics_address + "/metrics")
@@ -69,7 +63,7 @@ async def test_unhealthy_while_nats_is_unreachable():
     service = Service(settings(unused_nats_url(), "store-n"))
     running = asyncio.create_task(service.run())
     try:
-        await until(lambda: service.metrics_address is not None, "no metrics endpoint")
+        await wait_until_async(lambda: service.metrics_address is not None, WAIT, "no metrics endpoint")
         status, body = await get(service.metrics_address + "/healthz")
         assert status == 503 and "not connected to NATS" in body
     finally:
@@ -84,7 +78,7 @@ async def test_no_port_no_endpoint(nats_server):
     service = Service(settings(nats_server.url, "store-o", port=None))
     running = asyncio.create_task(service.run())
     try:
-        await until(lambda: service.nc is not None and service.nc.is_connected, "never connected")
+        await wait_until_async(lambda: service.nc is not None and service.nc.is_connected, WAIT, "never connected")
         assert service.metrics_address is None
     finally:
         service.stopping.set()
