@@ -7,7 +7,6 @@ is the worker's to say (a 400 all the same).
 """
 
 import re
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,17 +14,29 @@ import msgspec
 
 from libs.protocol.sampling_params import Grammar
 from services.gateway.errors import InvalidParameterError
+from services.gateway.json_fields import (
+    bool_field,
+    check_items,
+    fields_of,
+    float_field,
+    int_field,
+    int_list,
+    is_int,
+    refuse_unknown,
+    required,
+    same,
+    show,
+    type_error,
+)
 from services.gateway.request_limits import (
     CHAT_FIELDS,
     COMPLETION_FIELDS,
-    IGNORED_FIELDS,
     MAX_LOGIT_BIAS,
     MAX_SCHEMA_BYTES,
     MAX_TOOLS,
     RANGES,
     STREAM_OPTIONS,
     TOOL_CHOICES,
-    UNSUPPORTED_UNLESS,
 )
 from services.gateway.tools import ToolUse
 
@@ -72,15 +83,15 @@ class GenerateRequest:
 
 
 def parse_chat_request(body: Any) -> GenerateRequest:
-    body = _object(body, CHAT_FIELDS)
-    messages = _messages(_required(body, "messages"))
-    max_tokens = _int(body, "max_completion_tokens")
+    body = fields_of(body, CHAT_FIELDS)
+    messages = _messages(required(body, "messages"))
+    max_tokens = int_field(body, "max_completion_tokens")
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens")
+        max_tokens = int_field(body, "max_tokens")
     # OpenAI's chat logprobs: a switch, and how many alternatives (which need the switch on)
-    top_logprobs = _int(body, "top_logprobs")
+    top_logprobs = int_field(body, "top_logprobs")
     logprobs = None
-    if _bool(body, "logprobs"):
+    if bool_field(body, "logprobs"):
         logprobs = top_logprobs or 0
     elif top_logprobs:
         raise InvalidParameterError("Invalid 'top_logprobs': 'logprobs' must be true to use it.", "top_logprobs")
@@ -96,47 +107,47 @@ def parse_chat_request(body: Any) -> GenerateRequest:
 
 
 def parse_completion_request(body: Any) -> GenerateRequest:
-    body = _object(body, COMPLETION_FIELDS)
-    prompt = _prompt(_required(body, "prompt"))
-    logprobs = _int(body, "logprobs")  # the completions API's: how many alternatives per token
-    return GenerateRequest(prompt=prompt, max_tokens=_int(body, "max_tokens"), logprobs=logprobs, **_common(body))
+    body = fields_of(body, COMPLETION_FIELDS)
+    prompt = _prompt(required(body, "prompt"))
+    logprobs = int_field(body, "logprobs")  # the completions API's: how many alternatives per token
+    return GenerateRequest(prompt=prompt, max_tokens=int_field(body, "max_tokens"), logprobs=logprobs, **_common(body))
 
 
 def _common(body: dict[str, Any]) -> dict[str, Any]:
     """The fields both endpoints share."""
-    model = _required(body, "model")
+    model = required(body, "model")
     if not isinstance(model, str):
-        raise _type_error("model", "a string", model)
-    n = _int(body, "n")
-    stream = bool(_bool(body, "stream"))
+        raise type_error("model", "a string", model)
+    n = int_field(body, "n")
+    stream = bool(bool_field(body, "stream"))
     include_usage = False
     stream_options = body.get("stream_options")
     if stream_options is not None:
         if not stream:
             raise InvalidParameterError("'stream_options' is only allowed when 'stream' is enabled", "stream_options")
         if not isinstance(stream_options, dict):
-            raise _type_error("stream_options", "an object", stream_options)
+            raise type_error("stream_options", "an object", stream_options)
         for name in STREAM_OPTIONS:
-            _bool(stream_options, name, f"stream_options.{name}")
-        _refuse_unknown(stream_options, STREAM_OPTIONS, "stream_options.")
+            bool_field(stream_options, name, f"stream_options.{name}")
+        refuse_unknown(stream_options, STREAM_OPTIONS, "stream_options.")
         include_usage = bool(stream_options.get("include_usage"))
-    top_k = _int(body, "top_k")
-    temperature, top_p = _float(body, "temperature"), _float(body, "top_p")
-    repetition_penalty = _float(body, "repetition_penalty")
+    top_k = int_field(body, "top_k")
+    temperature, top_p = float_field(body, "temperature"), float_field(body, "top_p")
+    repetition_penalty = float_field(body, "repetition_penalty")
     return dict(
         model=model,
         n=1 if n is None else n,
         temperature=1.0 if temperature is None else temperature,
         top_p=1.0 if top_p is None else top_p,
         top_k=None if top_k in (None, 0, -1) else top_k,  # vLLM: 0 and -1 mean "no top-k cut"
-        min_p=_float(body, "min_p") or 0.0,
-        seed=_int(body, "seed"),
+        min_p=float_field(body, "min_p") or 0.0,
+        seed=int_field(body, "seed"),
         stop=_stop(body.get("stop")),
-        stop_token_ids=tuple(_int_list(body, "stop_token_ids")),
-        ignore_eos=bool(_bool(body, "ignore_eos")),
-        min_tokens=_int(body, "min_tokens") or 0,
-        presence_penalty=_float(body, "presence_penalty") or 0.0,
-        frequency_penalty=_float(body, "frequency_penalty") or 0.0,
+        stop_token_ids=tuple(int_list(body, "stop_token_ids")),
+        ignore_eos=bool(bool_field(body, "ignore_eos")),
+        min_tokens=int_field(body, "min_tokens") or 0,
+        presence_penalty=float_field(body, "presence_penalty") or 0.0,
+        frequency_penalty=float_field(body, "frequency_penalty") or 0.0,
         repetition_penalty=1.0 if repetition_penalty is None else repetition_penalty,
         logit_bias=_logit_bias(body.get("logit_bias")),
         grammar=_response_format(body.get("response_format")),
@@ -155,14 +166,14 @@ def _cache_salt(value: Any) -> str | None:
 
 def _messages(value: Any) -> Messages:
     if not isinstance(value, list):
-        raise _type_error("messages", "an array", value)
+        raise type_error("messages", "an array", value)
     if not value:
         raise InvalidParameterError("'messages' must contain at least one message", "messages")
     messages = []
     for i, message in enumerate(value):
         param = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise _type_error(param, "an object", message)
+            raise type_error(param, "an object", message)
         role = message.get("role")
         if role not in _ROLES:
             raise InvalidParameterError(
@@ -176,7 +187,7 @@ def _messages(value: Any) -> Messages:
         if role == "tool":
             call_id = message.get("tool_call_id")
             if not isinstance(call_id, str):
-                raise _type_error(f"{param}.tool_call_id", "a string", call_id)
+                raise type_error(f"{param}.tool_call_id", "a string", call_id)
             out["tool_call_id"] = call_id
         messages.append(out)
     return messages
@@ -185,21 +196,21 @@ def _messages(value: Any) -> Messages:
 def _tool_calls(value: Any, param: str) -> list[dict[str, Any]]:
     """An assistant message's earlier calls: [{id, type: "function", function: {name, arguments}}]."""
     if not isinstance(value, list):
-        raise _type_error(param, "an array", value)
+        raise type_error(param, "an array", value)
     calls = []
     for i, call in enumerate(value):
         where = f"{param}[{i}]"
         function = call.get("function") if isinstance(call, dict) else None
         if not isinstance(function, dict) or call.get("type", "function") != "function":
-            raise _type_error(where, "a function tool call", call)
+            raise type_error(where, "a function tool call", call)
         name, arguments = function.get("name"), function.get("arguments", "")
         if not isinstance(name, str):
-            raise _type_error(f"{where}.function.name", "a string", name)
+            raise type_error(f"{where}.function.name", "a string", name)
         if not isinstance(arguments, str):
-            raise _type_error(f"{where}.function.arguments", "a string", arguments)
+            raise type_error(f"{where}.function.arguments", "a string", arguments)
         call_id = call.get("id", "")
         if not isinstance(call_id, str):
-            raise _type_error(f"{where}.id", "a string", call_id)
+            raise type_error(f"{where}.id", "a string", call_id)
         calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
     return calls
 
@@ -209,27 +220,27 @@ def _response_format(value: Any) -> Grammar | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise _type_error("response_format", "an object", value)
+        raise type_error("response_format", "an object", value)
     kind = value.get("type")
     if kind not in ("text", "json_object", "json_schema"):
-        message = f"Invalid 'response_format.type': expected one of text, json_object, json_schema, got {_show(kind)}"
+        message = f"Invalid 'response_format.type': expected one of text, json_object, json_schema, got {show(kind)}"
         raise InvalidParameterError(message, "response_format.type")
-    _refuse_unknown(value, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format.")
+    refuse_unknown(value, ("type", "json_schema") if kind == "json_schema" else ("type",), "response_format.")
     if kind == "text":
         return None
     if kind == "json_object":
         return Grammar(kind="json_object")
     spec = value.get("json_schema")
     if not isinstance(spec, dict):
-        raise _type_error("response_format.json_schema", "an object", spec)
-    _refuse_unknown(spec, ("name", "description", "schema", "strict"), "response_format.json_schema.")
+        raise type_error("response_format.json_schema", "an object", spec)
+    refuse_unknown(spec, ("name", "description", "schema", "strict"), "response_format.json_schema.")
     name = spec.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         message = "Invalid 'response_format.json_schema.name': expected 1 to 64 of a-z, A-Z, 0-9, _ and -"
         raise InvalidParameterError(message, "response_format.json_schema.name")
     if not isinstance(spec.get("description", ""), str):
-        raise _type_error("response_format.json_schema.description", "a string", spec["description"])
-    strict = _bool(spec, "strict", "response_format.json_schema.strict")
+        raise type_error("response_format.json_schema.description", "a string", spec["description"])
+    strict = bool_field(spec, "strict", "response_format.json_schema.strict")
     schema = spec.get("schema")
     if schema is None:  # OpenAI: no schema, any JSON object
         return Grammar(kind="json_object", strict=bool(strict))
@@ -240,7 +251,7 @@ def _response_format(value: Any) -> Grammar | None:
 def _schema_text(schema: Any, param: str) -> str:
     """A JSON Schema as compact JSON text (its keys in the order sent: properties are generated in it)."""
     if not isinstance(schema, dict):
-        raise _type_error(param, "an object", schema)
+        raise type_error(param, "an object", schema)
     text = msgspec.json.encode(schema).decode()
     if len(text) > MAX_SCHEMA_BYTES:
         message = f"Invalid '{param}': at most {MAX_SCHEMA_BYTES} bytes of JSON, got {len(text)}."
@@ -254,7 +265,7 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolUse | 
     tools: list[dict[str, Any]] = []
     if value is not None:
         if not isinstance(value, list):
-            raise _type_error("tools", "an array", value)
+            raise type_error("tools", "an array", value)
         if len(value) > MAX_TOOLS:
             raise InvalidParameterError(f"Invalid 'tools': at most {MAX_TOOLS} tools, got {len(value)}.", "tools")
         tools = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(value)]
@@ -263,18 +274,18 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolUse | 
     if isinstance(choice, dict):
         named = choice.get("function")
         if choice.get("type") != "function" or not isinstance(named, dict) or not isinstance(named.get("name"), str):
-            raise _type_error("tool_choice", '{"type": "function", "function": {"name": ...}}', choice)
+            raise type_error("tool_choice", '{"type": "function", "function": {"name": ...}}', choice)
         function = named["name"]
         if function not in names:
-            message = f"Invalid 'tool_choice': no function named {_show(function)} is in 'tools'."
+            message = f"Invalid 'tool_choice': no function named {show(function)} is in 'tools'."
             raise InvalidParameterError(message, "tool_choice")
         choice = "function"
     elif choice is not None and choice not in TOOL_CHOICES:
-        message = f"Invalid 'tool_choice': expected one of {', '.join(TOOL_CHOICES)} or a named function, got {_show(choice)}"
+        message = f"Invalid 'tool_choice': expected one of {', '.join(TOOL_CHOICES)} or a named function, got {show(choice)}"
         raise InvalidParameterError(message, "tool_choice")
     if choice is not None and choice != "none" and not tools:
         raise InvalidParameterError("Invalid 'tool_choice': only allowed when 'tools' are specified.", "tool_choice")
-    parallel = _bool(body, "parallel_tool_calls")
+    parallel = bool_field(body, "parallel_tool_calls")
     if not tools or choice == "none":
         return tuple(tools), None
     return tuple(tools), ToolUse(tuple(tools), choice or "auto", function, parallel is not False)
@@ -283,9 +294,9 @@ def _tools(body: dict[str, Any]) -> tuple[tuple[dict[str, Any], ...], ToolUse | 
 def _tool(tool: Any, param: str) -> dict[str, Any]:
     function = tool.get("function") if isinstance(tool, dict) else None
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
-        raise _type_error(param, 'a function tool ({"type": "function", "function": {...}})', tool)
-    _refuse_unknown(tool, ("type", "function"), f"{param}.")
-    _refuse_unknown(function, ("name", "description", "parameters", "strict"), f"{param}.function.")
+        raise type_error(param, 'a function tool ({"type": "function", "function": {...}})', tool)
+    refuse_unknown(tool, ("type", "function"), f"{param}.")
+    refuse_unknown(function, ("name", "description", "parameters", "strict"), f"{param}.function.")
     name = function.get("name")
     if not isinstance(name, str) or not _NAME.match(name):
         message = f"Invalid '{param}.function.name': expected 1 to 64 of a-z, A-Z, 0-9, _ and -"
@@ -293,12 +304,12 @@ def _tool(tool: Any, param: str) -> dict[str, Any]:
     out: dict[str, Any] = {"name": name}
     if function.get("description") is not None:
         if not isinstance(function["description"], str):
-            raise _type_error(f"{param}.function.description", "a string", function["description"])
+            raise type_error(f"{param}.function.description", "a string", function["description"])
         out["description"] = function["description"]
     if function.get("parameters") is not None:
         _schema_text(function["parameters"], f"{param}.function.parameters")
         out["parameters"] = function["parameters"]
-    _bool(function, "strict", f"{param}.function.strict")
+    bool_field(function, "strict", f"{param}.function.strict")
     return {"type": "function", "function": out}
 
 
@@ -309,7 +320,7 @@ def _content(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _type_error(param, "a string or an array of content parts", content)
+        raise type_error(param, "a string or an array of content parts", content)
     texts = []
     for j, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -326,12 +337,12 @@ def _prompt(value: Any) -> str | list[int]:
         value = value[0]
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(_is_int(v) for v in value):
-        _check_items("prompt", value)
+    if isinstance(value, list) and all(is_int(v) for v in value):
+        check_items("prompt", value)
         return list(value)
     if isinstance(value, list) and value and all(isinstance(v, (str, list)) for v in value):
         raise InvalidParameterError("batched prompts are not supported: send one prompt per request", "prompt")
-    raise _type_error("prompt", "a string or an array of token ids", value)
+    raise type_error("prompt", "a string or an array of token ids", value)
 
 
 def _logit_bias(value: Any) -> dict[int, float]:
@@ -340,18 +351,18 @@ def _logit_bias(value: Any) -> dict[int, float]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise _type_error("logit_bias", "an object", value)
+        raise type_error("logit_bias", "an object", value)
     if len(value) > MAX_LOGIT_BIAS:
         message = f"Invalid 'logit_bias': at most {MAX_LOGIT_BIAS} tokens may be biased, got {len(value)}."
         raise InvalidParameterError(message, "logit_bias")
     biases = {}
     for key, bias in value.items():
         if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) not in RANGES["prompt"]:
-            raise InvalidParameterError(f"Invalid 'logit_bias': {_show(key)} is not a token id.", "logit_bias")
+            raise InvalidParameterError(f"Invalid 'logit_bias': {show(key)} is not a token id.", "logit_bias")
         if not isinstance(bias, (int, float)) or isinstance(bias, bool):
-            raise _type_error(f"logit_bias.{key}", "a number", bias)
+            raise type_error(f"logit_bias.{key}", "a number", bias)
         if bias not in RANGES["logit_bias"]:
-            message = f"Invalid 'logit_bias.{key}': expected a number in {RANGES['logit_bias']}, but got {_show(bias)}."
+            message = f"Invalid 'logit_bias.{key}': expected a number in {RANGES['logit_bias']}, but got {show(bias)}."
             raise InvalidParameterError(message, f"logit_bias.{key}")
         biases[int(key)] = float(bias)
     return biases
@@ -364,113 +375,7 @@ def _stop(value: Any) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return tuple(value)
-    raise _type_error("stop", "a string or an array of strings", value)
+    raise type_error("stop", "a string or an array of strings", value)
 
 
 # --- field readers: a missing field and an explicit null both read as None --------
-def _object(body: Any, fields: frozenset[str]) -> dict[str, Any]:
-    """The body as an object, once no field in it asks for what kvserve would ignore."""
-    if not isinstance(body, dict):
-        raise InvalidParameterError("the request body must be a JSON object")
-    for name, allowed in UNSUPPORTED_UNLESS.items():
-        value = body.get(name)
-        if value is not None and not any(_same(value, a) for a in allowed):
-            raise InvalidParameterError(f"'{name}' is not supported by this server", name)
-    for name, kind in IGNORED_FIELDS.items():
-        value = body.get(name)
-        if value is not None and not isinstance(value, kind):
-            raise _type_error(name, _JSON_TYPES[kind], value)
-    _refuse_unknown(body, fields | UNSUPPORTED_UNLESS.keys() | IGNORED_FIELDS.keys())
-    return body
-
-
-def _refuse_unknown(body: dict[str, Any], known: Collection[str], prefix: str = "") -> None:
-    for name in body:
-        if name not in known:
-            shown = _show(name)
-            raise InvalidParameterError(f"Unrecognized request argument supplied: {prefix}{shown}", prefix + shown)
-
-
-def _required(body: dict[str, Any], name: str) -> Any:
-    if body.get(name) is None:
-        raise InvalidParameterError(f"Missing required parameter: '{name}'.", name)
-    return body[name]
-
-
-def _int(body: dict[str, Any], name: str) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not _is_int(value):
-        raise _type_error(name, "an integer", value)
-    _check_range(name, value, "an integer")
-    return value
-
-
-def _float(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise _type_error(name, "a number", value)
-    _check_range(name, value, "a number")
-    return float(value)  # in range, so an int of any size converts
-
-
-def _bool(body: dict[str, Any], name: str, param: str | None = None) -> bool | None:
-    value = body.get(name)
-    if value is not None and not isinstance(value, bool):
-        raise _type_error(param or name, "a boolean", value)
-    return value
-
-
-def _int_list(body: dict[str, Any], name: str) -> list[int]:
-    value = body.get(name)
-    if value is None:
-        return []
-    if not isinstance(value, list) or not all(_is_int(v) for v in value):
-        raise _type_error(name, "an array of integers", value)
-    _check_items(name, value)
-    return value
-
-
-def _check_range(param: str, value: int | float, kind: str) -> None:
-    valid = RANGES[param]
-    if value not in valid:
-        raise InvalidParameterError(f"Invalid '{param}': expected {kind} in {valid}, but got {_show(value)}.", param)
-
-
-def _check_items(name: str, values: list[int]) -> None:
-    valid = RANGES[name]
-    for i, value in enumerate(values):
-        if value not in valid:
-            message = f"Invalid '{name}[{i}]': expected an integer in {valid}, but got {_show(value)}."
-            raise InvalidParameterError(message, f"{name}[{i}]")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _same(value: Any, allowed: Any) -> bool:
-    """JSON equality: 1 and 1.0 are the same number, but true is not 1."""
-    return value == allowed and isinstance(value, bool) == isinstance(allowed, bool)
-
-
-def _show(value: Any, limit: int = 40) -> str:
-    """``value`` for an error message, cut short (a 4,000-digit integer must not echo back)."""
-    try:
-        text = value if isinstance(value, str) else repr(value)
-    except ValueError:  # an integer past Python's 4,300-digit limit on str()
-        return "a number too large to show"
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-_JSON_TYPES = {
-    str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array", dict: "an object"
-}
-
-
-def _type_error(param: str, expected: str, value: Any) -> InvalidParameterError:
-    got = "null" if value is None else _JSON_TYPES.get(type(value), type(value).__name__)
-    return InvalidParameterError(f"Invalid type for '{param}': expected {expected}, but got {got} instead.", param)
