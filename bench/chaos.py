@@ -27,6 +27,7 @@ import datetime
 import os
 import platform
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -311,6 +312,7 @@ def run_shape(shape: str, args, log) -> list[Row]:
                   flush=True)  # fmt: skip
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.store_dir, ignore_errors=True)  # the run's disk tier
     if decode > 1:
         cluster = start(shape, supervise=False, log=log, args=args)
         try:
@@ -319,6 +321,7 @@ def run_shape(shape: str, args, log) -> list[Row]:
             print(shape, row.fault, tally(row.outcomes).line(), flush=True)
         finally:
             cluster.stop()
+            shutil.rmtree(cluster.store_dir, ignore_errors=True)  # the run's disk tier
     return rows
 
 

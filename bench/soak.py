@@ -15,6 +15,7 @@ import asyncio
 import datetime
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -147,6 +148,7 @@ def main() -> int:
         outcomes = asyncio.run(soak(cluster, args, samples, kills))
     finally:
         cluster.stop()
+        shutil.rmtree(cluster.store_dir, ignore_errors=True)  # the run's disk tier
     text = report(args, started, samples, kills, outcomes)
     args.out.write_text(text)
     print(text)

@@ -3,10 +3,22 @@ one of each architecture kvserve runs), and the real default model (float32, for
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def temporary_files_under_pytest(tmp_path_factory):
+    """Every temporary file or directory a test (or a cluster it starts) makes goes under
+    pytest's own base directory, which pytest prunes (the last three runs are kept),
+    instead of piling up in the system's: a store's disk tier, a cluster's runtime."""
+    tempfile.tempdir = str(tmp_path_factory.getbasetemp())
+    yield
+    tempfile.tempdir = None
+
 
 # Tests never touch the developer's own cache unless CI asks for a shared one.
 os.environ.setdefault("KVSERVE_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "kvserve"))
