@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -34,6 +34,15 @@ EXIT_FAILED = 70  # EX_SOFTWARE: an essential task failed (the log says which an
 Handler = Callable[[M, Msg], Awaitable[Message | None]]
 
 
+class HeardView(Protocol):
+    """What a service knows of its peers from their heartbeats (`peers.PeerDirectory`, the
+    conductor's `ClusterView`): while this process is cut off from NATS, their silence is its own."""
+
+    def deaf(self) -> None: ...
+
+    def hearing(self) -> None: ...
+
+
 class Service:
     def __init__(self, settings: ServiceSettings) -> None:
         self.settings = settings
@@ -49,6 +58,7 @@ class Service:
                            ).set(self.started_at)  # fmt: skip
         self._nats_reconnects = self.metrics.counter("kvserve_nats_reconnects_total", "Times the NATS connection came back")
         self.metrics_address: str | None = None  # base URL of /metrics and /healthz, when served
+        self.heard_views: list[HeardView] = []  # told when NATS is lost and back
 
     @property
     def instance_id(self) -> InstanceId:
@@ -121,14 +131,20 @@ class Service:
         failures = refusals = 0
 
         async def disconnected() -> None:
+            for view in self.heard_views:
+                view.deaf()
             if not self.stopping.is_set():
                 self.log.warning("disconnected from NATS; reconnecting")
 
         async def reconnected() -> None:
             self.reconnects += 1
             self._nats_reconnects.inc()
+            for view in self.heard_views:
+                view.hearing()
             where = self.nc.connected_url if self.nc else None
             self.log.info("reconnected to NATS at %s", f"{where.hostname}:{where.port}" if where else "?")
+            if self.heard_views:  # every peer beats now, not within a second: the views catch up at once
+                self.spawn(self.publish(subjects.ROLL_CALL, schema.RollCall(instance_id=self.instance_id)))
 
         async def error(e: Exception) -> None:
             nonlocal failures, refusals

@@ -57,6 +57,7 @@ class Conductor(Service):
         self._unadmitted = RecentIds()  # requests told "cannot admit": their retries are logged at debug
         self.tracker = KVEventTracker(apply=self.index.apply_event, reset=self.index.replace)
         self.view.on_gone = self._forget
+        self.heard_views.append(self.view)
         self.scheduler = Admitter(build_policy(settings.policy), self.view, self.index, settings.scheduler_config())
         self.decisions = DecisionLog(self.scheduler.policy.name)  # for the console
         self.scheduler.explain = self.decisions.record

@@ -5,7 +5,9 @@ An instance is alive from its first heartbeat until it has been silent for
 stand-in until it reports one) and what the conductor predicts it is busy with
 (`load.py`). Between heartbeats the view counts the requests it has assigned to
 each instance, so a burst of admissions does not all land on the instance that
-looked idle a second ago. Pure logic: no NATS, an injectable clock.
+looked idle a second ago. Silence counts only while the conductor can hear: the
+stretch its own NATS connection was lost (`deaf` to `hearing`) is taken out of
+every instance's. Pure logic: no NATS, an injectable clock.
 """
 
 import time
@@ -59,6 +61,21 @@ class ClusterView:
         # (`candidates.py`)
         self.on_change: list[Callable[[Instance], None]] = []
         self.last_fault = float("-inf")  # when an instance last restarted or went silent
+        self._deaf_since: float | None = None  # when the conductor lost NATS; None while connected
+
+    def deaf(self) -> None:
+        """The conductor lost NATS: no instance is forgotten for its silence until `hearing`."""
+        if self._deaf_since is None:
+            self._deaf_since = self.clock()
+
+    def hearing(self) -> None:
+        """NATS is back: every instance's last hearing moves on by the time spent deaf."""
+        if self._deaf_since is None:
+            return
+        gap, self._deaf_since = self.clock() - self._deaf_since, None
+        for instance in self._instances.values():
+            instance.last_seen += gap
+        self._oldest_seen += gap
 
     def observe(self, heartbeat: Heartbeat) -> Instance:
         now = self.clock()
@@ -122,7 +139,8 @@ class ClusterView:
         """Instances of ``role`` heard from within the timeout, by id; forgets the silent."""
         now = self.clock()
         silent = []
-        if now - self._oldest_seen > self.timeout:  # some may be silent: look (at most once a timeout or so)
+        if now - self._oldest_seen > self.timeout and self._deaf_since is None:  # some may be silent: look
+            # (at most once a timeout or so)
             silent = [inst for inst in self._instances.values() if now - inst.last_seen > self.timeout]
             alive = [inst.last_seen for inst in self._instances.values() if now - inst.last_seen <= self.timeout]
             self._oldest_seen = min(alive, default=float("inf"))

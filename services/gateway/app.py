@@ -34,6 +34,7 @@ class Gateway(Service):
         super().__init__(settings)
         self.address: str | None = None  # base URL, e.g. http://127.0.0.1:8000, once listening
         self.peers = PeerDirectory()  # every live instance: for readiness, worker liveness and /metrics
+        self.heard_views.append(self.peers)
         self._generations = None if model is None else Generations(self, settings, self.peers, model)
         self.request_metrics = RequestMetrics(self.metrics, SLO(settings.slo_ttft_s, settings.slo_tbt_s))
 

@@ -86,8 +86,8 @@ class WorkerLostError(ServiceUnavailableError):
     """A worker serving the request is gone (silent, restarted, or not taking requests).
     ``started_at``: the start time of the process seen gone, where known (a process
     restarted under the same id since is another, and may serve the request again).
-    ``until_heard``: only suspected gone (a hand-off found it not answering): it serves
-    again once heard from, as a live worker is within a heartbeat."""
+    ``until_heard``: only suspected gone (silent for a while, or a hand-off found it not
+    answering): it serves again once heard from, as a live worker is within a heartbeat."""
 
     def __init__(self, message: str, instance_id: InstanceId | None, role: str,  # None: the control plane
                  started_at: float | None = None, until_heard: bool = False) -> None:  # fmt: skip
@@ -299,7 +299,9 @@ class RequestRun:
             if gone is not None:
                 self._failure = f"{gone.instance_id} is gone"
                 where = f"{gone.role} instance {gone.instance_id}"
-                raise WorkerLostError(f"{where} is gone ({gone.why})", gone.instance_id, gone.role, gone.started_at)
+                # silent: it serves again once heard from (a stalled process, not a dead one)
+                raise WorkerLostError(f"{where} is gone ({gone.why})", gone.instance_id, gone.role, gone.started_at,
+                                      until_heard=not gone.restarted)  # fmt: skip
             if time.monotonic() >= deadline:
                 self._failure = "timeout"
                 raise RequestTimeoutError(f"no token arrived for {self.token_timeout:g} seconds")

@@ -115,7 +115,7 @@ class Generations:
         self.num_in_flight += 1
         try:
             async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at,
-                                    self._heard_at, self.peers.silent_for) as run:  # fmt: skip
+                                    self.peers.beats, self.peers.silent_for) as run:  # fmt: skip
                 generation = Generation(run, texts, slo, started_at, tenant=tenant,
                                         ratelimit_headers=lease.headers if lease else {})  # fmt: skip
                 yield generation
@@ -137,10 +137,6 @@ class Generations:
     def _started_at(self, instance_id: InstanceId) -> float | None:
         heard = self.peers.last_heard(instance_id)
         return None if heard is None else heard[0].started_at
-
-    def _heard_at(self, instance_id: InstanceId) -> float | None:
-        heard = self.peers.last_heard(instance_id)
-        return None if heard is None else heard[1]
 
     async def _block_hashes(self, token_ids: list[int], root: BlockHash) -> list[BlockHash]:
         """The block hashes of a prompt in the scope of ``root``, as the workers name its KV blocks."""

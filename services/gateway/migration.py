@@ -3,7 +3,8 @@
 Each attempt is a `dispatch.RequestRun` with its own request id. When a worker
 serving an attempt is gone (WorkerLostError), the attempt is cancelled
 everywhere (its blocks on the survivors are freed) and the request is admitted
-again as ``<id>-m<n>``, excluding every instance seen gone (until it restarts), with the tokens
+again as ``<id>-m<n>``, excluding every instance seen gone (a dead one until it restarts, one
+only silent until it is heard again), with the tokens
 already delivered appended to its prompt, max_tokens and min_tokens reduced by
 them and their number carried (``num_prior_output_tokens``: the workers' penalties
 count them as generated, and seeded draws go on from them): the new prefill,
@@ -56,7 +57,7 @@ class MigratingRun:
         block_hashes: BlockHasher,
         max_attempts: int,
         started_at: Callable[[str], float | None] = lambda instance_id: None,
-        heard_at: Callable[[str], float | None] = lambda instance_id: None,
+        beats_heard: Callable[[str], int] = lambda instance_id: 0,
         silent_for: Callable[[str], float | None] = lambda role: None,
     ) -> None:
         if max_attempts < 1:
@@ -71,11 +72,11 @@ class MigratingRun:
         self._attempt: RequestRun | None = None
         self._served: list[RequestRun] = []  # every attempt that reached a worker, in order
         self._num_attempts = 0
-        # instance id -> (the start time of the process seen gone, when it was last heard then
-        # where hearing it again is enough to serve again: see WorkerLostError.until_heard)
-        self._gone: dict[str, tuple[float | None, float | None]] = {}
+        # instance id -> (the start time of the process seen gone, how many of its heartbeats were
+        # heard then where hearing it again is enough to serve again: see WorkerLostError.until_heard)
+        self._gone: dict[str, tuple[float | None, int | None]] = {}
         self._process_start = started_at  # an instance's current process's start time, from its heartbeats
-        self._heard_at = heard_at  # when an instance was last heard
+        self._beats_heard = beats_heard  # how many heartbeats of an instance were heard
         self._silent_for = silent_for  # seconds since any instance of a role was heard; None: never
         self._delivered: list[int] = []  # generated tokens handed to the caller, over every attempt
         self._streamed = False  # n > 1: some sequence's tokens were handed to the caller
@@ -198,18 +199,18 @@ class MigratingRun:
         once it has been heard from since."""
         return frozenset(i for i, (started, heard) in self._gone.items() if self._still_gone(i, started, heard))
 
-    def _still_gone(self, instance_id: InstanceId, started: float | None, heard: float | None) -> bool:
+    def _still_gone(self, instance_id: InstanceId, started: float | None, beats: int | None) -> bool:
         if started is None:
             return True
         if self._process_start(instance_id) != started:
             return False
-        return heard is None or self._heard_at(instance_id) == heard
+        return beats is None or self._beats_heard(instance_id) == beats
 
     def _lost(self, error: WorkerLostError) -> None:
         """Note the gone instance; raise when no attempt is left."""
         if (i := error.instance_id) is not None:  # None: a NATS outage cut the stream, every worker may still serve
             started = error.started_at if error.started_at is not None else self._process_start(i)
-            self._gone[i] = (started, self._heard_at(i) if error.until_heard else None)
+            self._gone[i] = (started, self._beats_heard(i) if error.until_heard else None)
         if self._streamed:  # n > 1: its sequences went their own ways, and are not moved
             log.warning("%s: %s; a request for %d sequences is not moved", self.request_id, error,
                         self.prepared.sampling.n)  # fmt: skip

@@ -24,6 +24,7 @@ class Gone:
     role: Role  # PREFILL or DECODE
     why: str  # for the log and the error message
     started_at: float  # the start time of the process seen gone (a restarted one has another)
+    restarted: bool = False  # else only silent: it may be heard from again
 
 
 class WorkerWatch:
@@ -52,11 +53,11 @@ class WorkerWatch:
 
     def gone(self) -> Gone | None:
         """The first watched instance that is gone, if any."""
-        now = self.peers.clock()
+        now = self.peers.now()
         for instance_id, (role, started_at) in self._watched.items():
             heartbeat, seen = self.peers.last_heard(instance_id)
             if heartbeat.started_at != started_at:
-                return Gone(instance_id, role, "restarted", started_at)
+                return Gone(instance_id, role, "restarted", started_at, restarted=True)
             if now - seen >= self.silence:
                 return Gone(instance_id, role, f"no heartbeat for {now - seen:.1f}s", started_at)
         return None
@@ -64,6 +65,6 @@ class WorkerWatch:
     def seconds_to_next_check(self) -> float:
         """How long until a watched instance counts as gone unless it is heard from
         again (0: one may be gone already); infinite when nothing is watched."""
-        now = self.peers.clock()
+        now = self.peers.now()
         deadlines = [self.peers.last_heard(i)[1] + self.silence for i in self._watched]
         return max(0.0, min(deadlines) - now) if deadlines else math.inf

@@ -120,7 +120,7 @@ class Handoff:
                 if heard[0].started_at != started_at:
                     raise HandoffError(ErrorCode.DECODE_UNAVAILABLE, f"decode worker {decode_id} was restarted "
                                        "before it answered", restarted=True)  # fmt: skip
-                silent = self.decoders.clock() - heard[1]
+                silent = self.decoders.now() - heard[1]
                 if silent >= self.silence:
                     raise HandoffError(ErrorCode.DECODE_UNAVAILABLE,
                                        f"decode worker {decode_id} is gone (no heartbeat for {silent:.1f}s)")

@@ -43,6 +43,7 @@ class StoreClient:
         self.replicas = replicas
         self.policy = policy or FetchPolicy(host.engine.cache.block_size)
         self.stores = PeerDirectory()
+        service.heard_views.append(self.stores)
         self.calls: store_client.StoreClient | None = None  # once connected
         self._ring = HashRing()
         self._refused: set[str] = set()  # stores whose contract differs (logged once)
@@ -204,7 +205,7 @@ class StoreClient:
     async def _call(self, name: str, call: Awaitable[T]) -> T | None:
         """A store call's result, or None when it failed (logged): the store is an optimisation.
         A store that failed to answer is passed over until it is heard from again."""
-        asked_at = self.stores.clock()
+        asked_at = self.stores.now()
         try:
             return await call
         except store_client.StoreError as e:

@@ -92,6 +92,7 @@ class PrefillWorker(Service):
         self.cancelled = RecentIds()
         self.store = StoreClient(self, self.host, settings.store_replicas) if settings.use_store else None
         self.decoders = PeerDirectory()  # for retrying a failed hand-off elsewhere, and to see a lease's target die
+        self.heard_views.append(self.decoders)
         self.handoff = Handoff(self, self.host, self.decoders, settings.heartbeat_interval)
         self.reports = KVReports(  # KV events and cost model
             self, self.host, settings.model.calibrate, settings.model.calibration_file

@@ -96,3 +96,18 @@ def test_a_beat_sent_again_after_a_request_was_sent_is_observed_in_full():
 def test_instances_reporting_the_same_coefficients_share_one_cost_model():
     view, _, _ = cluster(beat("p1", "prefill"), beat("p2", "prefill"), beat("d1", "decode"))
     assert view.get("p1").cost is view.get("p2").cost is view.get("d1").cost
+
+
+def test_no_instance_is_forgotten_for_the_silence_of_the_conductors_own_nats_outage():
+    view, _, clock = cluster(beat("p1", "prefill"))
+    gone = []
+    view.on_gone = lambda inst: gone.append(inst.instance_id)
+    clock.now += 2.0
+    view.deaf()
+    clock.now += 20.0
+    assert [i.instance_id for i in view.alive("prefill")] == ["p1"]
+    view.hearing()
+    clock.now += 0.9  # 2.9 s of silence the conductor could have heard
+    assert [i.instance_id for i in view.alive("prefill")] == ["p1"]
+    clock.now += 0.2
+    assert view.alive("prefill") == [] and gone == ["p1"]

@@ -135,3 +135,32 @@ async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_su
         async with RequestRun(service, PREPARED, token_timeout=1.0, watch=WorkerWatch(peers, 2.5)) as run:
             await run.next_chunks()
     assert (e.value.instance_id, e.value.role, e.value.started_at, e.value.until_heard) == ("d0", "decode", 5.0, True)
+
+
+class NoMessage(FakeSubscription):
+    async def next_msg(self, timeout: float) -> object:
+        raise nats.errors.TimeoutError
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+async def test_a_silent_worker_is_suspect_only_and_a_restarted_one_gone_until_its_restart(restarted):
+    # silence may be a stalled process (a CPU-starved machine, a NATS hiccup): the next attempt
+    # passes it over only until it is heard from again; a restart is a death
+    from libs.common.peers import PeerDirectory
+    from libs.protocol.schema import Heartbeat
+    from services.gateway.worker_watch import WorkerWatch
+
+    now = [100.0]
+    peers = PeerDirectory(clock=lambda: now[0])
+    for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
+        peers.observe(Heartbeat(instance_id=instance_id, role=role, host_id="h", started_at=5.0))
+    service = FakeService()
+    service.nc.subscribe = lambda subject: asyncio.sleep(0, NoMessage())
+    with pytest.raises(WorkerLostError) as e:
+        async with RequestRun(service, PREPARED, token_timeout=30.0, watch=WorkerWatch(peers, 2.5)) as run:
+            if restarted:
+                peers.observe(Heartbeat(instance_id="d0", role="decode", host_id="h", started_at=9.0))
+            else:
+                now[0] += 3.0  # silent for longer than 2.5 s
+            await run.next_chunks()
+    assert (e.value.instance_id, e.value.started_at, e.value.until_heard) == ("d0", 5.0, not restarted)

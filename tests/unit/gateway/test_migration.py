@@ -303,7 +303,7 @@ async def test_a_decode_worker_a_hand_off_found_silent_is_passed_over_until_it_i
     from services.gateway.errors import ServiceUnavailableError
 
     monkeypatch.setattr(migration, "ADMIT_RETRY_DELAY", 0.0)
-    heard = {"d0": 50.0}
+    heard = {"d0": 50}
     no_decode = ServiceUnavailableError("no decode instance is alive", "no_decode")
     handoff_lost = WorkerLostError("p0 failed: decode worker d0 did not answer", "d0", "decode", started_at=100.0,
                                    until_heard=True)  # fmt: skip
@@ -317,11 +317,11 @@ async def test_a_decode_worker_a_hand_off_found_silent_is_passed_over_until_it_i
     def new_attempt(prepared, exclude):
         attempts.append(exclude)
         if len(attempts) == 2:
-            heard["d0"] = 51.0  # its next heartbeat: the same process, alive
+            heard["d0"] = 51  # its next heartbeat: the same process, alive
         return cluster.new_attempt(prepared, exclude)
 
     run = MigratingRun(ORIGINAL, new_attempt, cluster.block_hashes, 2, started_at={"d0": 100.0}.get,
-                       heard_at=heard.get)  # fmt: skip
+                       beats_heard=heard.get)  # fmt: skip
     async with run:
         await read_all(run)
     assert attempts == [frozenset(), {"d0"}, frozenset()]

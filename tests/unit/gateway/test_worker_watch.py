@@ -45,7 +45,7 @@ def test_a_restart_under_the_same_id_is_gone_at_once():
     watch.watch("d0", "decode")
     peers.observe(beat("d0", started_at=7.0))
     # gone is the process watched, not the one heard last: the restarted one may serve again
-    assert watch.gone() == Gone("d0", "decode", "restarted", 1.0)
+    assert watch.gone() == Gone("d0", "decode", "restarted", 1.0, restarted=True)
     assert watch.started_at("d0") == 1.0 and watch.started_at("d1") is None
 
 
@@ -58,3 +58,17 @@ def test_an_instance_never_heard_from_is_not_watched_and_unwatching_stops_watchi
     watch.unwatch("p0")
     clock.now += 60
     assert watch.gone() is None and watch.seconds_to_next_check() == math.inf
+
+
+def test_silence_while_the_gateway_itself_was_cut_off_from_nats_does_not_count():
+    watch, peers, clock = setup()
+    peers.observe(beat("d0"))
+    watch.watch("d0", "decode")
+    clock.now += 1.0
+    peers.deaf()  # the gateway's own NATS connection is lost: nobody can be heard
+    clock.now += 30.0
+    assert watch.gone() is None and peers.alive("decode") != []
+    peers.hearing()  # back: d0 was heard 1 s before the outage, and the outage is not its silence
+    assert watch.gone() is None and watch.seconds_to_next_check() == 1.5
+    clock.now += 1.5
+    assert watch.gone() == Gone("d0", "decode", "no heartbeat for 2.5s", 1.0)

@@ -23,7 +23,7 @@ def beat(instance_id: str) -> Heartbeat:
 
 
 def client(clock: Clock) -> StoreClient:
-    service = SimpleNamespace(log=logging.getLogger("test"))
+    service = SimpleNamespace(log=logging.getLogger("test"), heard_views=[])
     host = SimpleNamespace(engine=SimpleNamespace(cache=SimpleNamespace(block_size=16)))
     c = StoreClient(service, host)
     c.stores = PeerDirectory(clock=clock)
