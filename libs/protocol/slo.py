@@ -1,6 +1,6 @@
 """A request's latency targets (service-level objectives), in seconds: one type for the
 gateway, the conductor, the simulator and the replay client, and the one place the
-defaults are written.
+defaults are written; `SLOOverride`, a request's own targets where it sets them.
 
 ``tbt_s`` is the time between tokens. The conductor admits against a batch's predicted
 step time; a finished request is judged on its mean time per output token (TPOT), as
@@ -30,3 +30,13 @@ class SLO:
         """Whether a request with this time to first token and mean time per output
         token met both targets (None: not measured, so not met)."""
         return ttft_s is not None and tpot_s is not None and ttft_s <= self.ttft_s and tpot_s <= self.tbt_s
+
+
+@dataclass(frozen=True)
+class SLOOverride:
+    """Per-request targets (from the x-kvserve-slo-* headers); None: the conductor's default.
+    ``best_effort`` (x-kvserve-slo: best-effort): no target, served in time SLO work does not need."""
+
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+    best_effort: bool = False

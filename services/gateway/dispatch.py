@@ -43,6 +43,7 @@ from libs.protocol.schema import (
     ResendRequest,
     TokenChunk,
 )
+from libs.protocol.slo import SLOOverride
 from libs.protocol.vocabulary import ErrorCode, Role
 from services.gateway.errors import (
     InvalidParameterError,
@@ -70,16 +71,6 @@ _HANDOFF_LOST_CODES = (ErrorCode.DECODE_UNAVAILABLE, ErrorCode.NO_DECODE)
 _FAILED_CODES = (ErrorCode.INTERNAL, ErrorCode.BAD_MESSAGE)
 
 log = logging.getLogger("kvserve.gateway.dispatch")
-
-
-@dataclass(frozen=True)
-class SLOOverride:
-    """Per-request targets (from the x-kvserve-slo-* headers); None: the conductor's default.
-    ``best_effort`` (x-kvserve-slo: best-effort): no target, served in time SLO work does not need."""
-
-    ttft_s: float | None = None
-    tbt_s: float | None = None
-    best_effort: bool = False
 
 
 class WorkerLostError(ServiceUnavailableError):

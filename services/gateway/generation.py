@@ -19,7 +19,8 @@ from libs.common.service import Service
 from libs.common.tenants import Tenant
 from libs.protocol.hashing import BlockHash, block_hashes, model_extra
 from libs.protocol.ids import InstanceId, RequestId
-from services.gateway.dispatch import RequestRun, SLOOverride
+from libs.protocol.slo import SLOOverride
+from services.gateway.dispatch import RequestRun
 from services.gateway.errors import ModelNotServedError, QuotaExceededError, RateLimitedError
 from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import GenerateRequest

@@ -20,12 +20,12 @@ from aiohttp import web
 
 from libs.common.service import Service
 from libs.protocol.errors import KVServeError
+from libs.protocol.slo import SLOOverride
 from libs.protocol.vocabulary import KVTier, Role
 from services.gateway import console
 from services.gateway import openapi as openapi_document
 from services.gateway import sse
 from services.gateway.cluster_metrics import cluster_metrics
-from services.gateway.dispatch import SLOOverride
 from services.gateway.errors import (
     InvalidParameterError,
     ModelNotServedError,

@@ -24,10 +24,10 @@ from libs.protocol.schema import (
     PrefixView,
     StoreBeat,
 )
+from libs.protocol.slo import SLOOverride
 from services.gateway.app import Gateway
 from services.gateway.console import INLINE_STATE_REQUESTS
 from services.gateway.console_data import BUCKET_S, RequestLog, Served, console_state, for_caller, tenant_rows
-from services.gateway.dispatch import SLOOverride
 from services.gateway.response_bodies import Usage
 from services.gateway.routes import init_app
 from services.gateway.tenant_usage import UsageTotals

@@ -4,8 +4,7 @@ finish reasons, and SLO verdicts (per target and both at once)."""
 from types import SimpleNamespace
 
 from libs.common.metrics import Metrics
-from libs.protocol.slo import SLO
-from services.gateway.dispatch import SLOOverride
+from libs.protocol.slo import SLO, SLOOverride
 from services.gateway.request_metrics import RequestMetrics
 
 TARGETS = SLO(ttft_s=1.0, tbt_s=0.1)
