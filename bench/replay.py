@@ -76,6 +76,7 @@ from kvserve.replay.sweep import (  # noqa: E402
     write_outputs,
 )
 from kvserve.replay.trace import load_trace  # noqa: E402
+from libs.common.cpu_share import format_cpu_list  # noqa: E402
 from libs.protocol.errors import KVServeError  # noqa: E402
 from libs.protocol.models import DEFAULT_MODEL_ID  # noqa: E402
 from libs.protocol.slo import SLO  # noqa: E402
@@ -105,6 +106,9 @@ def policy_exists(spec: str) -> bool:
     return True
 
 
+LOCAL_PREFILL_POLICY = "cache_aware+local_prefill+predictive_rejection"
+
+
 def configs(worker_threads: int | None, baseline_path: Path | None = None) -> list[Config]:
     """Every configuration, in the reports' order; kvserve-baseline only with a checkout to run."""
     threads = {"OMP_NUM_THREADS": str(worker_threads)} if worker_threads else {}
@@ -123,6 +127,15 @@ def configs(worker_threads: int | None, baseline_path: Path | None = None) -> li
         out.insert(1, Config(baseline.NAME, "an earlier checkout's kvserve-default, by its own bench/replay.py",
                              "baseline", note=f"{baseline_path}{f' at {commit}' if commit else ''}, run by its own "
                              "bench/replay.py --configs kvserve-default"))  # fmt: skip
+    # two ways of letting the prefill worker use what the decode worker leaves idle
+    out.append(Config("kvserve-local-prefill", "kvserve-default with KVSERVE_POLICY=" + LOCAL_PREFILL_POLICY
+                      + ": short prompts prefilled on the decode worker when that is predicted faster", "kvserve",
+                      dict(prefill=1, decode=1, store=True), {"KVSERVE_POLICY": LOCAL_PREFILL_POLICY, **threads}))
+    host = tuple(sorted(os.sched_getaffinity(0)))
+    out.append(Config("kvserve-wide-prefill", f"kvserve-default with --cpus prefill={format_cpu_list(host)},"
+                      f"decode={host[-1]}: the prefill worker on every core, the decode worker on the last",
+                      "kvserve", dict(prefill=1, decode=1, store=True, cpus={"prefill": host, "decode": host[-1:]}),
+                      {**threads}))  # fmt: skip
     # `kvserve up --prefill 0`: LocalCluster adds +local_prefill to the default policy
     out.append(
         Config("kvserve-colocated", "kvserve up --prefill 0: one decode worker on every core, prefilling its own "
@@ -269,7 +282,7 @@ def parser() -> argparse.ArgumentParser:
                     help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
     ap.add_argument("--configs", nargs="+", default=None,
                     help="names to run, in this order (default all: kvserve-default, kvserve-baseline with --baseline, "
-                    "kvserve-disagg, kvserve-nocache, kvserve-colocated, llama.cpp)")
+                    "kvserve-disagg, kvserve-nocache, kvserve-local-prefill, kvserve-wide-prefill, kvserve-colocated, llama.cpp)")
     ap.add_argument("--baseline", type=Path, default=None, metavar="PATH",
                     help="add kvserve-baseline: the kvserve checkout at PATH measured by its own bench/replay.py "
                     "(PYTHONPATH=PATH, this interpreter) on its kvserve-default configuration with the same window, "
