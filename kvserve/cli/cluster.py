@@ -41,7 +41,7 @@ from kvserve.cli.supervisor import (
 )
 from libs.common import standby
 from libs.common.cpu_share import available_cpus
-from libs.common.nats_server import NatsServer
+from libs.common.nats_server import NatsCluster, NatsServer
 from libs.common.settings import without_secrets
 from libs.protocol.errors import KVServeError
 from libs.protocol.models import DEFAULT_MODEL_ID
@@ -123,6 +123,7 @@ class LocalCluster:
         cpus: dict[str, tuple[int, ...]] | None = None,
         metrics_port: int | None = None,
         standby: bool = True,
+        nats_servers: int = 1,
     ) -> None:
         if decode < 1:
             raise ValueError("a cluster needs at least one decode worker")
@@ -130,6 +131,8 @@ class LocalCluster:
             raise ValueError(f"prefill workers: at least 0, got {prefill}")
         if conductors < 1:
             raise ValueError("a cluster needs at least one conductor")
+        if nats_servers < 1:
+            raise ValueError(f"a cluster needs at least one nats-server, got {nats_servers}")
         if unknown := set(modules or {}) - set(ROLES):
             raise ValueError(f"no such service: {', '.join(sorted(unknown))}")
         self.counts = {Role.CONDUCTOR: conductors, Role.STORE: int(store), Role.PREFILL: prefill, Role.DECODE: decode,
@@ -140,6 +143,7 @@ class LocalCluster:
         self.gateway_port = gateway_port
         self.gateway_host = gateway_host
         self.nats_host = nats_host  # the address nats-server listens on (another host's services must reach it)
+        self.nats_servers = nats_servers  # more than one: a NATS cluster, every service given every server
         self.model = model
         self.dtype = dtype  # the explicit dtype every service gets, once start() has resolved "auto"
         self.quantization = quantization  # likewise the weights' precision (part of the KV contract)
@@ -166,7 +170,7 @@ class LocalCluster:
         self._procs: dict[str, ServiceProcess] = {}
         self._spares: dict[str, ServiceProcess] = {}  # by role: warm spares, each until a worker adopts it
         self._spare_timers: list[threading.Timer] = []
-        self._nats: NatsServer | None = None
+        self._nats: NatsCluster | None = None
         self._watcher: HeartbeatWatcher | None = None
         self._supervisor: Supervisor | None = None  # forks every child; restarts them when supervising
         # 0700: the NATS credentials and nats-server's files, and what the services leave for their restarts
@@ -175,7 +179,8 @@ class LocalCluster:
         self._nats_started_at = 0.0  # time.monotonic()
         ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
         # (a spare's rare lines before it is adopted, say an error, may overflow the label column)
-        self._console = Console(sys.stdout if log is _STDOUT else log, ids + ["kvserve", "nats-server"])
+        self._console = Console(sys.stdout if log is _STDOUT else log,
+                                ids + ["kvserve", "nats-server"] + [f"nats-server-{i}" for i in range(nats_servers) if nats_servers > 1])
 
     # --- what the cluster looks like ------------------------------------------
     @property
@@ -212,8 +217,13 @@ class LocalCluster:
 
     @property
     def nats_pid(self) -> int | None:
-        """nats-server's process id, while started."""
-        return None if self._nats is None else self._nats.pid
+        """nats-server's process id (the first one's, in a NATS cluster), while started."""
+        return None if self._nats is None else self._nats.servers[0].pid
+
+    @property
+    def nats_pids(self) -> list[int | None]:
+        """Every nats-server's process id, while started."""
+        return [] if self._nats is None else self._nats.pids
 
     @property
     def runtime_dir(self) -> Path | None:
@@ -247,13 +257,14 @@ class LocalCluster:
                 self._reaper = Reaper(self.runtime_dir)
             instances = {f"{role}-{i}": role for role in ROLES for i in range(self.counts[role])}
             # each instance its own NATS user: a restart keeps its id, so its credentials too
-            self._nats = NatsServer(host=self.nats_host, directory=self.runtime_dir, instances=instances)
-            self._nats.preexec_fn = die_with_launcher()
-            self._supervisor.call(self._nats.start)
-            self._tell_reaper(watch=self._nats.pid)
+            self._nats = NatsCluster(self.nats_servers, self.nats_host, directory=self.runtime_dir, instances=instances)
+            for server in self._nats.servers:
+                server.preexec_fn = die_with_launcher()
+                self._supervisor.call(server.start)
+                self._tell_reaper(watch=server.pid)
+                self.echo(f"{server.name} listening on {server.public_url}", label="kvserve")
             self._nats_started_at = time.monotonic()
             self.nats_url = self._nats.url
-            self.echo(f"nats-server listening on {self._nats.public_url}", label="kvserve")
             if self.policy is not None:
                 added = f" (+local_prefill added to {self.given_policy})" if self.policy != self.given_policy else ""
                 self.echo(f"no prefill worker: each decode worker prefills its own requests; conductor policy "
@@ -504,19 +515,21 @@ class LocalCluster:
             for role in STANDBY_ROLES:
                 if self.counts[role]:
                     self._supervisor.call(self._spawn_spare, role)
-        self._supervisor.watch(
-            "nats-server",
-            self._nats.exit_code,
-            start=self._restart_nats,
-            on_exit=lambda ended: self._on_exit(ended, None),
-            backoff=backoff(),
-            started_at=self._nats_started_at,
-        )
+        for server in self._nats.servers:
+            self._supervisor.watch(
+                server.name,
+                server.exit_code,
+                start=lambda server=server: self._restart_nats(server),
+                on_exit=lambda ended, server=server: self._on_exit(ended, None, server),
+                backoff=backoff(),
+                started_at=self._nats_started_at,
+            )
 
-    def _on_exit(self, ended: Exit, inst: ServiceProcess | None) -> None:
-        """Say who died, how and when it starts again; clear what it left behind."""
-        pid = inst.pid if inst is not None else self._nats.pid
-        where = f" on port {self._nats.port}" if inst is None else ""
+    def _on_exit(self, ended: Exit, inst: ServiceProcess | None, server: NatsServer | None = None) -> None:
+        """Say who died (an instance, or else nats-server ``server``), how and when it starts
+        again; clear what it left behind."""
+        pid = inst.pid if inst is not None else server.pid
+        where = f" on port {server.port}" if inst is None else ""
         text = f"{ended.name} (pid {pid}) {describe_exit(ended.code)} after {ended.ran_for:.1f}s; "
         if ended.crash_looping:
             text += (
@@ -594,11 +607,11 @@ class LocalCluster:
         except OSError as e:
             self.echo(f"could not start a warm spare for {role}: {e}", label="kvserve")
 
-    def _restart_nats(self) -> None:
-        self._tell_reaper(forget=self._nats.pid)  # it has exited; it creates no segment
-        self._nats.restart()
-        self._tell_reaper(watch=self._nats.pid)
-        self.echo(f"nats-server started again on {self._nats.public_url} (pid {self._nats.pid})", label="kvserve")
+    def _restart_nats(self, server: NatsServer) -> None:
+        self._tell_reaper(forget=server.pid)  # it has exited; it creates no segment
+        server.restart()
+        self._tell_reaper(watch=server.pid)
+        self.echo(f"{server.name} started again on {server.public_url} (pid {server.pid})", label="kvserve")
 
     def _on_heartbeat(self, beat: Heartbeat) -> None:
         with self._cond:

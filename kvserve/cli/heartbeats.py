@@ -8,6 +8,7 @@ from collections.abc import Callable
 import nats
 from nats.aio.msg import Msg
 
+from libs.common import nats_auth
 from libs.protocol import schema, subjects
 from libs.protocol.schema import BadMessageError, Heartbeat
 
@@ -38,7 +39,7 @@ class HeartbeatWatcher(threading.Thread):
         self._done = asyncio.Event()
         try:
             nc = await nats.connect(
-                self._url,
+                nats_auth.server_urls(self._url),
                 name="kvserve-cluster",
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,

@@ -77,6 +77,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="conductor replicas, active-active: each answers admissions and books the others', so one "
         "that dies loses no request (default 1)",
     )  # fmt: skip
+    parser.add_argument(
+        "--nats-cluster", type=positive_int, default=1, metavar="N", dest="nats_servers",
+        help="run N nats-servers routed to one another, every service given every server's URL: when one "
+        "dies, its clients move to another (default 1: one nats-server, restarted when it dies)",
+    )  # fmt: skip
     parser.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000; 0 picks a free one)")
     parser.add_argument(
         "--host", default="127.0.0.1", help="gateway listen address (default 127.0.0.1; 0.0.0.0 for every interface)"
@@ -156,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
         standby=args.standby,
         cpus=args.cpus,
         metrics_port=args.metrics_port,
+        nats_servers=args.nats_servers,
     )
     return serve(cluster, timeout=args.timeout)
 

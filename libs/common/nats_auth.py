@@ -207,6 +207,11 @@ def load_credentials(path: str | Path) -> NatsCredentials:
         return NatsCredentials(token=fields["token"])
     raise NatsAuthError(f'the NATS credentials file {path} must hold {{"user": ..., "password": ...}} or {{"token": ...}}')
 
+def server_urls(url: str) -> list[str]:
+    """The servers of a NATS URL setting: one URL, or a cluster's, comma-separated."""
+    return [one.strip() for one in url.split(",") if one.strip()]
+
+
 def redact_url(url: str) -> str:
     """A NATS URL (or comma-separated URLs) without credentials, for logs."""
     redacted = []
@@ -271,13 +276,13 @@ def write_auth_files(directory: str | Path, identities: Iterable[Identity], pass
     identities = list(identities)
     files = AuthFiles(Path(directory), tuple(identity.user for identity in identities))
     files.directory.mkdir(mode=0o700, parents=True, exist_ok=True)  # a new one private too
-    _write_private(files.server_config, server_config(identities, passwords))
+    write_private(files.server_config, server_config(identities, passwords))
     for user in files.users:
-        _write_private(files.credentials(user), json.dumps({"user": user, "password": passwords[user]}) + "\n")
+        write_private(files.credentials(user), json.dumps({"user": user, "password": passwords[user]}) + "\n")
     return files
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     os.chmod(path.parent, 0o700)  # an existing folder too
     partial = path.with_name(path.name + ".partial")

@@ -6,17 +6,23 @@ configuration file in a 0700 directory, never from the command line, and each
 user's credentials file lies beside it.
 
 Used by ``kvserve up`` and by the integration tests; production points the
-services at its own NATS cluster instead.
+services at its own NATS cluster instead. `NatsCluster` runs several such servers
+routed to one another (``kvserve up --nats-cluster 3``): every server has every
+user, the routes between them authenticate with a route user of their own (its
+password only in the 0600 configuration), and a client given every server's URL
+fails over to another when its server dies.
 """
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from libs.common.nats_auth import (
@@ -26,7 +32,11 @@ from libs.common.nats_auth import (
     random_passwords,
     role_identities,
     write_auth_files,
+    write_private,
 )
+
+CLUSTER_NAME = "kvserve"
+ROUTE_USER = "route"  # the user servers of one cluster connect their routes as
 
 
 class NatsServerError(RuntimeError):
@@ -49,18 +59,32 @@ def server_env() -> dict[str, str]:
     return {name: os.environ[name] for name in ("PATH", "LANG", "TZ") if name in os.environ}
 
 
+@dataclass(frozen=True)
+class Routes:
+    """How one server of a `NatsCluster` reaches the others."""
+
+    password: str  # the route user's
+    peers: Callable[[], list[int]]  # the route ports of the cluster's other servers, as far as known
+
+
 class NatsServer:
     # Run in the child before exec (LocalCluster: make nats-server die with its launcher).
     preexec_fn: Callable[[], None] | None = None
 
     def __init__(self, host: str = "127.0.0.1", log_file: Path | None = None, directory: Path | None = None,
-                 instances: dict[str, str] | None = None) -> None:  # fmt: skip
+                 instances: dict[str, str] | None = None, routes: Routes | None = None, name: str = "nats-server",
+                 auth_of: "NatsServer | None" = None) -> None:  # fmt: skip
         """``instances``: ``{instance id: role}``, each with a user of its own (and no role has
-        one); None: a user per role."""
+        one); None: a user per role. ``routes``: a server of a cluster (`NatsCluster`);
+        ``auth_of``: the server whose users and credentials files it shares."""
         self.host = host
         self.log_file = log_file
         self.directory = directory  # where its directories go (default: the system's temporary directory)
+        self.name = name
+        self.routes = routes
+        self.auth_of = auth_of
         self.port: int | None = None
+        self.route_port: int | None = None  # where it takes the other servers' routes (in a cluster)
         self.identities: list[Identity] = role_identities() if instances is None else instance_identities(instances)
         self._passwords = random_passwords(self.identities)  # the same across restarts
         self._proc: subprocess.Popen | None = None
@@ -96,13 +120,21 @@ class NatsServer:
         return f"nats://{self.host}:{self.port}"
 
     def start(self, timeout: float = 15.0) -> "NatsServer":
-        if self._auth is None:
+        if self.auth_of is not None:
+            self.identities, self._passwords, self._auth = self.auth_of.identities, self.auth_of._passwords, self.auth_of._auth
+        elif self._auth is None:
             self._auth_dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-auth-", dir=self.directory)  # 0700
             self._auth = write_auth_files(self._auth_dir.name, self.identities, self._passwords)
+        if self._auth is None:
+            raise NatsServerError(f"{self.name}: the server it shares users with is not started")
+        config = self._auth.server_config
+        if self.routes is not None:  # beside the users' file, which it includes
+            config = config.with_name(f"{self.name}.conf")
+            write_private(config, self._cluster_config())
         self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-", dir=self.directory)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self._proc = subprocess.Popen(
-            [find_nats_server(), "-c", str(self._auth.server_config), "-a", self.host, "-p", str(self.port or -1),
+            [find_nats_server(), "-c", str(config), "-a", self.host, "-p", str(self.port or -1),
              "--ports_file_dir", self._dir.name],
             stdout=out, stderr=subprocess.STDOUT,
             env=server_env(),
@@ -119,12 +151,30 @@ class NatsServer:
                     info = json.loads(ports[0].read_text())
                 except json.JSONDecodeError:
                     info = None  # written but not flushed yet
-                if info and info.get("nats"):
+                if info and info.get("nats") and (self.routes is None or info.get("cluster")):
                     self.port = int(info["nats"][0].rsplit(":", 1)[1])
+                    if self.routes is not None:
+                        self.route_port = int(info["cluster"][0].rsplit(":", 1)[1])
                     return self
             time.sleep(0.02)  # polling the ports file, which nats-server writes once it listens
         self._end_run()  # the credentials stay until stop(): a restart must not move them
         raise NatsServerError(f"nats-server did not report its port within {timeout}s")
+
+    def _cluster_config(self) -> str:
+        """The users' configuration, included, and the cluster block: where this server takes
+        routes (the same port again on a restart) and the other servers' route URLs."""
+        password = json.dumps(self.routes.password)
+        routes = [json.dumps(f"nats://{ROUTE_USER}:{self.routes.password}@{self.host}:{port}")
+                  for port in self.routes.peers()]  # fmt: skip
+        return (
+            f'include "{self._auth.server_config.name}"\n'
+            "cluster {\n"
+            f'  name: "{CLUSTER_NAME}"\n'
+            f'  listen: "{self.host}:{self.route_port or -1}"\n'
+            f'  authorization {{ user: "{ROUTE_USER}", password: {password} }}\n'
+            f"  routes: [{', '.join(routes)}]\n"
+            "}\n"
+        )
 
     @property
     def pid(self) -> int | None:
@@ -146,6 +196,8 @@ class NatsServer:
 
     def stop(self) -> None:
         self._end_run()
+        if self.auth_of is not None:
+            self._auth = None  # not its own
         if self._auth_dir is not None:
             self._auth_dir.cleanup()
             self._auth_dir = None
@@ -168,3 +220,52 @@ class NatsServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class NatsCluster:
+    """``size`` nats-servers on ``host`` routed to one another (one is a plain
+    `NatsServer`), sharing one set of users. URLs list every server, comma-separated:
+    a client connects to one and moves to another when it dies."""
+
+    def __init__(self, size: int = 1, host: str = "127.0.0.1", log_file: Path | None = None,
+                 directory: Path | None = None, instances: dict[str, str] | None = None) -> None:  # fmt: skip
+        if size < 1:
+            raise ValueError(f"a NATS cluster needs at least one server, got {size}")
+        self.servers: list[NatsServer] = []
+        password = secrets.token_urlsafe(24)
+        for i in range(size):
+            routes = None if size == 1 else Routes(password, lambda i=i: self._route_ports(i))
+            name = "nats-server" if size == 1 else f"nats-server-{i}"
+            self.servers.append(NatsServer(host, log_file, directory, instances, routes, name,
+                                           self.servers[0] if i else None))  # fmt: skip
+
+    def _route_ports(self, index: int) -> list[int]:
+        return [s.route_port for i, s in enumerate(self.servers) if i != index and s.route_port is not None]
+
+    def start(self, timeout: float = 15.0) -> "NatsCluster":
+        for server in self.servers:  # each routes to those started before it; gossip does the rest
+            server.start(timeout)
+        return self
+
+    def stop(self) -> None:
+        for server in reversed(self.servers):  # the first one's files last
+            server.stop()
+
+    def url_for(self, user: str) -> str:
+        """``user``'s URLs, credentials included (in this process only)."""
+        return ",".join(server.url_for(user) for server in self.servers)
+
+    @property
+    def url(self) -> str:
+        return self.url_for("admin")
+
+    @property
+    def public_url(self) -> str:
+        return ",".join(server.public_url for server in self.servers)
+
+    def credentials_file(self, user: str) -> Path:
+        return self.servers[0].credentials_file(user)
+
+    @property
+    def pids(self) -> list[int | None]:
+        return [server.pid for server in self.servers]

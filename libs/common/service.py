@@ -163,7 +163,7 @@ class Service:
             credentials = nats_auth.load_credentials(self.settings.nats_credentials).connect_options()
         connect = asyncio.ensure_future(
             nats.connect(
-                self.settings.nats_url,
+                nats_auth.server_urls(self.settings.nats_url),  # one, or every server of a NATS cluster
                 **credentials,
                 # the only replies its user may read
                 inbox_prefix=nats_auth.inbox_prefix(self.settings.role, self.instance_id),

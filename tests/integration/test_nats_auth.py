@@ -418,3 +418,44 @@ def test_a_local_cluster_serves_with_each_instance_its_own_user_and_nothing_refu
         exposed = Path(f"/proc/{pid}/environ").read_text()
         assert API_KEY not in exposed and NATS_SECRET not in exposed, name
         assert not any(secret in exposed for secret in secrets), name
+
+
+async def test_a_nats_cluster_routes_messages_and_keeps_route_and_user_secrets_off_command_lines():
+    from libs.common.nats_server import ROUTE_USER, NatsCluster
+
+    cluster = NatsCluster(3).start()
+    try:
+        servers = cluster.servers
+        route_password = servers[0].routes.password
+        for server in servers:
+            config = server.config_file.with_name(f"{server.name}.conf")
+            assert stat.S_IMODE(config.stat().st_mode) == 0o600
+            assert route_password in config.read_text()
+            with open(f"/proc/{server.pid}/cmdline", "rb") as f:
+                command_line = f.read().decode()
+            assert route_password not in command_line and "@" not in command_line
+        # a message published through one server reaches a subscriber on another
+        gateway, conductor = (json.loads(cluster.credentials_file(u).read_text()) for u in ("gateway", "conductor"))
+        sub_nc = await nats.connect(servers[2].public_url, user="conductor", password=conductor["password"])
+        pub_nc = await nats.connect(servers[0].public_url, user="gateway", password=gateway["password"])
+        try:
+            sub = await sub_nc.subscribe(subjects.CONDUCTOR_ADMIT)
+            await sub_nc.flush()
+
+            deadline = asyncio.get_running_loop().time() + WAIT
+            while True:  # published again until the routes are up: a deadline, no guess
+                await pub_nc.publish(subjects.CONDUCTOR_ADMIT, b"x")
+                try:
+                    assert (await sub.next_msg(timeout=0.2)).data == b"x"
+                    break
+                except nats.errors.TimeoutError:
+                    assert asyncio.get_running_loop().time() < deadline, "no route carried the message"
+        finally:
+            await sub_nc.close()
+            await pub_nc.close()
+        # a client is no route: the route user's password opens no client connection
+        with pytest.raises(nats.errors.Error):
+            await nats.connect(servers[1].public_url, user=ROUTE_USER, password=route_password, allow_reconnect=False,
+                               max_reconnect_attempts=0, connect_timeout=WAIT)  # fmt: skip
+    finally:
+        cluster.stop()

@@ -87,13 +87,13 @@ def test_a_restarted_gateway_listens_on_the_port_it_announced(supervised):
 
 def test_nats_server_is_restarted_on_the_same_port_and_every_service_reconnects(supervised):
     cluster, log, _ = supervised
-    pids, old, port, url = cluster.pids, cluster.nats_pid, cluster._nats.port, cluster.nats_url
+    pids, old, port, url = cluster.pids, cluster.nats_pid, cluster._nats.servers[0].port, cluster.nats_url
     os.kill(old, signal.SIGKILL)
     wait_until(lambda: cluster.nats_pid != old, timeout=30)
     back = time.monotonic()
     # Every instance heard from through the new server (the launcher's own watcher reconnected, too).
     cluster.wait_for(lambda _: all(seen > back for seen in cluster.last_seen.values()), timeout=30)
-    assert (cluster._nats.port, cluster.nats_url) == (port, url)
+    assert (cluster._nats.servers[0].port, cluster.nats_url) == (port, url)
     assert cluster.pids == pids  # the services rode it out
     out = log.getvalue()
     assert f"[kvserve]     nats-server (pid {old}) was killed by SIGKILL after " in out
