@@ -76,6 +76,9 @@ def main() -> int:
     ap.add_argument("--b-share", type=float, default=0.25, help="B's rate, a share of the capacity (default 0.25)")
     ap.add_argument("--a-times", type=float, default=4.0, help="A's rate, a multiple of the capacity (default 4)")
     ap.add_argument("--seconds", type=float, default=60.0, help="each phase's length (default 60)")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting for every service (repeatable), e.g. KVSERVE_FAIR_SHARE_PRESSURE=0.25")
+    ap.add_argument("--log", type=Path, default=None, help="keep the cluster's log here (default: not kept)")
     ap.add_argument("--out", type=Path, default=None, help="write the report here (default: print it)")
     args = ap.parse_args()
     slo = SLO()
@@ -93,10 +96,12 @@ def main() -> int:
     load = os.getloadavg()[0]
     results: list[tuple[str, str, Summary]] = []
     refusals: dict[str, Counter] = {}
+    errors: dict[str, Counter] = {}
     with tempfile.TemporaryDirectory(prefix="kvserve-bench-tenants-") as tmp:
         keys = write_tenants(Path(tmp) / "tenants.toml")
-        log = open(Path(tmp) / "cluster.log", "w")
-        cluster = LocalCluster(prefill=1, decode=1, gateway_port=0, log=log, supervise=True,
+        log = open(args.log or Path(tmp) / "cluster.log", "w")
+        env = dict(item.split("=", 1) for item in args.env)
+        cluster = LocalCluster(prefill=1, decode=1, gateway_port=0, log=log, supervise=True, env=env,
                                tenants_file=str(Path(tmp) / "tenants.toml"), store_dir=Path(tmp) / "stores")  # fmt: skip
         cluster.start(timeout=180)
         try:
@@ -115,6 +120,8 @@ def main() -> int:
                     results.append((name, tenant, summarize(run, slo, BLOCK_TOKENS)))
                     refusals[f"{name} {tenant}"] = Counter(r.error_code or "?" for r in run.records
                                                            if r.status == "rejected")  # fmt: skip
+                    errors[f"{name} {tenant}"] = Counter((r.error or "?")[:120] for r in run.records
+                                                         if r.status == "error")  # fmt: skip
                     print(row(name, tenant, results[-1][2]), flush=True)
 
             # a warm-up request per tenant: first-call costs are no phase's
@@ -148,6 +155,8 @@ def main() -> int:
         *(row(phase, tenant, s) for phase, tenant, s in results),
         "",
         "Refusals by code: " + "; ".join(f"{k}: {dict(v) or 'none'}" for k, v in refusals.items()),
+        "",
+        "Errors: " + "; ".join(f"{k}: {dict(v) or 'none'}" for k, v in errors.items()),
         "",
         f"B's p99 TTFT with A flooding against B alone: "
         + (f"{ratio:.2f}x" if ratio is not None else "not measured") + " (target: within 1.3x); B's attainment "

@@ -78,6 +78,8 @@ class FairShare:
         costs = {t: self._cost.get(t, 0.0) for t in weights}
         costs[tenant] += cost
         total, total_weight = sum(costs.values()), sum(weights.values())
+        if total <= 0:
+            return dict.fromkeys(costs, 0.0)  # nothing in flight: nobody is over a share of it
         return {t: c / (weights[t] / total_weight * total) for t, c in costs.items()}
 
     def refuses(self, tenant: str, weight: float, cost: float, pressure: float, now: float = 0.0) -> float | None:

@@ -125,3 +125,12 @@ def test_in_the_simulator_a_light_tenant_keeps_its_slo_while_another_floods():
     assert {r.reason for r in fair.requests if r.trace.tenant == "a"} >= {"fair_share"}
     alone = simulate(config, noisy_neighbour(capacity, flood=1.0, light=0.0, duration_s=60))
     assert "fair_share" not in {r.reason for r in alone.requests}  # alone, a may use all of it
+
+
+def test_two_tenants_active_with_nothing_in_flight_are_over_no_share():
+    # both seen lately, both requests done: a new one under pressure is judged, not a crash
+    f = FairShare()
+    f.arrived("a", 1.0, now=100.0)
+    f.arrived("b", 1.0, now=100.0)
+    assert f.ratios("a", 1.0, 0.0, now=101.0) == {"a": 0.0, "b": 0.0}
+    assert f.refuses("a", 1.0, 100, pressure=0.9, now=101.0) is None  # its first in flight
