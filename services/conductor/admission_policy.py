@@ -161,11 +161,12 @@ def _reject(
 def _decode_wait(ctx: AdmitContext, d: Instance, tbt: DecodeEstimate, limit: float) -> float:
     """Seconds until enough of ``d``'s requests are predicted to finish for this one to fit."""
     ends = d.decode.expected_ends(ctx.now, ctx.step_now(d))
-    size = tbt.batch_size - 1  # the others
-    per_seq = ctx.added_context()
+    n = ctx.num_sequences
+    size = tbt.batch_size - n  # the others
+    per_seq = ctx.added_context() / n
     for i, end in enumerate(ends):
         left = size - (i + 1)
-        if d.cost.decode_step_time(left + 1, (left + 1) * per_seq) <= limit:
+        if d.cost.decode_step_time(left + n, (left + n) * per_seq) <= limit:
             return end - ctx.now
     return ctx.decode_duration(d)
 

@@ -55,6 +55,7 @@ class Booking:
     session_id: str | None = None
     deadline_in_s: float | None = None  # its prefill is due this long after admission; None: best effort
     moved: bool = False  # continued after a lost worker: its latencies teach the margins nothing
+    num_sequences: int = 1  # n: sequences it decodes, each a member of the batch
 
 
 # Samples taken this close to a fault (an instance restarted or gone) or after it say
@@ -170,7 +171,7 @@ class Admitter:
     def admit(self, request: AdmitRequest) -> Decision:
         ctx = self.context(request)
         decision = self.policy.choose(ctx, self.sessions.get(request.session_id))
-        cost = ctx.num_tokens + ctx.expected_output_tokens
+        cost = ctx.num_tokens + ctx.expected_output_tokens * ctx.num_sequences
         if decision.admitted and request.tenant is not None and not (request.moved or request.best_effort):
             decision = self._fair(request, decision, cost, ctx.slo.ttft_s, ctx.ttft_slack, ctx.now)
         if request.tenant is not None:
@@ -191,6 +192,7 @@ class Admitter:
             ctx.num_tokens, request.max_tokens, ctx.expected_output_tokens, decision.predicted_ttft_s,
             decision.predicted_tbt_s, request.session_id,
             None if ctx.prefill_deadline is None else ctx.prefill_deadline - ctx.now, request.moved,
+            ctx.num_sequences,
         )  # fmt: skip
         self.book(booking, ctx.now)
         if request.tenant is not None:
@@ -228,7 +230,7 @@ class Admitter:
             prefill.prefill.add(b.request_id, b.work_s, now, b.prefill_speed, deadline)
         if (decode := self.view.get(b.decode_id)) is not None:
             decode.decode.add(b.request_id, b.num_prompt_tokens, now + b.predicted_ttft_s, b.max_tokens,
-                              b.expected_output_tokens)  # fmt: skip
+                              b.expected_output_tokens, b.num_sequences)  # fmt: skip
         self.view.assigned(b.prefill_id)
         if b.decode_id != b.prefill_id:
             self.view.assigned(b.decode_id)

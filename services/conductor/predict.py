@@ -107,6 +107,7 @@ class AdmitContext:
         self.shorter_share = shorter_share  # the share of a prefill instance shorter prompts take (overload.py)
         self.prefills, self.decodes, self.stores = prefills or [], decodes or [], stores or []
         self.num_tokens = request.num_prompt_tokens
+        self.num_sequences = max(1, request.num_sequences)  # n: one prefill, n members of the decode batch
         bs = config.block_size
         # prompt blocks a cache can supply: the last token is always computed
         self.usable_blocks = min(match.num_blocks, (self.num_tokens - 1) // bs)
@@ -279,13 +280,15 @@ class AdmitContext:
         return count + now[0] - recorded[0], context + now[1] - recorded[1]
 
     def added_context(self) -> int:
-        """The KV this request holds when it joins a batch."""
-        return self.num_tokens + 1
+        """The context this request adds to a batch when it joins: each of its sequences
+        attends to the prompt and its first token (the prompt's KV is shared, so this
+        overstates its memory when n > 1)."""
+        return (self.num_tokens + 1) * self.num_sequences
 
     def decode_estimate(self, d: Instance, batch: tuple[int, int]) -> DecodeEstimate:
         """This request's mean step time in ``batch`` (plus itself): over its expected
         life every member's context grows by one token a step, half of it on average."""
-        size, context = batch[0] + 1, batch[1] + self.added_context()
+        size, context = batch[0] + self.num_sequences, batch[1] + self.added_context()
         capacity = d.heartbeat.capacity * self.config.block_size  # 0: not reported
         fits = not capacity or context <= capacity
         mean_context = context + size * self.expected_output_tokens // 2
@@ -296,7 +299,7 @@ class AdmitContext:
         candidates: workers calibrated side by side on a busy machine can each be measured
         far from how they then run, and would otherwise draw every request to one)."""
         count, context = self.batch_all(d)
-        step = d.cost.decode_step_time(count + 1, context + self.added_context())
+        step = d.cost.decode_step_time(count + self.num_sequences, context + self.added_context())
         return step * self.margins.decode_speed(d.instance_id)
 
     def decode_now(self, d: Instance) -> DecodeEstimate:

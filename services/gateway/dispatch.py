@@ -163,6 +163,7 @@ class RequestRun:
             moved=self.moved,
             tenant=p.tenant,
             tenant_weight=p.tenant_weight,
+            num_sequences=p.sampling.n,
         )
         asked_at = time.monotonic()
         self._may_be_running = True  # from here on the conductor may have admitted it

@@ -23,6 +23,7 @@ class AdmitRequest(Message):
     moved: bool = False  # a request continued after its worker was lost: never refused, and no sample for the margins
     tenant: str | None = None  # who sent it (the gateway's tenants file): under overload, shares are by tenant
     tenant_weight: float = 1.0  # its tenant's weight: its share of a contended cluster, relative to the others'
+    num_sequences: int = 1  # n: one prefill, then this many sequences decoding in the batch
 
 
 class AdmitReply(Message):
@@ -55,6 +56,7 @@ class ConductorAdmission(Message):
     session_id: str | None = None
     deadline_in_s: float | None = None  # its prefill is due this long after the admission; None: best effort
     moved: bool = False
+    num_sequences: int = 1
 
 
 class RequestProgress(Message):
