@@ -9,7 +9,10 @@ going next still lets every other on-time job meet its deadline when the rest
 run earliest-deadline-first (EDF is optimal for that check on one machine);
 when no job passes (the promises cannot all be kept), the shortest. Jobs already
 late follow, shortest first; best-effort jobs (no deadline) come last, in
-arrival order, so they only use time SLO work does not need.
+arrival order, so they only use time SLO work does not need. A *favored* job (a
+tenant under its weighted share while another is over it: the conductor says so)
+goes before the other jobs of its kind, so a light tenant's requests do not queue
+behind a flooding tenant's admitted work.
 
 Pure functions over plain numbers: the caller's clock, seconds of predicted work.
 """
@@ -37,6 +40,7 @@ class Work(Generic[K]):
     remaining_s: float  # predicted seconds of prefill left
     deadline: float | None  # when its first token is due (the caller's clock); None: best effort
     arrived: float = 0.0  # tie-breaker, oldest first
+    favored: bool = False  # before the other jobs of its kind (on time, late)
 
 
 def plan(jobs: Iterable[Work[K]], now: float) -> list[Work[K]]:
@@ -49,8 +53,11 @@ def plan(jobs: Iterable[Work[K]], now: float) -> list[Work[K]]:
             on_time.append(job)
         else:
             late.append(job)
-    ordered = _keep_promises(on_time, now)
-    late.sort(key=_shortest)
+    favored = [job for job in on_time if job.favored]
+    ordered = _keep_promises(favored, now) if favored else []
+    start = now + sum(job.remaining_s for job in ordered)
+    ordered += _keep_promises([job for job in on_time if not job.favored] if favored else on_time, start)
+    late.sort(key=lambda j: (not j.favored, j.remaining_s, j.arrived))
     best_effort.sort(key=lambda j: j.arrived)
     return ordered + late + best_effort
 

@@ -88,7 +88,7 @@ class EarlyRejection:
         breaks: tuple[str, ...] = ()
         if not route.is_local:  # where it lands in the prefill instance's order, and what that delays
             placement = ctx.view.get(p.instance_id).prefill.place(request.request_id, p.work_s, ctx.now,
-                                                                  ctx.prefill_deadline)  # fmt: skip
+                                                                  ctx.prefill_deadline, ctx.favored)  # fmt: skip
             p = replace(p, queue_s=max(0.0, placement.done_at - ctx.now - p.work_s))
             route, breaks = replace(route, prefill=p), placement.breaks
         ttft = p.ttft_s + slack

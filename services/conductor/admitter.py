@@ -56,6 +56,7 @@ class Booking:
     deadline_in_s: float | None = None  # its prefill is due this long after admission; None: best effort
     moved: bool = False  # continued after a lost worker: its latencies teach the margins nothing
     num_sequences: int = 1  # n: sequences it decodes, each a member of the batch
+    favored: bool = False  # its prefill goes before the other jobs of its kind (fair_share.py)
 
 
 # Samples taken this close to a fault (an instance restarted or gone) or after it say
@@ -166,6 +167,8 @@ class Admitter:
             margins=self.margins, shorter_share=self.overload.shorter_share(request.num_prompt_tokens, view.clock(),
                                                                             len(prefills)),
             candidates=self.candidates, excluded=excluded,
+            favored=request.tenant is not None and not (request.best_effort or request.moved)
+            and self.fair_share.favors(request.tenant, request.tenant_weight, view.clock()),
         )  # fmt: skip
 
     def admit(self, request: AdmitRequest) -> Decision:
@@ -186,13 +189,13 @@ class Admitter:
             return decision
         self.num_admitted += 1
         if ctx.prefill_deadline is not None:
-            decision = replace(decision, prefill_deadline_s=ctx.prefill_deadline - ctx.now)
+            decision = replace(decision, prefill_deadline_s=ctx.prefill_deadline - ctx.now, favored=ctx.favored)
         booking = Booking(
             request.request_id, decision.prefill_id, decision.decode_id, decision.work_s, decision.prefill_speed,
             ctx.num_tokens, request.max_tokens, ctx.expected_output_tokens, decision.predicted_ttft_s,
             decision.predicted_tbt_s, request.session_id,
             None if ctx.prefill_deadline is None else ctx.prefill_deadline - ctx.now, request.moved,
-            ctx.num_sequences,
+            ctx.num_sequences, ctx.favored,
         )  # fmt: skip
         self.book(booking, ctx.now)
         if request.tenant is not None:
@@ -227,7 +230,7 @@ class Admitter:
         b = booking
         if (prefill := self.view.get(b.prefill_id)) is not None:  # a peer may know an instance this view does not yet
             deadline = None if b.deadline_in_s is None else now + b.deadline_in_s
-            prefill.prefill.add(b.request_id, b.work_s, now, b.prefill_speed, deadline)
+            prefill.prefill.add(b.request_id, b.work_s, now, b.prefill_speed, deadline, b.favored)
         if (decode := self.view.get(b.decode_id)) is not None:
             decode.decode.add(b.request_id, b.num_prompt_tokens, now + b.predicted_ttft_s, b.max_tokens,
                               b.expected_output_tokens, b.num_sequences)  # fmt: skip

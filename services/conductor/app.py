@@ -143,7 +143,7 @@ class Conductor(Service):
         return AdmitReply(
             prefill_id=d.prefill_id, decode_id=d.decode_id, prefill_on_decode=d.prefill_on_decode,
             predicted_ttft_s=d.predicted_ttft_s, predicted_tbt_s=d.predicted_tbt_s, cached_tokens=d.cached_tokens,
-            prefill_deadline_s=d.prefill_deadline_s,
+            prefill_deadline_s=d.prefill_deadline_s, favored=d.favored,
         )  # fmt: skip
 
     async def on_view(self, request: ConductorViewRequest, msg: Msg) -> ConductorViewReply:

@@ -82,6 +82,13 @@ class FairShare:
             return dict.fromkeys(costs, 0.0)  # nothing in flight: nobody is over a share of it
         return {t: c / (weights[t] / total_weight * total) for t, c in costs.items()}
 
+    def favors(self, tenant: str, weight: float, now: float = 0.0) -> bool:
+        """Whether ``tenant``'s next request goes before the others' work: another active
+        tenant is further over its weighted share of the work in flight than it is."""
+        ratios = self.ratios(tenant, weight, 0.0, now)
+        mine = ratios.pop(tenant)
+        return bool(ratios) and mine < max(ratios.values())
+
     def refuses(self, tenant: str, weight: float, cost: float, pressure: float, now: float = 0.0) -> float | None:
         """Its ratio to its share when this request is to be refused for fairness, else None:
         under pressure (``pressure``: its predicted TTFT over its target), with another

@@ -33,6 +33,7 @@ class Booked:
     deadline: float | None  # when its first token is due; None: best effort
     added: float
     work_s: float = 0.0  # the whole job, as booked
+    favored: bool = False  # goes before the other jobs of its kind (prefill_order.py)
 
 
 @dataclass(frozen=True)
@@ -92,24 +93,27 @@ class PrefillLoad:
         longer = sum(1 for job in self._jobs.values() if job.deadline is not None and job.remaining_s > seconds)
         return longer * seconds
 
-    def place(self, key: str, seconds: float, now: float, deadline: float | None) -> Placement:
+    def place(self, key: str, seconds: float, now: float, deadline: float | None, favored: bool = False) -> Placement:
         """Where a new job would land in the instance's order (nothing is booked): its
         predicted end, and the jobs predicted to meet their deadline before it came and
-        to miss it with it."""
+        to miss it with it (a ``favored`` one's: only the favored jobs)."""
         self._advance(now)
         before = self._ends(now, {})
-        after = self._ends(now, {key: Booked(seconds, seconds, deadline, now)})
+        after = self._ends(now, {key: Booked(seconds, seconds, deadline, now, favored=favored)})
+        # a favored job may make the others' jobs late: their tenants are further over their shares
         broken = tuple(k for k, job in self._jobs.items()
-                       if job.deadline is not None and before[k] <= job.deadline + 1e-9
+                       if job.deadline is not None and (job.favored or not favored) and before[k] <= job.deadline + 1e-9
                        and after[k] > job.deadline + 1e-9)  # fmt: skip
         return Placement(after[key], broken)
 
-    def add(self, request_id: RequestId, seconds: float, now: float, speed: float = 1.0, deadline: float | None = None) -> None:
+    def add(self, request_id: RequestId, seconds: float, now: float, speed: float = 1.0, deadline: float | None = None,
+            favored: bool = False) -> None:  # fmt: skip
         """Book a job predicted to take ``seconds`` (the cost model's prediction times
         ``speed``, the instance's learned slowness), due at ``deadline``."""
         self._advance(now)
         self._alone_since = now if not self._jobs else None
-        self._jobs[request_id] = Booked(seconds, seconds / speed if speed > 0 else seconds, deadline, now, seconds)
+        self._jobs[request_id] = Booked(seconds, seconds / speed if speed > 0 else seconds, deadline, now, seconds,
+                                        favored)  # fmt: skip
         self._replan(now)
 
     def sync(self, progress: dict[str, float], now: float) -> None:
@@ -173,7 +177,7 @@ class PrefillLoad:
         self._at = now
 
     def _work(self, head: str | None, uncut: float) -> list[Work[str]]:
-        return [Work(k, j.remaining_s - (uncut if k == head else 0.0), j.deadline, j.added)
+        return [Work(k, j.remaining_s - (uncut if k == head else 0.0), j.deadline, j.added, j.favored)
                 for k, j in self._jobs.items() if j.remaining_s - (uncut if k == head else 0.0) > 0]  # fmt: skip
 
     def _advance(self, now: float) -> None:
@@ -209,7 +213,7 @@ class PrefillLoad:
         start, ends = now + uncut, {}
         if head is not None and self._jobs[head].remaining_s <= uncut:
             ends[head] = start
-        work = self._work(head, uncut) + [Work(k, j.remaining_s, j.deadline, j.added) for k, j in extra.items()]
+        work = self._work(head, uncut) + [Work(k, j.remaining_s, j.deadline, j.added, j.favored) for k, j in extra.items()]
         for w in work:
             if w.key in self._jobs and w.key not in ends and w.deadline is not None and start + w.remaining_s > w.deadline:
                 start += w.remaining_s

@@ -99,10 +99,11 @@ class AdmitContext:
                  config: PredictConfig, prefills: list[Instance] | None = None, decodes: list[Instance] | None = None,
                  stores: list[Instance] | None = None, margins: Margins | None = None,
                  shorter_share: float = 0.0, candidates: "Candidates | None" = None,
-                 excluded: frozenset[str] = frozenset()) -> None:  # fmt: skip
+                 excluded: frozenset[str] = frozenset(), favored: bool = False) -> None:  # fmt: skip
         self.request, self.match, self.view, self.now, self.slo, self.config = request, match, view, now, slo, config
         self.candidates = candidates  # None: routers look at every instance
         self.excluded = excluded  # left out of ``prefills`` and ``decodes`` (the gateway saw them die)
+        self.favored = favored  # its prefill goes before the other jobs of its kind (fair_share.py)
         self.margins = margins or Margins()
         self.shorter_share = shorter_share  # the share of a prefill instance shorter prompts take (overload.py)
         self.prefills, self.decodes, self.stores = prefills or [], decodes or [], stores or []

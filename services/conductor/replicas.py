@@ -22,7 +22,7 @@ def to_message(booking: Booking, conductor_id: str) -> ConductorAdmission:
         decode_id=b.decode_id, work_s=b.work_s, prefill_speed=b.prefill_speed, num_prompt_tokens=b.num_prompt_tokens,
         max_tokens=b.max_tokens, expected_output_tokens=b.expected_output_tokens,
         predicted_ttft_s=b.predicted_ttft_s, predicted_tbt_s=b.predicted_tbt_s, session_id=b.session_id,
-        deadline_in_s=b.deadline_in_s, moved=b.moved, num_sequences=b.num_sequences,
+        deadline_in_s=b.deadline_in_s, moved=b.moved, num_sequences=b.num_sequences, favored=b.favored,
     )  # fmt: skip
 
 
@@ -30,7 +30,7 @@ def to_booking(m: ConductorAdmission) -> Booking:
     return Booking(
         m.request_id, m.prefill_id, m.decode_id, m.work_s, m.prefill_speed, m.num_prompt_tokens, m.max_tokens,
         m.expected_output_tokens, m.predicted_ttft_s, m.predicted_tbt_s, m.session_id, m.deadline_in_s, m.moved,
-        max(1, m.num_sequences),
+        max(1, m.num_sequences), m.favored,
     )  # fmt: skip
 
 

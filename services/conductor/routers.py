@@ -63,6 +63,7 @@ class Decision:
     affinity: str | None = None  # a session's turn: whether it stayed where its last turn ran, and why
     retry_after_s: float | None = None
     prefill_deadline_s: float | None = None  # admitted: its prefill is due this long after admission; None: best effort
+    favored: bool = False  # admitted: its prefill goes before the other jobs of its kind (fair_share.py)
 
     @property
     def admitted(self) -> bool:

@@ -208,6 +208,7 @@ class RequestRun:
             num_prior_output_tokens=p.num_prior_output_tokens,
             ttft_budget_s=None if target is None else max(0.0, target - (time.monotonic() - self._asked_at)),
             hash_root=None if p.hash_root == ROOT else p.hash_root,
+            favored=self.admission is not None and self.admission.favored,
         )
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation

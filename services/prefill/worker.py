@@ -163,7 +163,8 @@ class PrefillWorker(Service):
         the order `prefill_order.plan` gives them."""
         speed = self.speed or 1.0
         work = [Work(request_id, self.cost.prefill_time(job.tokens_left, job.seq.num_computed_tokens) * speed,
-                     job.deadline, job.arrived) for request_id, job in self.ready.items()]  # fmt: skip
+                     job.deadline, job.arrived, job.request.favored)
+                for request_id, job in self.ready.items()]  # fmt: skip
         chunk, budget = [], self.settings.max_chunk_tokens
         for w in plan(work, now):
             if budget <= 0:

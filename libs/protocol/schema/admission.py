@@ -36,6 +36,7 @@ class AdmitReply(Message):
     # its prefill is due this long after the admission (its TTFT target, less the conductor's slack for
     # what happens outside the prefill); None: best effort
     prefill_deadline_s: float | None = None
+    favored: bool = False  # its tenant is under its weighted share while another is over: its prefill goes first
 
 
 class ConductorAdmission(Message):
@@ -57,6 +58,7 @@ class ConductorAdmission(Message):
     deadline_in_s: float | None = None  # its prefill is due this long after the admission; None: best effort
     moved: bool = False
     num_sequences: int = 1
+    favored: bool = False
 
 
 class RequestProgress(Message):

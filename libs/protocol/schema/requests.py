@@ -21,6 +21,7 @@ class PrefillRequest(Message):
     # penalties count them as generated, so they are rebuilt as an undisturbed run has them
     num_prior_output_tokens: int = 0
     hash_root: BlockHash | None = None  # its cache scope's root, where its block chain starts (None: ROOT, the default)
+    favored: bool = False  # before the other requests of its kind (its tenant is under its share: the conductor's call)
 
 
 class Ack(Message):

@@ -159,7 +159,8 @@ class SimPrefill:
             self.running = None
             return
         sim = self.sim
-        order = plan((Work(k, left, deadline, r.trace.arrival_s) for k, (r, left, deadline) in self.jobs.items()), sim.now)
+        order = plan((Work(k, left, deadline, r.trace.arrival_s, r.decision is not None and r.decision.favored)
+                      for k, (r, left, deadline) in self.jobs.items()), sim.now)  # fmt: skip
         job = self.jobs[order[0].key]
         request = self.running = job[0]
         if request.prefill_start is None:

@@ -78,10 +78,11 @@ def test_a_heavier_tenant_gets_more_before_it_is_refused():
     flood(light, "b", 3)
     flood(heavy, "b", 3)
     # weight 1: over half of the work in flight once it has more in flight than b's 3; weight 4: past
-    # 4/5 only after 12, so the TTFT target (8 more fit) stops it first
+    # 4/5 only after 12, so the TTFT target stops it first (its first requests, while b is further
+    # over its share, are favored: they go before b's and fit two more than the 8 behind them)
     assert flood(light, "a", 20, weight=1.0).count(None) == 4
     heavy_reasons = flood(heavy, "a", 20, weight=4.0)
-    assert heavy_reasons.count(None) == 8 and "fair_share" not in heavy_reasons
+    assert heavy_reasons.count(None) == 10 and "fair_share" not in heavy_reasons
 
 
 def test_finished_requests_leave_the_shares():
@@ -134,3 +135,12 @@ def test_two_tenants_active_with_nothing_in_flight_are_over_no_share():
     f.arrived("b", 1.0, now=100.0)
     assert f.ratios("a", 1.0, 0.0, now=101.0) == {"a": 0.0, "b": 0.0}
     assert f.refuses("a", 1.0, 100, pressure=0.9, now=101.0) is None  # its first in flight
+
+
+def test_the_tenant_further_under_its_share_is_favored():
+    f = FairShare()
+    assert not f.favors("a", 1.0)  # alone
+    f.add("a1", "a", 1.0, 500)
+    f.add("b1", "b", 1.0, 100)
+    assert f.favors("b", 1.0) and not f.favors("a", 1.0)
+    assert f.favors("a", 8.0)  # weighed 8: a is under its share, b over its own

@@ -68,3 +68,21 @@ def test_the_decode_batch_now_later_and_its_expected_ends():
     assert d.current(now=2.0, step_s=0.1) == (0, 0)
 
 
+
+
+def test_a_favored_job_goes_before_the_others_and_only_the_favored_hold_it_to_their_promises():
+    from libs.common.prefill_order import Work, plan
+
+    jobs = [Work("short", 0.1, 5.0), Work("favored", 0.8, 5.0, favored=True), Work("late", 0.1, 0.05),
+            Work("late-favored", 0.5, 0.05, favored=True), Work("effort", 0.1, None)]  # fmt: skip
+    assert [w.key for w in plan(jobs, now=0.0)] == ["favored", "short", "late-favored", "late", "effort"]
+    q = PrefillLoad()  # chunk_s None: a running job is never cut
+    q.add("running", 0.2, now=0.0, deadline=2.0)
+    q.add("a1", 0.5, now=0.0, deadline=0.8)  # another tenant's, promised: due at 0.8, done at 0.7
+    placed = q.place("b1", 0.6, now=0.0, deadline=2.0, favored=True)
+    assert placed.done_at == pytest.approx(0.2 + 0.6)  # after the running job, before a1
+    assert placed.breaks == ()  # a1 is late now (1.3 > 0.8), but it is not favored
+    # unfavored, a job that can only be on time by going first breaks a1's promise
+    assert q.place("b2", 0.3, now=0.0, deadline=0.6).breaks == ("a1",)
+    q.add("b1", 0.6, now=0.0, deadline=0.9, favored=True)
+    assert q.place("b3", 0.3, now=0.0, deadline=0.6, favored=True).breaks == ("b1",)  # favored hold favored
