@@ -100,8 +100,10 @@ class EarlyRejection:
             message = (f"admitting it on {p.instance_id} would make {len(breaks)} admitted request(s) miss their "
                        f"TTFT target ({', '.join(breaks[:3])})")  # fmt: skip
             return Verdict(route.decode, _reject("ttft_slo", message, p.work_s, route, ttft_s=ttft), p)
-        # shorter prompts arriving meanwhile go first (overload.py); never on an idle instance
-        rho = ctx.shorter_share if not route.is_local and ctx.view.get(p.instance_id).prefill.num_pending else 0.0
+        # shorter prompts arriving meanwhile go first (overload.py); never on an idle instance, nor
+        # ahead of a favored request (those of tenants further over their shares go after it)
+        rho = (ctx.shorter_share if not (route.is_local or ctx.favored) and ctx.view.get(p.instance_id).prefill.num_pending
+               else 0.0)  # fmt: skip
         if judged and rho > 0 and (rho >= 1 or p.ttft_s / (1 - rho) + slack > slo.ttft_s + _SLACK):
             pushed = p.ttft_s / (1 - rho) if rho < 1 else float("inf")
             message = (f"predicted TTFT {p.ttft_s:.3f} s{_plus(slack)} on {p.instance_id}, {pushed:.3f} s{_plus(slack)} with the "
