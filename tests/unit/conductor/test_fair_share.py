@@ -144,3 +144,20 @@ def test_the_tenant_further_under_its_share_is_favored():
     f.add("b1", "b", 1.0, 100)
     assert f.favors("b", 1.0) and not f.favors("a", 1.0)
     assert f.favors("a", 8.0)  # weighed 8: a is under its share, b over its own
+
+
+@pytest.mark.parametrize("favored", [False, True])
+def test_shorter_prompts_going_first_push_back_only_an_unfavored_request(favored):
+    from services.conductor.index import KVIndex
+    from services.conductor.predict import AdmitContext
+
+    view, _, clock = cluster(beat("p1", "prefill"), beat("d1", "decode", free=10_000))
+    view.get("p1").prefill.add("queued", 0.5, now=clock())  # the instance is busy
+    c = config()
+    ctx = AdmitContext(request("r", tokens=400, blocks=[]), KVIndex().match([]), view, clock(), c.slo, c.predict,
+                       prefills=view.alive("prefill"), decodes=view.alive("decode"), shorter_share=0.9,
+                       favored=favored)  # fmt: skip
+    decision = build_policy("cache_aware+predictive_rejection").choose(ctx)
+    # 90% of the instance going to shorter prompts first would push it past its target; a favored
+    # request goes before them (they are another tenant's, further over its share)
+    assert decision.admitted == favored, decision.error_message
