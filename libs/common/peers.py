@@ -37,8 +37,9 @@ class PeerDirectory:
         """NATS is back: every instance's last hearing moves on by the time spent deaf."""
         if self._deaf_since is None:
             return
-        gap, self._deaf_since = self.clock() - self._deaf_since, None
-        self._seen = {i: (hb, seen + gap) for i, (hb, seen) in self._seen.items()}
+        now = self.clock()
+        gap, self._deaf_since = now - self._deaf_since, None
+        self._seen = {i: (hb, min(seen + gap, now)) for i, (hb, seen) in self._seen.items()}
 
     def observe(self, heartbeat: Heartbeat) -> None:
         self._seen[heartbeat.instance_id] = (heartbeat, self.now())

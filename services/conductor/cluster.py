@@ -72,10 +72,11 @@ class ClusterView:
         """NATS is back: every instance's last hearing moves on by the time spent deaf."""
         if self._deaf_since is None:
             return
-        gap, self._deaf_since = self.clock() - self._deaf_since, None
+        now = self.clock()
+        gap, self._deaf_since = now - self._deaf_since, None
         for instance in self._instances.values():
-            instance.last_seen += gap
-        self._oldest_seen += gap
+            instance.last_seen = min(instance.last_seen + gap, now)
+        self._oldest_seen = min(self._oldest_seen + gap, now)
 
     def observe(self, heartbeat: Heartbeat) -> Instance:
         now = self.clock()
