@@ -16,30 +16,51 @@ from collections.abc import Callable
 from libs.protocol.schema import Heartbeat
 
 
+class Deafness:
+    """The stretch this process cannot hear its peers (its NATS connection is down), on
+    ``clock``: silences are measured on `now`, which stands still meanwhile."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.since: float | None = None  # when hearing was lost; None while connected
+
+    def now(self) -> float:
+        return self.since if self.since is not None else self.clock()
+
+    def begin(self) -> None:
+        if self.since is None:
+            self.since = self.clock()
+
+    def end(self) -> Callable[[float], float] | None:
+        """Hearing is back: moves a time something was last heard by the stretch spent deaf
+        (never past now); None when hearing was not lost."""
+        if self.since is None:
+            return None
+        now = self.clock()
+        gap, self.since = now - self.since, None
+        return lambda heard: min(heard + gap, now)
+
+
 class PeerDirectory:
     def __init__(self, timeout: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.timeout = timeout
         self.clock = clock
         self._seen: dict[str, tuple[Heartbeat, float]] = {}
         self._beats: dict[str, int] = {}  # heartbeats heard of each instance
-        self._deaf_since: float | None = None  # when this process lost NATS; None while connected
+        self._deafness = Deafness(clock)
 
     def now(self) -> float:
         """The clock silences are measured by: it stands still while this process is deaf."""
-        return self._deaf_since if self._deaf_since is not None else self.clock()
+        return self._deafness.now()
 
     def deaf(self) -> None:
         """This process lost its NATS connection: nobody's silence counts until `hearing`."""
-        if self._deaf_since is None:
-            self._deaf_since = self.clock()
+        self._deafness.begin()
 
     def hearing(self) -> None:
         """NATS is back: every instance's last hearing moves on by the time spent deaf."""
-        if self._deaf_since is None:
-            return
-        now = self.clock()
-        gap, self._deaf_since = now - self._deaf_since, None
-        self._seen = {i: (hb, min(seen + gap, now)) for i, (hb, seen) in self._seen.items()}
+        if (moved := self._deafness.end()) is not None:
+            self._seen = {i: (hb, moved(seen)) for i, (hb, seen) in self._seen.items()}
 
     def observe(self, heartbeat: Heartbeat) -> None:
         self._seen[heartbeat.instance_id] = (heartbeat, self.now())

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from libs.common.peers import Deafness
 from libs.engine.cost_model import CostModel, uncalibrated_coefficients
 from libs.protocol.ids import InstanceId
 from libs.protocol.schema import Heartbeat, PrefillBeat
@@ -61,22 +62,18 @@ class ClusterView:
         # (`candidates.py`)
         self.on_change: list[Callable[[Instance], None]] = []
         self.last_fault = float("-inf")  # when an instance last restarted or went silent
-        self._deaf_since: float | None = None  # when the conductor lost NATS; None while connected
+        self._deafness = Deafness(clock)
 
     def deaf(self) -> None:
         """The conductor lost NATS: no instance is forgotten for its silence until `hearing`."""
-        if self._deaf_since is None:
-            self._deaf_since = self.clock()
+        self._deafness.begin()
 
     def hearing(self) -> None:
         """NATS is back: every instance's last hearing moves on by the time spent deaf."""
-        if self._deaf_since is None:
-            return
-        now = self.clock()
-        gap, self._deaf_since = now - self._deaf_since, None
-        for instance in self._instances.values():
-            instance.last_seen = min(instance.last_seen + gap, now)
-        self._oldest_seen = min(self._oldest_seen + gap, now)
+        if (moved := self._deafness.end()) is not None:
+            for instance in self._instances.values():
+                instance.last_seen = moved(instance.last_seen)
+            self._oldest_seen = moved(self._oldest_seen)
 
     def observe(self, heartbeat: Heartbeat) -> Instance:
         now = self.clock()
@@ -140,7 +137,7 @@ class ClusterView:
         """Instances of ``role`` heard from within the timeout, by id; forgets the silent."""
         now = self.clock()
         silent = []
-        if now - self._oldest_seen > self.timeout and self._deaf_since is None:  # some may be silent: look
+        if now - self._oldest_seen > self.timeout and self._deafness.since is None:  # some may be silent: look
             # (at most once a timeout or so)
             silent = [inst for inst in self._instances.values() if now - inst.last_seen > self.timeout]
             alive = [inst.last_seen for inst in self._instances.values() if now - inst.last_seen <= self.timeout]
