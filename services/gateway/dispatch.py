@@ -65,8 +65,9 @@ RECONNECT_CHECK = 0.5  # seconds: a silent token subject is checked this often f
 RESEND_TIMEOUT = 1.0  # seconds a decode worker has to publish a cut stream's tokens again
 _MISSING_ROLE_CODES = (ErrorCode.NO_PREFILL, ErrorCode.NO_DECODE, ErrorCode.NO_INSTANCES)
 # A prefill worker's hand-off found no decode worker answering (one died, or NATS was
-# down a moment): the request is worth another admission, which sees the cluster anew.
-_HANDOFF_LOST_CODES = (ErrorCode.DECODE_UNAVAILABLE, ErrorCode.NO_DECODE)
+# down a moment), or one that no longer holds the lease (restarted under its id): the
+# request is worth another admission, which sees the cluster anew.
+_HANDOFF_LOST_CODES = (ErrorCode.DECODE_UNAVAILABLE, ErrorCode.NO_DECODE, ErrorCode.NO_LEASE)
 # The answerer failed (its handler raised, or it could not read the request) rather than said no.
 _FAILED_CODES = (ErrorCode.INTERNAL, ErrorCode.BAD_MESSAGE)
 

@@ -319,7 +319,8 @@ class PrefillWorker(Service):
         await self._drop(job)
 
     async def _hand_over(self, job: Job, first_token_ids: list[int]) -> None:
-        """Finish the hand-off; if it fails, retry once on another decode worker."""
+        """Finish the hand-off; if it fails, retry once on another decode worker (on the same
+        one when it no longer holds the lease: restarted under its id, or the lease ran out)."""
         request_id = job.request.request_id
         try:
             await self.handoff.complete(job.transfer, job.seq, first_token_ids)
@@ -327,9 +328,10 @@ class PrefillWorker(Service):
         except HandoffError as e:
             failed, error = job.transfer.decode_id, e
             self.log.warning("hand-off of %s to %s failed: %s", request_id, failed, e)
-        if request_id not in self.cancelled and self.decoders.alive(Role.DECODE, exclude={failed}):
+        exclude = frozenset() if error.code == ErrorCode.NO_LEASE else frozenset({failed})
+        if request_id not in self.cancelled and self.decoders.alive(Role.DECODE, exclude=exclude):
             try:
-                job.transfer = await self._lease(job, exclude=frozenset({failed}))
+                job.transfer = await self._lease(job, exclude=exclude)
                 # before the new decode worker can stream: the gateway takes its tokens from here on
                 moved = TokenChunk(request_id=request_id, index=1, instance_id=self.instance_id,
                                    decode_id=job.transfer.decode_id)  # fmt: skip

@@ -115,7 +115,8 @@ class OneMessage(FakeSubscription):
         return types.SimpleNamespace(data=self.data, subject=subjects.tokens("req", self.publisher))
 
 
-async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_suspect_only():
+@pytest.mark.parametrize("code", ["decode_unavailable", "no_decode", "no_lease"])
+async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_suspect_only(code):
     # the prefill worker's lease or hand-over to d0 went unanswered: d0 is passed over by the
     # next attempt until heard from again (or restarted), as the process seen then
     from libs.common.peers import PeerDirectory
@@ -129,7 +130,7 @@ async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_su
     for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
         peers.observe(Heartbeat(instance_id=instance_id, role=role, host_id="h", started_at=5.0))
     service = FakeService()
-    lost = error_chunk("req", 0, ErrorCode.DECODE_UNAVAILABLE, "decode worker d0 did not answer", "p0")
+    lost = error_chunk("req", 0, ErrorCode(code), "decode worker d0 did not answer", "p0")
     service.nc.subscribe = lambda subject: asyncio.sleep(0, OneMessage(schema.encode(lost)))
     with pytest.raises(WorkerLostError) as e:
         async with RequestRun(service, PREPARED, token_timeout=1.0, watch=WorkerWatch(peers, 2.5)) as run:
