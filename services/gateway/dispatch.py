@@ -12,16 +12,14 @@ instance the request is placed on: the admission's prefill worker and its decode
 worker, or the one that prefill worker says it continues on (a token subject names
 its publisher, and NATS lets an instance publish only under its own name). The conductor
 hears of the request's first token and of its end (RequestProgress), to settle
-its predictions. Failures are raised as the gateway's domain errors; nothing
-here knows about HTTP.
+its predictions. Failures are raised as the gateway's domain errors (`upstream_errors.py`);
+nothing here knows about HTTP.
 """
 
 import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
-from typing import NoReturn
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -36,7 +34,6 @@ from libs.protocol.schema import (
     AdmitRequest,
     BadMessageError,
     Cancel,
-    ErrorInfo,
     ErrorReply,
     PrefillRequest,
     RequestProgress,
@@ -44,16 +41,21 @@ from libs.protocol.schema import (
     TokenChunk,
 )
 from libs.protocol.slo import SLOOverride
-from libs.protocol.vocabulary import ErrorCode, Role
-from services.gateway.errors import (
-    InvalidParameterError,
-    RateLimitedError,
-    RequestTimeoutError,
-    ServiceUnavailableError,
-    UpstreamError,
-)
+from libs.protocol.vocabulary import Role
+from services.gateway.errors import RequestTimeoutError
 from services.gateway.reorder import ChunkReorderer
 from services.gateway.served_model import PreparedRequest
+from services.gateway.upstream_errors import (
+    CONDUCTOR,
+    FAILED_CODES,
+    HANDOFF_LOST_CODES,
+    NO_ANSWER,
+    WorkerLostError,
+    admission_error,
+    raise_no_answer,
+)
+from services.gateway.upstream_errors import worker as upstream_worker
+from services.gateway.upstream_errors import worker_error
 from services.gateway.worker_watch import WorkerWatch
 
 CONTROL_TIMEOUT = 5.0  # seconds the conductor and a prefill worker have to answer
@@ -63,31 +65,7 @@ ADMIT_ATTEMPT_TIMEOUT = 1.5
 MIN_WAIT = 0.001  # seconds: a wait on the token subject that is due now still takes what is there
 RECONNECT_CHECK = 0.5  # seconds: a silent token subject is checked this often for a NATS reconnect
 RESEND_TIMEOUT = 1.0  # seconds a decode worker has to publish a cut stream's tokens again
-_MISSING_ROLE_CODES = (ErrorCode.NO_PREFILL, ErrorCode.NO_DECODE, ErrorCode.NO_INSTANCES)
-# A prefill worker's hand-off found no decode worker answering (one died, or NATS was
-# down a moment), or one that no longer holds the lease (restarted under its id): the
-# request is worth another admission, which sees the cluster anew.
-_HANDOFF_LOST_CODES = (ErrorCode.DECODE_UNAVAILABLE, ErrorCode.NO_DECODE, ErrorCode.NO_LEASE)
-# The answerer failed (its handler raised, or it could not read the request) rather than said no.
-_FAILED_CODES = (ErrorCode.INTERNAL, ErrorCode.BAD_MESSAGE)
-
 log = logging.getLogger("kvserve.gateway.dispatch")
-
-
-class WorkerLostError(ServiceUnavailableError):
-    """A worker serving the request is gone (silent, restarted, or not taking requests).
-    ``started_at``: the start time of the process seen gone, where known (a process
-    restarted under the same id since is another, and may serve the request again).
-    ``until_heard``: only suspected gone (silent for a while, or a hand-off found it not
-    answering): it serves again once heard from, as a live worker is within a heartbeat."""
-
-    def __init__(self, message: str, instance_id: InstanceId | None, role: str,  # None: the control plane
-                 started_at: float | None = None, until_heard: bool = False) -> None:  # fmt: skip
-        super().__init__(message, "worker_lost")
-        self.instance_id = instance_id
-        self.role = role
-        self.started_at = started_at
-        self.until_heard = until_heard
 
 
 class RequestRun:
@@ -173,11 +151,11 @@ class RequestRun:
         except NO_ANSWER as e:
             if isinstance(e, nats.errors.NoRespondersError):
                 self._may_be_running = False  # no conductor heard of it
-            _raise_no_answer(e, _CONDUCTOR, self.control_timeout)
+            raise_no_answer(e, CONDUCTOR, self.control_timeout)
         if isinstance(reply, ErrorReply):
-            if reply.code not in _FAILED_CODES:  # it said no: it holds nothing of the request
+            if reply.code not in FAILED_CODES:  # it said no: it holds nothing of the request
                 self._may_be_running = False
-            raise _admission_error(reply)
+            raise admission_error(reply)
         self.prefill_id, self.decode_id = reply.prefill_id, reply.decode_id
         self.placed_decode_id = reply.decode_id
         self.admission, self._admitted_at, self._asked_at = reply, time.monotonic(), asked_at
@@ -214,13 +192,13 @@ class RequestRun:
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation
             subject, role = subjects.decode_prefill(self.decode_id), Role.DECODE
-        worker = _worker(self.prefill_id, role, self._started_at(self.prefill_id))
+        worker = upstream_worker(self.prefill_id, role, self._started_at(self.prefill_id))
         try:
             ack = await self.service.request(subject, request, Ack, self.control_timeout)
         except NO_ANSWER as e:
-            _raise_no_answer(e, worker, self.control_timeout)
+            raise_no_answer(e, worker, self.control_timeout)
         if isinstance(ack, ErrorReply):
-            raise _worker_error(ack, worker.where)
+            raise worker_error(ack, worker.where)
 
     # --- the tokens -------------------------------------------------------------
     async def next_chunks(self) -> list[TokenChunk]:
@@ -250,11 +228,11 @@ class RequestRun:
         if chunk.error is not None:
             self._failure = f"error: {chunk.error.code}"
             where = f"instance {chunk.instance_id}" if chunk.instance_id else "a worker"
-            if chunk.error.code in _HANDOFF_LOST_CODES:  # no decode worker took the KV: admit it again,
+            if chunk.error.code in HANDOFF_LOST_CODES:  # no decode worker took the KV: admit it again,
                 # passing over the chosen one until it is heard from again (a dead one: until its restart)
                 raise WorkerLostError(f"{where} failed: {chunk.error.message}", self.decode_id, Role.DECODE,
                                       self._started_at(self.decode_id), until_heard=True)  # fmt: skip
-            raise _worker_error(chunk.error, where)
+            raise worker_error(chunk.error, where)
         if not 0 <= chunk.choice < len(self._reorders):
             log.warning("dropped a chunk of %s for choice %d of %d", self.request_id, chunk.choice, len(self._reorders))
             return []
@@ -375,88 +353,3 @@ def _reason(exc: BaseException | None) -> str | None:
     if isinstance(exc, RequestTimeoutError):
         return "timeout"
     return "error"
-
-
-def _admission_error(error: ErrorReply) -> Exception:
-    if error.code == ErrorCode.REJECTED:
-        details = {"retry_after_s": error.retry_after_s, "predicted_ttft_s": error.predicted_ttft_s,
-                   "predicted_tbt_s": error.predicted_tbt_s}  # fmt: skip
-        details = {k: v for k, v in details.items() if v is not None}
-        return RateLimitedError(error.message, error.retry_after_s, details, error.reason)
-    if error.code in _MISSING_ROLE_CODES:
-        return ServiceUnavailableError(error.message, error.code)
-    if error.code in _FAILED_CODES:
-        return UpstreamError(_CONDUCTOR.say(_CONDUCTOR.failed, 0.0, error.message))
-    return ServiceUnavailableError(f"the conductor cannot admit the request: {error.message}", error.code)
-
-
-def _worker_error(error: ErrorInfo | ErrorReply, where: str) -> Exception:
-    if error.code == ErrorCode.NO_CAPACITY:
-        return ServiceUnavailableError(f"{where} has no capacity: {error.message}", error.code)
-    if error.code == ErrorCode.INVALID_REQUEST:
-        return InvalidParameterError(error.message)
-    return UpstreamError(f"{where} failed: {error.message}", error.code)
-
-
-# How a control request can get no valid answer: NATS's errors (no responders and
-# timeouts among them) and a reply that is no valid message.
-NO_ANSWER = (nats.errors.Error, BadMessageError)
-
-
-@dataclass(frozen=True)
-class _Answerer:
-    """Who answers a control request, in the words its errors use. A worker's
-    absence or silence is a WorkerLostError, so the request can move; the
-    conductor's is a ServiceUnavailableError. Each phrase is a `str.format`
-    template with ``where``, ``timeout`` and ``error``."""
-
-    where: str
-    gone: str  # no one subscribes to the subject
-    silent: str  # no answer within the timeout
-    unreachable: str  # NATS failed otherwise
-    failed: str  # the reply is no valid message
-    code: ErrorCode  # the ServiceUnavailableError code when NATS failed
-    instance_id: InstanceId | None = None  # a worker: its id, its role and its process's start time below
-    role: str = ""
-    started_at: float | None = None
-
-    def say(self, phrase: str, timeout: float, error: Exception) -> str:
-        return phrase.format(where=self.where, timeout=timeout, error=error)
-
-
-_CONDUCTOR = _Answerer(
-    where="the conductor",
-    gone="conductor unavailable: no conductor is running",
-    silent="conductor unavailable: no answer within {timeout:g}s",
-    unreachable="conductor unavailable: {error}",
-    failed="the conductor failed to admit the request: {error}",
-    code=ErrorCode.NO_CONDUCTOR,
-)
-
-
-def _worker(instance_id: InstanceId, role: str, started_at: float | None = None) -> _Answerer:
-    return _Answerer(
-        where=f"{role} instance {instance_id}",
-        gone="{where} is unavailable",  # its process is gone; the conductor has not noticed yet
-        silent="{where} did not answer within {timeout:g}s",
-        unreachable="{where} is unreachable: {error}",
-        failed="{where} failed: {error}",
-        code=ErrorCode.NO_DECODE if role == Role.DECODE else ErrorCode.NO_PREFILL,
-        instance_id=instance_id,
-        role=role,
-        started_at=started_at,
-    )
-
-
-def _raise_no_answer(error: Exception, who: _Answerer, timeout: float) -> NoReturn:
-    """Raise the domain error for a control request to ``who`` that failed with ``error``
-    (one of NO_ANSWER); called in the ``except`` clause that caught it."""
-    if isinstance(error, BadMessageError):
-        raise UpstreamError(who.say(who.failed, timeout, error)) from error
-    if isinstance(error, (nats.errors.NoRespondersError, nats.errors.TimeoutError)):
-        phrase = who.gone if isinstance(error, nats.errors.NoRespondersError) else who.silent
-        message = who.say(phrase, timeout, error)
-        if who.instance_id is None:
-            raise ServiceUnavailableError(message, who.code) from None
-        raise WorkerLostError(message, who.instance_id, who.role, who.started_at) from None
-    raise ServiceUnavailableError(who.say(who.unreachable, timeout, error), who.code) from error

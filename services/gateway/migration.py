@@ -29,9 +29,10 @@ from libs.protocol.hashing import BlockHash
 from libs.protocol.ids import InstanceId
 from libs.protocol.schema import AdmitReply, TokenChunk
 from libs.protocol.vocabulary import ErrorCode
-from services.gateway.dispatch import RequestRun, WorkerLostError
+from services.gateway.dispatch import RequestRun
 from services.gateway.errors import ServiceUnavailableError
 from services.gateway.served_model import PreparedRequest
+from services.gateway.upstream_errors import WorkerLostError
 
 # (the request for this attempt, instances to exclude) -> an attempt not yet entered
 AttemptFactory = Callable[[PreparedRequest, frozenset[str]], RequestRun]

@@ -12,9 +12,10 @@ import pytest
 from libs.protocol import subjects
 from libs.protocol.sampling_params import SamplingParams
 from libs.protocol.schema import Ack, AdmitReply, BadMessageError, Cancel, ErrorReply
-from services.gateway.dispatch import RequestRun, WorkerLostError
+from services.gateway.dispatch import RequestRun
 from services.gateway.errors import ServiceUnavailableError, UpstreamError
 from services.gateway.served_model import PreparedRequest
+from services.gateway.upstream_errors import WorkerLostError
 
 PREPARED = PreparedRequest("req", [1, 2, 3], SamplingParams(max_tokens=4), [])
 

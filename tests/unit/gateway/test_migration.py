@@ -6,10 +6,10 @@ import pytest
 
 from libs.protocol.sampling_params import SamplingParams
 from libs.protocol.schema import TokenChunk
-from services.gateway.dispatch import WorkerLostError
 from services.gateway.migration import MigratingRun
 from services.gateway.served_model import PreparedRequest
 from services.gateway.text_stream import TextStream, stream_deltas
+from services.gateway.upstream_errors import WorkerLostError
 
 PROMPT = [1, 2, 3, 4, 5]
 ORIGINAL = PreparedRequest("req", PROMPT, SamplingParams(max_tokens=10, temperature=0.0), [b"h1"], hash_root=b"tenant-root")
