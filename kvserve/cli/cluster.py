@@ -71,8 +71,8 @@ class LocalCluster:
     With no prefill worker (``prefill=0``) each decode worker prefills its own
     requests: the conductors' policy (``KVSERVE_POLICY`` in ``env``, else in this
     process's environment, else the default) gets ``+local_prefill`` where it lacks it,
-    the decode workers divide every core and keep a prefix cache (unless
-    ``KVSERVE_ENABLE_PREFIX_CACHE`` says otherwise).
+    the decode workers divide every core (each keeps a prefix cache by its own
+    settings, as in any deployment).
     With ``store_dir``, each store keeps its disk tier
     in ``store_dir/<instance id>``, so a restarted store finds its blocks.
 
@@ -453,8 +453,6 @@ class LocalCluster:
             env["KVSERVE_STORE_DIR"] = str(self.store_dir / instance_id)
         if not self.counts[Role.STORE]:
             env["KVSERVE_USE_STORE"] = "0"  # prefill workers then never ask a store that is not there
-        if role == Role.DECODE and not self.counts[Role.PREFILL]:
-            env.setdefault("KVSERVE_ENABLE_PREFIX_CACHE", "1")  # it prefills every request: reuse what it computed
         env.update(self.cpu_plan[instance_id].env())
         if self.metrics_port is not None:
             env["KVSERVE_METRICS_PORT"] = str(self.metrics_ports()[instance_id])

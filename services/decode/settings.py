@@ -17,7 +17,9 @@ class DecodeSettings(ServiceSettings):
     transfer: TransferSettings = TransferSettings()
     max_batch_size: int = 64
     lease_seconds: float = 30.0
-    enable_prefix_cache: bool = False  # decode only recomputes preempted sequences; off by default
+    # reused when this worker prefills a request itself (no prefill worker, +local_prefill) or
+    # recomputes a preempted sequence; naming a block costs a dict entry, so on in every deployment
+    enable_prefix_cache: bool = True
     reserve_wait_seconds: float = 10.0
 
     def __post_init__(self) -> None:
@@ -37,5 +39,5 @@ class DecodeSettings(ServiceSettings):
             transfer=TransferSettings.from_env(),
             max_batch_size=env_int("MAX_BATCH_SIZE", 64),
             lease_seconds=env_float("LEASE_SECONDS", 30.0),
-            enable_prefix_cache=env_bool("ENABLE_PREFIX_CACHE", False),
+            enable_prefix_cache=env_bool("ENABLE_PREFIX_CACHE", True),
         )

@@ -64,7 +64,7 @@ def test_the_documented_defaults(clean_env):
     assert (model.model, model.device, model.dtype, model.block_size, model.num_blocks, model.max_model_len) == (None, "cpu", "auto", 16, 512, None)
     assert model.calibrate and model.calibration_file is None
     decode = DecodeSettings.from_env()
-    assert (decode.max_batch_size, decode.lease_seconds, decode.enable_prefix_cache) == (64, 30.0, False)
+    assert (decode.max_batch_size, decode.lease_seconds, decode.enable_prefix_cache) == (64, 30.0, True)
     assert decode.model == model and decode.transfer == TransferSettings(listen_host="127.0.0.1", transport="auto", timeout=30.0,
                                                                          connections=4, max_connections=64, idle_timeout=60.0)  # fmt: skip
     store = StoreSettings.from_env()
