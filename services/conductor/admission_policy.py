@@ -187,6 +187,11 @@ class Policy:
         self.local_prefill = local_prefill
         self.name = name or router.name
 
+    @property
+    def replication(self) -> bool:
+        """Whether a prefill instance may copy a longer prefix from a peer (the router's option)."""
+        return self.router.replication
+
     def choose(self, ctx: AdmitContext, home: Home | None = None) -> Decision:
         """The route for ``ctx``'s request (a session's turn: near ``home``, its last turn's)."""
         colocated = self.local_prefill and not ctx.prefills and bool(ctx.decodes)

@@ -166,7 +166,7 @@ class Admitter:
             config=self.config.predict, prefills=prefills, decodes=decodes, stores=view.alive(Role.STORE),
             margins=self.margins, shorter_share=self.overload.shorter_share(request.num_prompt_tokens, view.clock(),
                                                                             len(prefills)),
-            candidates=self.candidates, excluded=excluded,
+            candidates=self.candidates, excluded=excluded, replication=self.policy.replication,
             favored=request.tenant is not None and not (request.best_effort or request.moved)
             and self.fair_share.favors(request.tenant, request.tenant_weight, view.clock()),
         )  # fmt: skip

@@ -324,7 +324,12 @@ class DecodeLoad:
     def total(self, now: float, step_s: float) -> tuple[int, int]:
         """(sequences, context tokens) decoding now or on their way (in prefill)."""
         count, context = self.current(now, step_s)
-        return self._sequences, context + self._prompts - self._decoding_prompts
+        coming = self.coming()
+        return count + coming[0], context + coming[1]
+
+    def coming(self) -> tuple[int, int]:
+        """(sequences, prompt tokens) on their way to the batch (in prefill)."""
+        return self._sequences - self._decoding, self._prompts - self._decoding_prompts
 
     def forecast(self, at: float, now: float, step_s: float) -> tuple[int, int]:
         """(sequences, context tokens) predicted to be in the batch from ``at`` on, if

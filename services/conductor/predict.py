@@ -92,18 +92,22 @@ class AdmitContext:
 
     Routers call `prefill_ttft` / `decode_tbt` on every candidate (plain floats,
     cheap) and the `*_estimate` methods, which give the same numbers with their
-    parts, only for the instances they pick.
+    parts, only for the instances they pick. Each instance's prediction is computed
+    once per decision and reused by every later look at it (router, affinity,
+    admission, explanation): nothing is booked until the decision is made.
     """
 
     def __init__(self, request: AdmitRequest, match: PrefixMatch, view: ClusterView, now: float, slo: SLO,
                  config: PredictConfig, prefills: list[Instance] | None = None, decodes: list[Instance] | None = None,
                  stores: list[Instance] | None = None, margins: Margins | None = None,
                  shorter_share: float = 0.0, candidates: "Candidates | None" = None,
-                 excluded: frozenset[str] = frozenset(), favored: bool = False) -> None:  # fmt: skip
+                 excluded: frozenset[str] = frozenset(), favored: bool = False,
+                 replication: bool = False) -> None:  # fmt: skip
         self.request, self.match, self.view, self.now, self.slo, self.config = request, match, view, now, slo, config
         self.candidates = candidates  # None: routers look at every instance
         self.excluded = excluded  # left out of ``prefills`` and ``decodes`` (the gateway saw them die)
         self.favored = favored  # its prefill goes before the other jobs of its kind (fair_share.py)
+        self.replication = replication  # a prefill instance may copy a longer prefix from a peer (routers.py)
         self.margins = margins or Margins()
         self.shorter_share = shorter_share  # the share of a prefill instance shorter prompts take (overload.py)
         self.prefills, self.decodes, self.stores = prefills or [], decodes or [], stores or []
@@ -120,6 +124,11 @@ class AdmitContext:
         self.ttft_slack = self.margins.ttft(self.num_tokens)
         self.prefill_deadline = None if self.deadline is None else self.deadline - self.ttft_slack
         self._store = self._best_store()
+        self._peer = self.best_peer() if replication else None  # the peer a prefix may be copied from
+        self._parts: dict[str, tuple] = {}  # by prefill instance: `_prefill_parts`
+        self._local: dict[str, PrefillEstimate] = {}  # by decode instance: `local_prefill_estimate`
+        self._batch: dict[str, tuple] = {}  # by decode instance: `_batches`
+        self._batch_all: dict[str, tuple[int, int]] = {}  # by decode instance: `batch_all`
 
     # --- candidates -------------------------------------------------------------------
     def instance(self, instance_id: InstanceId, role: str) -> Instance | None:
@@ -132,7 +141,7 @@ class AdmitContext:
             return None
         return instance
 
-    def prefill_candidates(self, replication: bool = False) -> list[Instance]:
+    def prefill_candidates(self) -> list[Instance]:
         """The prefill instances among which the cheapest (`prefill_cost`) is found: every
         one, or, pruned (`candidates.py`), the busy, the best idle instance of each bucket
         and the best idle holder of each longer prefix of the prompt (with replication,
@@ -142,7 +151,7 @@ class AdmitContext:
         usable = self.usable_blocks
         groups = ((min(length, usable), ids) for length, ids in self.match.by_length())
         found = self.candidates.prefill.candidates(groups, lambda i: min(self.match.blocks(i), usable), self.excluded,
-                                                   monotone=not replication)  # fmt: skip
+                                                   monotone=not self.replication)  # fmt: skip
         return found or self.prefills
 
     def decode_candidates(self) -> list[Instance]:
@@ -153,8 +162,14 @@ class AdmitContext:
         return self.candidates.decode.candidates(skip=self.excluded) or self.decodes
 
     # --- TTFT -------------------------------------------------------------------------
-    def _prefill_parts(self, p: Instance, replication: bool, best_peer: tuple[int, str] | None) -> tuple:
+    def _prefill_parts(self, p: Instance) -> tuple:
         """(queue, load, compute, handoff, local blocks, store blocks, copy_from, copy blocks, speed) on ``p``."""
+        parts = self._parts.get(p.instance_id)
+        if parts is None:
+            parts = self._parts[p.instance_id] = self._compute_prefill_parts(p)
+        return parts
+
+    def _compute_prefill_parts(self, p: Instance) -> tuple:
         c = p.cost.coefficients
         local = self.match.blocks(p.instance_id)
         if local > self.usable_blocks:
@@ -167,8 +182,8 @@ class AdmitContext:
                 load += (running[store_len] - running[local]) * cost.load_time_per_block(tier)
             reached = store_len
         copy_from, copy_blocks = None, 0
-        if best_peer is not None:
-            peer_len, peer_id = best_peer
+        if self._peer is not None:
+            peer_len, peer_id = self._peer
             if peer_len > reached and peer_id != p.instance_id and peer_len >= self.config.balancing_threshold * max(local, 1):
                 copy_from, copy_blocks = peer_id, peer_len - reached
                 load += copy_blocks * c.transfer_per_block
@@ -188,23 +203,21 @@ class AdmitContext:
         measured = p.heartbeat.prefill_speed
         return measured if measured > 0 else self.margins.prefill_speed(p.instance_id)
 
-    def prefill_ttft(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> float:
-        queue, load, compute, handoff, *_ = self._prefill_parts(p, replication, best_peer if replication else None)
+    def prefill_ttft(self, p: Instance) -> float:
+        queue, load, compute, handoff, *_ = self._prefill_parts(p)
         return queue + load + compute + handoff
 
-    def prefill_cost(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> float:
+    def prefill_cost(self, p: Instance) -> float:
         """What routing the request to ``p`` costs: its own TTFT there, plus the delay it
         adds to the longer requests it would go ahead of (a prefill instance computes
         the shortest work first)."""
-        queue, load, compute, handoff, *_ = self._prefill_parts(p, replication, best_peer if replication else None)
+        queue, load, compute, handoff, *_ = self._prefill_parts(p)
         work = load + compute + handoff
         imposed = 0.0 if self.prefill_deadline is None else p.prefill.imposed(work, self.now)
         return queue + work + imposed
 
-    def prefill_estimate(self, p: Instance, replication: bool = False, best_peer: tuple[int, str] | None = None) -> PrefillEstimate:
-        queue, load, compute, handoff, local, from_store, copy_from, copy_blocks, speed = self._prefill_parts(
-            p, replication, best_peer if replication else None
-        )
+    def prefill_estimate(self, p: Instance) -> PrefillEstimate:
+        queue, load, compute, handoff, local, from_store, copy_from, copy_blocks, speed = self._prefill_parts(p)
         bs = self.config.block_size
         cached = {KVTier.DEVICE: local * bs} if local else {}
         if from_store:
@@ -219,9 +232,13 @@ class AdmitContext:
     def local_prefill_estimate(self, d: Instance) -> PrefillEstimate:
         """Prefilling on decode instance ``d`` itself: no cache, no hand-off; its queue is
         the local prefills booked on ``d`` before it."""
+        if (known := self._local.get(d.instance_id)) is not None:
+            return known
         speed = self.margins.prefill_speed(d.instance_id)
         compute = d.cost.prefill_time(self.num_tokens) * speed
-        return PrefillEstimate(d.instance_id, d.prefill.backlog(self.now), 0.0, compute, 0.0, {}, speed=speed)
+        estimate = PrefillEstimate(d.instance_id, d.prefill.backlog(self.now), 0.0, compute, 0.0, {}, speed=speed)
+        self._local[d.instance_id] = estimate
+        return estimate
 
     def with_prefill_stall(self, tbt: DecodeEstimate, stall_s: float) -> DecodeEstimate:
         """``tbt`` with ``stall_s`` seconds of prefill run on its decode instance: a prefill
@@ -266,6 +283,12 @@ class AdmitContext:
     def _batches(self, d: Instance) -> tuple[float, tuple[int, int], tuple[int, int]]:
         """(step time now, the batch by the records, the batch now: the records or the
         heartbeat where it says more; each as (sequences, context tokens))."""
+        if (known := self._batch.get(d.instance_id)) is not None:
+            return known
+        self._batch[d.instance_id] = batches = self._compute_batches(d)
+        return batches
+
+    def _compute_batches(self, d: Instance) -> tuple[float, tuple[int, int], tuple[int, int]]:
         step = self.step_now(d)
         recorded = d.decode.current(self.now, step)
         hb = d.heartbeat
@@ -276,9 +299,12 @@ class AdmitContext:
 
     def batch_all(self, d: Instance) -> tuple[int, int]:
         """The batch now plus every request on its way to it (in prefill)."""
-        step, recorded, now = self._batches(d)
-        count, context = d.decode.total(self.now, step)
-        return count + now[0] - recorded[0], context + now[1] - recorded[1]
+        if (known := self._batch_all.get(d.instance_id)) is not None:
+            return known
+        _, _, now = self._batches(d)
+        coming = d.decode.coming()
+        batch = self._batch_all[d.instance_id] = (now[0] + coming[0], now[1] + coming[1])
+        return batch
 
     def added_context(self) -> int:
         """The context this request adds to a batch when it joins: each of its sequences

@@ -72,6 +72,7 @@ class Decision:
 
 class Router(Protocol):
     name: str
+    replication: bool  # a prefill instance may copy a longer prefix from a peer (AdmitContext.replication)
 
     def route(self, ctx: AdmitContext) -> Route: ...
 
@@ -93,6 +94,7 @@ def missing_roles(prefills: list[Instance], decodes: list[Instance]) -> Decision
 
 class RandomRouter:
     name = "random"
+    replication = False
 
     def __init__(self, rng: random.Random | None = None) -> None:
         self.rng = rng or random.Random()
@@ -111,6 +113,7 @@ class LeastLoadedRouter:
     KV blocks, then to the smallest id (so choices are deterministic)."""
 
     name = "least_loaded"
+    replication = False
 
     def route(self, ctx: AdmitContext) -> Route:
         p = min(ctx.prefills, key=_load_key)
@@ -133,14 +136,13 @@ class CacheAwareRouter:
         self.name = "cache_aware+replication" if replication else "cache_aware"
 
     def route(self, ctx: AdmitContext) -> Route:
-        peer = ctx.best_peer() if self.replication else None
         best, best_key = None, None
-        for p in ctx.prefill_candidates(self.replication):
-            key = (ctx.prefill_cost(p, self.replication, peer), p.load, p.instance_id)
+        for p in ctx.prefill_candidates():  # with replication (the context's), a peer's prefix may be copied
+            key = (ctx.prefill_cost(p), p.load, p.instance_id)
             if best_key is None or key < best_key:
                 best, best_key = p, key
         decode = min(ctx.decode_candidates(), key=lambda d: (ctx.decode_tbt(d), d.instance_id))
-        return Route(ctx.prefill_estimate(best, self.replication, peer), ctx.decode_all(decode))
+        return Route(ctx.prefill_estimate(best), ctx.decode_all(decode))
 
     def route_local(self, ctx: AdmitContext) -> Route:
         """The least predicted TTFT (its local prefill queue and compute); ties: least TBT, then id."""
