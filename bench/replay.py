@@ -57,8 +57,15 @@ from bench import baseline  # noqa: E402
 from bench.capacity import document as capacity_document  # noqa: E402
 from bench.cpu_use import cpu_line, cpu_seconds, machine_busy_seconds, start_profiles, top_frames  # noqa: E402
 from bench.llama_server import LLAMA_ARGS, llama_server  # noqa: E402
-from kvserve.cli.bench import input_cap, load_vocab  # noqa: E402
+from kvserve.cli.bench import (  # noqa: E402
+    MAX_PROBES,
+    TARGET_ATTAINMENT,
+    WorkloadDefaults,
+    add_workload_options,
+    load_vocab,
+)
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
+from kvserve.cli.options import positive_int  # noqa: E402
 from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
@@ -80,7 +87,6 @@ from libs.common.cpu_share import format_cpu_list  # noqa: E402
 from libs.protocol.errors import KVServeError  # noqa: E402
 from libs.protocol.models import DEFAULT_MODEL_ID  # noqa: E402
 from libs.protocol.slo import SLO  # noqa: E402
-from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S  # noqa: E402
 
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl"
 
@@ -263,21 +269,13 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    ap.add_argument("--start", type=int, default=0, help="first trace request (default 0)")
-    ap.add_argument("--requests", type=int, default=200, help="trace window length (default 200)")
-    ap.add_argument("--warm-history", action="store_true",
-                    help="before each run, send the prefixes the window shares with the trace before --start "
-                    "(`kvserve bench --warm-history`): the cache a server holds after serving the trace up to there")
+    add_workload_options(ap, WorkloadDefaults(
+        trace=DEFAULT_TRACE, max_input="1024", max_output=16, target_attainment=TARGET_ATTAINMENT,
+        max_probes=MAX_PROBES, start_scale=4.0, start_scale_shown=4.0,
+        out="bench/out/replay, with --find-capacity bench/out/capacity",
+    ))  # fmt: skip
+    ap.add_argument("--requests", type=positive_int, default=200, help="trace window length (default 200)")
     ap.add_argument("--time-scales", type=float, nargs="+", default=[8.0, 4.0, 2.0])
-    ap.add_argument("--block-tokens", type=int, default=16)
-    ap.add_argument("--max-input", type=input_cap, default=1024, metavar="T",
-                    help="cap prompts at T tokens by truncating (default 1024); 0 is no cap: prompt lengths follow "
-                    "the trace scaled by block-tokens/512")
-    ap.add_argument("--max-output", type=int, default=16)
-    ap.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_TTFT_S * 1e3)
-    ap.add_argument("--slo-tbt-ms", type=float, default=DEFAULT_TBT_S * 1e3)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-spread", dest="spread", action="store_false",
                     help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
     ap.add_argument("--configs", nargs="+", default=None,
@@ -296,20 +294,9 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds a request may take in all; past it, it is an error (never good anyway)")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: rebuild summary.md, comparison.md and the plots from the JSON in --out")
-    ap.add_argument("--find-capacity", action="store_true",
-                    help="search each configuration's effective request capacity instead of sweeping --time-scales")
-    ap.add_argument("--target-attainment", type=float, default=0.9,
-                    help="with --find-capacity: the share of requests sent that must meet both SLOs (default 0.9)")
-    ap.add_argument("--max-probes", type=int, default=6, help="with --find-capacity: runs per configuration (default 6)")
-    ap.add_argument("--start-scale", type=float, default=4.0,
-                    help="with --find-capacity: the first probe's time scale (default 4)")
-    ap.add_argument("--max-scale", type=float, default=None,
-                    help="with --find-capacity: the lightest load probed, as a time scale (default 8 x --start-scale)")
     ap.add_argument("--capacity-report", type=Path, default=ROOT / "bench" / "results" / "capacity.md",
                     help="with --find-capacity: where the comparison goes, its plot beside it as .png "
                     "(default bench/results/capacity.md)")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="runs, logs and reports (default bench/out/replay, with --find-capacity bench/out/capacity)")
     return ap
 
 

@@ -7,6 +7,7 @@ The command line and the files it names only; the replay is ``kvserve.replay``'s
 import argparse
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -81,7 +82,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--trace", required=True, type=Path, metavar="FILE", help="Mooncake-format JSONL trace")
     p.add_argument("--base-url", required=True, metavar="URL", help="server root, e.g. http://127.0.0.1:8000 (/v1 optional)")
     p.add_argument("--model", default=DEFAULT_MODEL_ID, metavar="M", help=f"model name sent (default {DEFAULT_MODEL_ID})")
     p.add_argument(
@@ -93,51 +93,65 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help=f"HF folder or tokenizer.json whose ordinary (non-special) token ids prompts are made of "
         f"(default: {DEFAULT_MODEL_ID}, prepared on first use)",
     )  # fmt: skip
-    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="T", help="tokens per hash id (default 16)")
     p.add_argument(
         "--time-scale", type=_non_negative, nargs="+", default=None, metavar="X",
         help="arrival time = trace timestamp x X (default 1; 0.5 is twice the rate); several make a sweep",
-    )  # fmt: skip
-    p.add_argument(
-        "--find-capacity", action="store_true",
-        help="search the time scale for the highest load meeting --target-attainment (see above)",
-    )  # fmt: skip
-    p.add_argument(
-        "--target-attainment", type=fraction, default=None, metavar="F",
-        help="with --find-capacity: the share of requests sent that must meet both SLOs (default 0.9)",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-probes", type=positive_int, default=None, metavar="N",
-        help="with --find-capacity: runs the search may make (default 6)",
-    )  # fmt: skip
-    p.add_argument(
-        "--start-scale", type=positive_float, default=None, metavar="X",
-        help="with --find-capacity: the first probe's time scale (default 1)",
-    )  # fmt: skip
-    p.add_argument(
-        "--max-scale", type=positive_float, default=None, metavar="X",
-        help="with --find-capacity: the lightest load probed, as a time scale (default 8 x --start-scale); "
-        "a lighter probe takes longer, and a server failing there has no capacity",
     )  # fmt: skip
     p.add_argument(
         "--spread", action="store_true",
         help="spread requests that share a timestamp evenly up to the next timestamp (the released traces "
         "stamp ~10 requests per 3-second bucket; without this they arrive as one burst)",
     )  # fmt: skip
-    p.add_argument("--start", type=count, default=0, metavar="I", help="first trace request (default 0)")
     p.add_argument("--max-requests", type=positive_int, default=None, metavar="N", help="replay N requests (default all)")
+    add_workload_options(p, WorkloadDefaults())
+    p.add_argument("--label", default=None, help="name of the runs in the reports (default: the base URL)")
+    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per-request limit (default 600)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    p.set_defaults(run=run, usage_error=p.error)
+
+
+@dataclass(frozen=True)
+class WorkloadDefaults:
+    """What a tool that takes `add_workload_options` defaults to. A search option left
+    None is told apart from one given (``kvserve bench`` refuses them without
+    --find-capacity) and means its ``*_shown`` value."""
+
+    trace: Path | None = None  # None: --trace is required
+    max_input: str = "0"  # as typed: 0 is no cap
+    max_output: int | None = None
+    target_attainment: float | None = None
+    max_probes: int | None = None
+    start_scale: float | None = None
+    start_scale_shown: float = 1.0
+    out: str = "bench/out/<time>"
+
+
+TARGET_ATTAINMENT, MAX_PROBES = 0.9, 6  # --find-capacity's defaults
+
+
+def add_workload_options(p: argparse.ArgumentParser, defaults: WorkloadDefaults) -> None:
+    """The options ``kvserve bench`` and bench/replay.py share, one definition each: the
+    trace window, how prompts are made from it, the SLOs, the capacity search and where
+    results go."""
+    trace_help = "Mooncake-format JSONL trace" + (f" (default {defaults.trace})" if defaults.trace else "")
+    p.add_argument("--trace", required=defaults.trace is None, default=defaults.trace, type=Path, metavar="FILE",
+                   help=trace_help)  # fmt: skip
+    p.add_argument("--start", type=count, default=0, metavar="I", help="first trace request (default 0)")
     p.add_argument(
         "--warm-history", action="store_true",
         help="before each run, send (one at a time, one output token each) the prefixes the window shares with "
         "the trace's requests before --start, so the run starts from the cache a server holds after serving the "
         "trace up to there instead of a cold one",
     )  # fmt: skip
+    p.add_argument("--block-tokens", type=positive_int, default=16, metavar="T", help="tokens per hash id (default 16)")
     p.add_argument(
-        "--max-input", type=input_cap, default=None, metavar="T",
-        help="cap prompts at T tokens by truncating (keeps the leading hash-id blocks, so sharing is preserved); "
-        "0, the default, is no cap: prompt lengths follow the trace scaled by block-tokens/512",
+        "--max-input", type=input_cap, default=defaults.max_input, metavar="T",
+        help=f"cap prompts at T tokens by truncating (keeps the leading hash-id blocks, so sharing is preserved); "
+        f"0 is no cap: prompt lengths follow the trace scaled by block-tokens/512 (default {defaults.max_input})",
     )  # fmt: skip
-    p.add_argument("--max-output", type=positive_int, default=None, metavar="T", help="cap max_tokens at T")
+    shown = "none" if defaults.max_output is None else defaults.max_output
+    p.add_argument("--max-output", type=positive_int, default=defaults.max_output, metavar="T",
+                   help=f"cap max_tokens at T (default {shown})")  # fmt: skip
     p.add_argument("--slo-ttft-ms", type=float, default=DEFAULT_TTFT_S * 1e3, metavar="MS",
                    help="TTFT objective (default %(default)g)")
     p.add_argument(
@@ -145,11 +159,28 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="time-between-tokens objective, checked on each request's TPOT as vLLM's goodput does (default %(default)g)",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=0, metavar="S", help="prompt synthesis seed (default 0)")
-    p.add_argument("--label", default=None, help="name of the runs in the reports (default: the base URL)")
-    p.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per-request limit (default 600)")
-    p.add_argument("--out", type=Path, default=None, metavar="DIR", help="where results go (default bench/out/<time>)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    p.set_defaults(run=run, usage_error=p.error)
+    p.add_argument(
+        "--find-capacity", action="store_true",
+        help="search the time scale for the highest load meeting --target-attainment",
+    )  # fmt: skip
+    p.add_argument(
+        "--target-attainment", type=fraction, default=defaults.target_attainment, metavar="F",
+        help=f"with --find-capacity: the share of requests sent that must meet both SLOs (default {TARGET_ATTAINMENT})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-probes", type=positive_int, default=defaults.max_probes, metavar="N",
+        help=f"with --find-capacity: runs the search may make (default {MAX_PROBES})",
+    )  # fmt: skip
+    p.add_argument(
+        "--start-scale", type=positive_float, default=defaults.start_scale, metavar="X",
+        help=f"with --find-capacity: the first probe's time scale (default {defaults.start_scale_shown:g})",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-scale", type=positive_float, default=None, metavar="X",
+        help="with --find-capacity: the lightest load probed, as a time scale (default 8 x --start-scale); "
+        "a lighter probe takes longer, and a server failing there has no capacity",
+    )  # fmt: skip
+    p.add_argument("--out", type=Path, default=None, metavar="DIR", help=f"where results go (default {defaults.out})")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -218,8 +249,8 @@ def find_capacity(
     result = capacity.find_capacity(
         measure,
         start_scale=args.start_scale or 1.0,
-        max_probes=args.max_probes or 6,
-        target=args.target_attainment or 0.9,
+        max_probes=args.max_probes or MAX_PROBES,
+        target=args.target_attainment or TARGET_ATTAINMENT,
         max_scale=args.max_scale,
         label=label,
     )

@@ -105,3 +105,21 @@ def test_the_baselines_probes_make_its_capacity(tmp_path):
     assert found.label == "kvserve-baseline"
     assert [(p.time_scale, p.offered_rps, p.slo_attainment) for p in found.probes] == [(4.0, 1.0, 1.0), (2.0, 1.0, 0.0)]
     assert found.capacity_rps == 1.0 and found.probes[0].summary is summaries[0]
+
+
+def test_the_workload_options_are_kvserve_benchs_own_with_this_scripts_defaults():
+    from kvserve.cli.main import build_parser
+
+    shared = ["--trace", "/t.jsonl", "--start", "7", "--warm-history", "--block-tokens", "8", "--max-input", "0",
+              "--max-output", "4", "--slo-ttft-ms", "900", "--slo-tbt-ms", "90", "--seed", "5", "--find-capacity",
+              "--target-attainment", "0.8", "--max-probes", "3", "--start-scale", "2", "--max-scale", "8",
+              "--out", "/o"]  # fmt: skip
+    ours = vars(parser().parse_args(shared))
+    theirs = vars(build_parser().parse_args(["bench", "--base-url", "http://127.0.0.1:1", *shared]))
+    names = ("trace", "start", "warm_history", "block_tokens", "max_input", "max_output", "slo_ttft_ms", "slo_tbt_ms",
+             "seed", "find_capacity", "target_attainment", "max_probes", "start_scale", "max_scale", "out")  # fmt: skip
+    assert {n: ours[n] for n in names} == {n: theirs[n] for n in names}
+    defaults = parser().parse_args([])
+    assert (defaults.max_input, defaults.max_output, defaults.start_scale, defaults.max_probes) == (1024, 16, 4.0, 6)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--max-output", "0"])  # kvserve bench's check: at least 1
