@@ -6,7 +6,9 @@ the rest from a decode worker, or all of them from one process (and after a
 migration, whose index goes on from the tokens generated before it).
 
 A batch where no request asks for more than temperature, top-k and top-p is
-sampled as it comes. A request with a grammar has its sequence's grammar state
+sampled as it comes: a row drawn from is drawn by one uniform number against its
+cumulative distribution (a pass over the vocabulary, not a random number per
+token), and top-p sorts only as many of the likeliest tokens as hold its mass. A request with a grammar has its sequence's grammar state
 brought up to date first (built from its generated tokens the first time: on the
 prefill worker, the decode worker and after a migration alike), and advanced by
 the token drawn. Otherwise `logits_processors.apply_controls` gives the
@@ -32,6 +34,7 @@ _MASK63 = (1 << 63) - 1
 # A request's sequences draw apart: choice c's indices start c * _CHOICE on (mod 2^32: torch's
 # CPU generator keeps a seed's low 32 bits); for n up to 128 any two start over 2e7 indices apart.
 _CHOICE = 0x9E3779B1
+_NUCLEUS_FIRST = 256  # top-p sorts this many of the likeliest tokens first (`_nucleus`)
 
 
 @dataclass(frozen=True)
@@ -89,18 +92,38 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
         kth = torch.topk(logits, p.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    ids = None
     if p.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        # drop a token once the mass before it already reaches top_p (the first always stays)
-        drop = (sorted_probs.cumsum(0) - sorted_probs) >= p.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs, ids = _nucleus(probs, p.top_p)
     generator = None
     if p.seed is not None:
         generator = torch.Generator().manual_seed((p.seed * _MIX + index) & _MASK63)
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, in one pass.
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / race).argmax())
+    drawn = _draw(probs, generator)
+    return drawn if ids is None else int(ids[drawn])
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tokens top-p keeps, likeliest first: (their probabilities, their ids). A token
+    is dropped once the mass before it already reaches ``top_p`` (the first always
+    stays). Only the likeliest ``k`` are sorted, ``k`` growing until they hold
+    ``top_p`` of the mass, so the cut is the full sort's without its cost."""
+    k, vocab = min(_NUCLEUS_FIRST, probs.numel()), probs.numel()
+    while True:
+        values, ids = probs.topk(k)  # descending
+        if k == vocab or float(values.sum()) >= top_p:  # every kept token is among these k
+            break
+        k = min(vocab, k * 8)
+    keep = int(((values.cumsum(0) - values) < top_p).sum())
+    return values[:keep], ids[:keep]
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index drawn with probability proportional to ``probs`` (1-D, not normalised):
+    one uniform number against the cumulative sum (in float64: its rounding over a
+    vocabulary stays far below any probability that matters)."""
+    cdf = probs.double().cumsum(0)
+    u = torch.rand(1, dtype=torch.float64, generator=generator)
+    return int(torch.searchsorted(cdf, u * cdf[-1], right=True).clamp_(max=cdf.numel() - 1))
 
 
 def _logprobs(processed: torch.Tensor, tokens: list[int], params: list[SamplingParams]) -> list[TokenLogprobs | None]:

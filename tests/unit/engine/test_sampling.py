@@ -36,6 +36,16 @@ def test_top_k_and_top_p_cut_the_tail():
     assert set(draws(SamplingParams(temperature=1.0, top_p=0.3, seed=0))) == {1}
 
 
+def test_top_p_keeps_what_sorting_the_whole_vocabulary_keeps():
+    # nearly flat over 4,096 tokens: top_p 0.5 keeps about 2,000 of them, more than are sorted first
+    logits = -torch.arange(4096.0)[None, :] * 1e-4
+    probs = torch.softmax(logits[0].double(), -1)
+    kept = int(((probs.cumsum(0) - probs) < 0.5).sum())
+    drawn = [sample(logits, [SamplingParams(temperature=1.0, top_p=0.5, seed=1)], [i])[0] for i in range(2000)]
+    assert max(drawn) < kept and max(drawn) > 1000
+    assert 1000 < len(set(drawn)) < kept
+
+
 def test_temperature_follows_the_distribution():
     counts = torch.bincount(torch.tensor(draws(SamplingParams(temperature=1.0, seed=7), 4000)), minlength=5)
     probs = torch.softmax(LOGITS[0], -1)
