@@ -55,6 +55,10 @@ SERVICE_ROLES = tuple(Role)
 OBSERVER, ADMIN = "observer", "admin"
 TOOLS = (OBSERVER, ADMIN)
 SERVER_CONFIG = Path("nats-server") / "nats.conf"  # under the auth directory
+CLUSTER_CONFIG = Path("nats-server") / "cluster.conf"  # beside it: the users and the routes of a cluster
+CLUSTER_NAME = "kvserve"
+ROUTE_USER = "route"  # the user the servers of one cluster connect their routes as
+CLUSTER_PORT = 6222  # nats-server's usual route port
 CREDENTIALS = "credentials.json"  # under the auth directory, in a folder per user
 MIN_SECRET_LENGTH = 16
 
@@ -238,6 +242,28 @@ def derived_passwords(secret: str, identities: Iterable[Identity]) -> dict[str, 
                                          .digest()).decode().rstrip("=")
         for identity in identities
     }  # fmt: skip
+
+
+def derived_route_password(secret: str) -> str:
+    """The route user's password from the deployment's one secret (see `derived_passwords`)."""
+    return derived_passwords(secret, [Identity(ROUTE_USER)])[ROUTE_USER]
+
+
+def cluster_config(users_file: str, listen: str, password: str, routes: Iterable[str]) -> str:
+    """A cluster member's configuration: the users' file (``users_file``, beside it),
+    included, and the cluster block: where it takes routes (``listen``, host:port) and
+    the route URLs of the members (``routes``, host:port; its own is ignored by
+    nats-server), each authenticating as the route user."""
+    urls = [json.dumps(f"nats://{ROUTE_USER}:{password}@{route}") for route in routes]
+    return (
+        f'include "{users_file}"\n'
+        "cluster {\n"
+        f'  name: "{CLUSTER_NAME}"\n'
+        f'  listen: "{listen}"\n'
+        f'  authorization {{ user: "{ROUTE_USER}", password: {json.dumps(password)} }}\n'
+        f"  routes: [{', '.join(urls)}]\n"
+        "}\n"
+    )
 
 
 def server_config(identities: Iterable[Identity], passwords: dict[str, str]) -> str:

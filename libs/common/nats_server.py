@@ -28,15 +28,13 @@ from pathlib import Path
 from libs.common.nats_auth import (
     AuthFiles,
     Identity,
+    cluster_config,
     instance_identities,
     random_passwords,
     role_identities,
     write_auth_files,
     write_private,
 )
-
-CLUSTER_NAME = "kvserve"
-ROUTE_USER = "route"  # the user servers of one cluster connect their routes as
 
 
 class NatsServerError(RuntimeError):
@@ -163,18 +161,9 @@ class NatsServer:
     def _cluster_config(self) -> str:
         """The users' configuration, included, and the cluster block: where this server takes
         routes (the same port again on a restart) and the other servers' route URLs."""
-        password = json.dumps(self.routes.password)
-        routes = [json.dumps(f"nats://{ROUTE_USER}:{self.routes.password}@{self.host}:{port}")
-                  for port in self.routes.peers()]  # fmt: skip
-        return (
-            f'include "{self._auth.server_config.name}"\n'
-            "cluster {\n"
-            f'  name: "{CLUSTER_NAME}"\n'
-            f'  listen: "{self.host}:{self.route_port or -1}"\n'
-            f'  authorization {{ user: "{ROUTE_USER}", password: {password} }}\n'
-            f"  routes: [{', '.join(routes)}]\n"
-            "}\n"
-        )
+        peers = [f"{self.host}:{port}" for port in self.routes.peers()]
+        return cluster_config(self._auth.server_config.name, f"{self.host}:{self.route_port or -1}", self.routes.password,
+                              peers)  # fmt: skip
 
     @property
     def pid(self) -> int | None:

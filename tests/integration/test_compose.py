@@ -1,13 +1,18 @@
 """docker-compose.yml and the Dockerfile, checked against the code they run (no
 Docker engine needed): commands name real service modules, every KVSERVE_*
-variable set is one the code reads, ports and the NATS URL line up, each service
+variable set is one the code reads, ports and the NATS URLs line up, each service
 finds its own NATS credentials and no other's (the store, whose id is fixed, a user
-of its own), and nothing stops `docker compose up --scale`."""
+of its own), the three nats-servers route to one another (run for real here, from
+the files nats-config writes), and nothing stops `docker compose up --scale`."""
 
+import asyncio
 import importlib.util
 import json
 import re
+import socket
 import subprocess
+import tempfile
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -15,7 +20,7 @@ import pytest
 import yaml
 
 from kvserve.cli.main import main as kvserve
-from libs.common.nats_auth import load_credentials
+from libs.common.nats_auth import CLUSTER_PORT, load_credentials, server_urls
 from libs.common.nats_server import find_nats_server
 from libs.common.settings import service_env
 
@@ -126,13 +131,20 @@ def mounts(service: dict) -> dict[str, str]:
     return found
 
 
+def nats_servers(services: dict) -> list[str]:
+    return sorted(name for name in services if re.fullmatch(r"nats-\d+", name))
+
+
 def test_every_service_reaches_nats_by_name_with_its_own_roles_credentials_only(compose):
     services = compose["services"]
     job = {volume: path for path, volume in mounts(services["nats-config"]).items()}
+    servers = nats_servers(services)
+    assert servers == ["nats-0", "nats-1", "nats-2"]
     for name in SERVICES:
         env = environment(services[name])
-        url = urlsplit(env["KVSERVE_NATS_URL"])
-        assert (url.scheme, url.hostname, url.port, url.username, url.password) == ("nats", "nats", 4222, None, None)
+        urls = [urlsplit(url) for url in server_urls(env["KVSERVE_NATS_URL"])]
+        assert [(u.scheme, u.hostname, u.port, u.username, u.password) for u in urls] == [
+            ("nats", server, 4222, None, None) for server in servers]  # every server, no secret
         credentials = Path(env["KVSERVE_NATS_CREDENTIALS"])
         auth = {path: volume for path, volume in mounts(services[name]).items() if volume.startswith("nats-auth-")}
         user = NATS_USERS[name]
@@ -140,8 +152,10 @@ def test_every_service_reaches_nats_by_name_with_its_own_roles_credentials_only(
         assert job[f"nats-auth-{user}"] == str(credentials.parent)  # where nats-config writes that user's
         depends = services[name]["depends_on"]
         assert depends["nats-config"]["condition"] == "service_completed_successfully"
-    assert services["nats"]["depends_on"]["nats-config"]["condition"] == "service_completed_successfully"
-    assert services["nats"]["image"].startswith("nats:2.10")
+        assert set(servers) <= set(depends)
+    for server in servers:
+        assert services[server]["depends_on"]["nats-config"]["condition"] == "service_completed_successfully"
+        assert services[server]["image"].startswith("nats:2.10")
 
 
 def test_nats_config_writes_what_nats_server_and_each_service_read(compose, tmp_path, monkeypatch):
@@ -162,11 +176,15 @@ def test_nats_config_writes_what_nats_server_and_each_service_read(compose, tmp_
                 return written[volume.removesuffix(":ro")] / Path(path).relative_to(target)
         raise AssertionError(f"{path} is on no volume")
 
-    nats_args = services["nats"]["command"]
-    config = read_through(services["nats"], nats_args[nats_args.index("-c") + 1])
-    checked = subprocess.run([find_nats_server(), "-t", "-c", str(config)], capture_output=True, text=True)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    text = config.read_text()
+    for server in nats_servers(services):
+        nats_args = services[server]["command"]
+        config = read_through(services[server], nats_args[nats_args.index("-c") + 1])
+        checked = subprocess.run([find_nats_server(), "-t", "-c", str(config)], capture_output=True, text=True)
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+    routes = re.findall(r"nats://route:[^@]+@([\w.-]+):(\d+)", config.read_text())
+    assert routes == [(server, str(CLUSTER_PORT)) for server in nats_servers(services)]  # every server, where it listens
+    assert f'listen: "0.0.0.0:{CLUSTER_PORT}"' in config.read_text()
+    text = config.with_name("nats.conf").read_text()  # the users, which cluster.conf includes
     users = {u["user"]: u["password"] for u in json.loads(text[text.index("{") :])["authorization"]["users"]}
     store_env = environment(services["store"])
     for name in SERVICES:
@@ -175,6 +193,78 @@ def test_nats_config_writes_what_nats_server_and_each_service_read(compose, tmp_
         assert credentials.user == NATS_USERS[name] and credentials.password == users[NATS_USERS[name]]
     assert store_env["KVSERVE_INSTANCE_ID"] == "store-0"  # the instance its user is named after
 
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_three_nats_servers_route_to_one_another(compose, tmp_path, monkeypatch):
+    """nats-config's job with the servers' names swapped for local route ports, each
+    server run with its own command (here on 127.0.0.1): a message published on one
+    server reaches a subscriber on another."""
+    services = compose["services"]
+    servers = nats_servers(services)
+    command = services["nats-config"]["command"]
+    route_ports = {server: _free_port() for server in servers}
+    routes = command.index("--routes") + 1
+    local = [*command[3:routes], ",".join(f"127.0.0.1:{route_ports[s]}" for s in servers), *command[routes + 1 :]]
+    monkeypatch.setenv("KVSERVE_NATS_SECRET", environment(services["nats-config"])["KVSERVE_NATS_SECRET"])
+    assert kvserve(["nats-config", str(tmp_path), *local]) == 0
+    procs, client_ports = [], {}
+    try:
+        for server in servers:
+            args = services[server]["command"]
+            config = tmp_path / Path(args[args.index("-c") + 1]).relative_to(command[2])
+            ports_dir = tempfile.mkdtemp(dir=tmp_path)
+            procs.append(subprocess.Popen(
+                [find_nats_server(), *[str(config) if a == args[args.index("-c") + 1] else a for a in args],
+                 "-a", "127.0.0.1", "-p", "-1", "--cluster_listen", f"nats://127.0.0.1:{route_ports[server]}",
+                 "--ports_file_dir", ports_dir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+            client_ports[server] = _client_port(Path(ports_dir), procs[-1])
+        admin = load_credentials(tmp_path / "admin" / "credentials.json")
+        assert asyncio.run(_crosses(client_ports[servers[0]], client_ports[servers[-1]], admin)) == b"routed"
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=10)
+
+def _client_port(ports_dir: Path, proc: subprocess.Popen) -> int:
+    """The client port a nats-server wrote to its ports file, once it listens."""
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"nats-server exited with {proc.returncode}"
+        for found in ports_dir.glob("*.ports"):
+            try:
+                return int(json.loads(found.read_text())["nats"][0].rsplit(":", 1)[1])
+            except (json.JSONDecodeError, KeyError):
+                pass
+        time.sleep(0.02)  # polling the ports file, which nats-server writes once it listens
+    raise AssertionError("nats-server wrote no ports file")
+
+async def _crosses(publisher_port: int, subscriber_port: int, user) -> bytes:
+    """Publish on one server until a subscriber on the other hears it (routes come up in
+    the background); the message heard."""
+    import nats
+
+    options = {"user": user.user, "password": user.password, "allow_reconnect": False}
+    sub_nc = await nats.connect(f"nats://127.0.0.1:{subscriber_port}", **options)
+    pub_nc = await nats.connect(f"nats://127.0.0.1:{publisher_port}", **options)
+    try:
+        sub = await sub_nc.subscribe("kvserve.test.routed")
+        await sub_nc.flush()
+        for _ in range(150):  # up to 15 s for the routes and the subscription's interest to spread
+            await pub_nc.publish("kvserve.test.routed", b"routed")
+            await pub_nc.flush()
+            try:
+                return (await sub.next_msg(timeout=0.1)).data
+            except nats.errors.TimeoutError:
+                continue
+        raise AssertionError("no message crossed the route")
+    finally:
+        await pub_nc.close()
+        await sub_nc.close()
 
 def test_the_image_makes_the_credentials_mount_points_private_to_its_user(compose):
     dockerfile = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
@@ -185,7 +275,6 @@ def test_the_image_makes_the_credentials_mount_points_private_to_its_user(compos
     assert targets and all(f" {path}" in install for path in targets)
     assert dockerfile.index("useradd") < dockerfile.index("RUN install -d")
 
-
 def test_workers_share_a_host_id_a_dtype_and_dev_shm(compose):
     services = compose["services"]
     workers = ("prefill", "decode", "store")
@@ -194,13 +283,11 @@ def test_workers_share_a_host_id_a_dtype_and_dev_shm(compose):
     assert {env["KVSERVE_DTYPE"] for env in envs} == {"float32"}
     assert all(services[name].get("ipc") == "host" for name in workers)
 
-
 def test_nothing_prevents_scaling(compose):
     for name, service in compose["services"].items():
         assert "container_name" not in service, f"{name} has a container_name: --scale would fail"
     for name in ("conductor", "prefill", "decode", "gateway"):
         assert "KVSERVE_INSTANCE_ID" not in environment(compose["services"][name])  # random per process
-
 
 def test_the_conductor_scales_to_replicas_with_ids_of_their_own(compose, monkeypatch):
     """`docker compose up --scale conductor=2`: no host port to collide on, and each
@@ -213,7 +300,6 @@ def test_the_conductor_scales_to_replicas_with_ids_of_their_own(compose, monkeyp
     ids = {service_env("conductor")["instance_id"] for _ in range(2)}
     assert len(ids) == 2 and all(i.startswith("conductor-") for i in ids)
 
-
 def test_the_store_keeps_its_identity_and_its_disk_tier_across_restarts(compose):
     store = compose["services"]["store"]
     env = environment(store)
@@ -221,7 +307,6 @@ def test_the_store_keeps_its_identity_and_its_disk_tier_across_restarts(compose)
     mounts = {target: source for source, target in (v.split(":")[:2] for v in store["volumes"])}
     assert env["KVSERVE_STORE_DIR"] in mounts  # the disk tier is on the volume...
     assert mounts[env["KVSERVE_STORE_DIR"]] in compose["volumes"]  # ...a named one, not the container's layer
-
 
 def test_the_dockerfile_installs_cpu_torch_before_the_project():
     lines = [line.strip() for line in (ROOT / "Dockerfile").read_text().splitlines()]
@@ -241,11 +326,9 @@ def test_the_dockerfile_installs_cpu_torch_before_the_project():
     user = [line for line in lines if line.startswith("USER ")]
     assert user and user[-1] not in ("USER root", "USER 0")
 
-
 # --- docker compose --profile observability up ------------------------------------------
 OBSERVABILITY = ("prometheus", "grafana")
 METRIC_NAME = re.compile(r"\bkvserve_[a-z0-9_]+\b")
-
 
 def bind_mounts(service: dict) -> dict[str, Path]:
     """Container path -> the file or folder of this repository mounted there."""
@@ -256,7 +339,6 @@ def bind_mounts(service: dict) -> dict[str, Path]:
             found[target] = ROOT / source
     return found
 
-
 def test_the_observability_profile_adds_prometheus_and_grafana_pinned_and_only_on_request(compose):
     services = compose["services"]
     for name, image in (("prometheus", "prom/prometheus:v"), ("grafana", "grafana/grafana:")):
@@ -266,7 +348,6 @@ def test_the_observability_profile_adds_prometheus_and_grafana_pinned_and_only_o
         assert all(str(port).startswith("127.0.0.1:") for port in service["ports"])  # loopback only
         assert all(path.exists() for path in bind_mounts(service).values())
     assert all("profiles" not in services[name] for name in SERVICES)  # kvserve itself runs without the profile
-
 
 def test_every_service_serves_its_metrics_where_prometheus_looks(compose):
     services = compose["services"]
@@ -285,7 +366,6 @@ def test_every_service_serves_its_metrics_where_prometheus_looks(compose):
     assert mounted["/etc/prometheus/prometheus.yml"] == ROOT / "deploy" / "prometheus" / "prometheus.yml"
     assert all(Path(rules) in map(Path, mounted) for rules in config["rule_files"])
 
-
 def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose):
     grafana = compose["services"]["grafana"]
     mounted = bind_mounts(grafana)
@@ -303,7 +383,6 @@ def test_grafana_is_provisioned_with_prometheus_and_the_dashboard(compose):
     uses = {t["datasource"]["uid"] for p in dashboard["panels"] for t in p.get("targets", [])}
     assert uses == {"${datasource}"}  # every query goes to the chosen Prometheus
 
-
 def declared_metrics() -> set[str]:
     """Every kvserve_* name the code declares, as it is scraped (counters end in _total)."""
     names = set()
@@ -311,7 +390,6 @@ def declared_metrics() -> set[str]:
         for path in (ROOT / folder).rglob("*.py"):
             names |= set(re.findall(r'"(kvserve_[a-z0-9_]+)"', path.read_text()))
     return names
-
 
 def test_the_dashboard_and_the_alerts_query_only_metrics_the_code_declares():
     declared = declared_metrics()

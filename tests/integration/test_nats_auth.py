@@ -421,7 +421,8 @@ def test_a_local_cluster_serves_with_each_instance_its_own_user_and_nothing_refu
 
 
 async def test_a_nats_cluster_routes_messages_and_keeps_route_and_user_secrets_off_command_lines():
-    from libs.common.nats_server import ROUTE_USER, NatsCluster
+    from libs.common.nats_auth import ROUTE_USER
+    from libs.common.nats_server import NatsCluster
 
     cluster = NatsCluster(3).start()
     try:

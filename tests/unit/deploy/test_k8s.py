@@ -9,6 +9,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,6 +36,8 @@ WORKERS = ("prefill", "decode", "store")  # the processes that move KV bytes
 NATS_SECRET = "a-test-secret-of-32-characters.."
 API_KEY = "test-key"
 POD_IP = "10.1.2.3"
+# the NATS servers' route addresses, as base/kustomization.yaml has `kvserve nats-config` given them
+ROUTES = "nats-0.nats-cluster:6222,nats-1.nats-cluster:6222,nats-2.nats-cluster:6222"
 
 
 def kubectl() -> str:
@@ -52,7 +55,7 @@ def auth_tree(tmp_path_factory) -> Path:
     shutil.copytree(K8S, tree, ignore=shutil.ignore_patterns("auth"))
     os.environ["KVSERVE_NATS_SECRET"] = NATS_SECRET
     try:
-        assert kvserve(["nats-config", str(tree / "base" / "auth")]) == 0
+        assert kvserve(["nats-config", str(tree / "base" / "auth"), "--routes", ROUTES]) == 0
     finally:
         del os.environ["KVSERVE_NATS_SECRET"]
     (tree / "base" / "auth" / "api-key").write_text(API_KEY)
@@ -214,17 +217,17 @@ def test_services_reach_ports_their_pods_have(rendered):
 
 def test_every_service_reaches_nats_with_its_own_role_s_credentials_only(rendered):
     _, objects = rendered
-    nats = find(objects, "Deployment", "nats")
+    nats = find(objects, "StatefulSet", "nats")
     (server,) = nats["spec"]["template"]["spec"]["containers"]
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    assert server["image"] == compose["services"]["nats"]["image"]  # the official image, the same tag
+    assert server["image"] == compose["services"]["nats-0"]["image"]  # the official image, the same tag
     service = find(objects, "Service", "nats")
     client = next(p for p in service["spec"]["ports"] if p["name"] == "client")
     assert port_of(server, client["targetPort"]) == 4222  # nats-server's default: nats.conf sets no port
     secret_names = {v["name"]: v["secret"]["secretName"] for v in nats["spec"]["template"]["spec"]["volumes"]}
     config_path = Path(server["args"][server["args"].index("-c") + 1])
     (mount,) = [m for m in server["volumeMounts"] if config_path.is_relative_to(m["mountPath"])]
-    config = secret_file(find(objects, "Secret", secret_names[mount["name"]]), config_path.name)
+    config = secret_file(find(objects, "Secret", secret_names[mount["name"]]), "nats.conf")  # cluster.conf includes it
     users = {u["user"]: u["password"] for u in json.loads(config[config.index("{") :])["authorization"]["users"]}
     for role in SERVICES:
         env = environment(objects, role)
@@ -244,10 +247,34 @@ def test_every_service_reaches_nats_with_its_own_role_s_credentials_only(rendere
 def test_nats_server_accepts_its_configuration(rendered, tmp_path):
     _, objects = rendered
     secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].startswith("kvserve-nats-server"))
-    config = tmp_path / "nats.conf"
-    config.write_text(secret_file(secret, "nats.conf"))
+    for name in secret["data"]:  # as the pod's volume has them, side by side
+        (tmp_path / name).write_text(secret_file(secret, name))
+    (server,) = find(objects, "StatefulSet", "nats")["spec"]["template"]["spec"]["containers"]
+    config = tmp_path / Path(server["args"][server["args"].index("-c") + 1]).name
     checked = subprocess.run([find_nats_server(), "-t", "-c", str(config)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_prod_runs_three_nats_servers_routed_to_one_another_and_dev_one(rendered):
+    overlay, objects = rendered
+    nats = find(objects, "StatefulSet", "nats")
+    (server,) = nats["spec"]["template"]["spec"]["containers"]
+    config = Path(server["args"][server["args"].index("-c") + 1]).name
+    if overlay == "dev":
+        assert (nats["spec"]["replicas"], config) == (1, "nats.conf")
+        return
+    assert (nats["spec"]["replicas"], config) == (3, "cluster.conf")
+    headless = find(objects, "Service", nats["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    (port,) = headless["spec"]["ports"]
+    assert port_of(server, port["targetPort"]) == port["port"]
+    secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"].startswith("kvserve-nats-server"))
+    text = secret_file(secret, "cluster.conf")
+    routes = re.findall(r"nats://route:[^@]+@([\w.-]+):(\d+)", text)
+    name = nats["metadata"]["name"]
+    assert routes == [(f"{name}-{i}.{headless['metadata']['name']}", str(port["port"])) for i in range(3)]
+    assert f'listen: "0.0.0.0:{port["port"]}"' in text
+    assert f"--routes {ROUTES}" in (K8S / "base" / "kustomization.yaml").read_text()  # the command it tells
 
 
 def test_the_store_is_a_stateful_set_with_a_claim_per_shard_and_stable_ids(rendered):
