@@ -111,7 +111,7 @@ def back_in_service(cluster: LocalCluster, victim: str | None, killed_wall: floa
                 cluster.wait_for(lambda hbs: all(i in hbs for i in cluster.instance_ids), timeout=120)
             loop.call_soon_threadsafe(lambda: future.done() or future.set_result(None))
         except TimeoutError as e:
-            loop.call_soon_threadsafe(lambda: future.done() or future.set_exception(e))
+            loop.call_soon_threadsafe(lambda error=e: future.done() or future.set_exception(error))
 
     loop.run_in_executor(None, wait)
     return future

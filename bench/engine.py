@@ -33,6 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from libs.engine.model import steps
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -123,7 +125,7 @@ def kvserve_worker(
     def prefill(n: int, seed: int) -> float:
         seq = Sequence.from_prompt(f"p{seed}", random_prompt(n, seed))
         start = time.perf_counter()
-        engine.prefill([seq])
+        steps.prefill(engine, [seq])
         elapsed = time.perf_counter() - start
         engine.cache.free(seq)
         return n / elapsed
@@ -139,11 +141,11 @@ def kvserve_worker(
         generator.step()  # every prefill and each sequence's first token
         while generator.running and len(generator.running) < batch:
             generator.step()
-        start, steps = time.perf_counter(), 0
+        start, num_steps = time.perf_counter(), 0
         while generator.has_work:
             generator.step()
-            steps += 1
-        emit(decode=batch, tok_s=batch * steps / (time.perf_counter() - start), steps=steps)
+            num_steps += 1
+        emit(decode=batch, tok_s=batch * num_steps / (time.perf_counter() - start), steps=num_steps)
     emit(memory=memory_kib())
 
 

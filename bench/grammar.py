@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from libs.engine.model import steps  # noqa: E402
 from libs.engine.model.engine import EngineConfig  # noqa: E402
 from libs.engine.model.grammar import GrammarCompiler  # noqa: E402
 from libs.engine.model.loader import build_engine, load_model  # noqa: E402
@@ -56,19 +57,19 @@ def batch(model, engine, size: int, grammar: Grammar | None, grammars: GrammarCo
         params = SamplingParams(max_tokens=1000, temperature=1.0, seed=i, ignore_eos=True,
                                 grammar=grammar if i % 2 == 0 else None)  # fmt: skip
         seqs.append(Sequence.from_prompt(f"r{i}", [*prompt, i % 7], params))  # distinct prompts: no shared blocks
-    logits = engine.prefill(seqs)
+    logits = steps.prefill(engine, seqs)
     sample_tokens(seqs, logits, lambda s: None, model.tokenizer.eos_token_ids, grammars)
     return seqs
 
 
-def time_steps(model, engine, seqs: list[Sequence], steps: int,
+def time_steps(model, engine, seqs: list[Sequence], num_steps: int,
                grammars: GrammarCompiler) -> list[tuple[float, float]]:  # fmt: skip
-    """(whole step, sampler alone) seconds of each of ``steps`` decode steps."""
+    """(whole step, sampler alone) seconds of each of ``num_steps`` decode steps."""
     eos = model.tokenizer.eos_token_ids
     out = []
-    for _ in range(steps):
+    for _ in range(num_steps):
         start = time.perf_counter()
-        logits = engine.decode_step(seqs)
+        logits = steps.decode(engine, seqs)
         sampling = time.perf_counter()
         sample_tokens(seqs, logits, lambda s: None, eos, grammars)
         end = time.perf_counter()
@@ -76,14 +77,14 @@ def time_steps(model, engine, seqs: list[Sequence], steps: int,
     return out
 
 
-def step_times(model, size: int, steps: int, rounds: int, grammar: Grammar, grammars: GrammarCompiler) -> dict[str, float]:
+def step_times(model, size: int, num_steps: int, rounds: int, grammar: Grammar, grammars: GrammarCompiler) -> dict[str, float]:
     times: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for r in range(rounds):
         for constrained in (True, False) if r % 2 == 0 else (False, True):  # neither always goes first
             engine = build_engine(model, EngineConfig(num_blocks=64 * size // 8 + 64, enable_prefix_cache=False))
             seqs = batch(model, engine, size, grammar if constrained else None, grammars)
             time_steps(model, engine, seqs, 2, grammars)  # warm
-            times[constrained] += time_steps(model, engine, seqs, steps, grammars)
+            times[constrained] += time_steps(model, engine, seqs, num_steps, grammars)
     step = {c: statistics.median(t for t, _ in times[c]) for c in times}
     sampler = {c: statistics.median(s for _, s in times[c]) for c in times}
     return {"with_ms": step[True] * 1e3, "without_ms": step[False] * 1e3,
@@ -125,7 +126,7 @@ def main() -> None:
     model = load_model(None, dtype=args.dtype, progress=False)
     compiled = compile_times(model)
     grammars = GrammarCompiler(model.tokenizer, model.model.config.vocab_size)
-    steps = {(size, name): step_times(model, size, args.steps, args.rounds, grammar, grammars)
+    timed = {(size, name): step_times(model, size, args.steps, args.rounds, grammar, grammars)
              for size in (8, 32) for name, grammar in GRAMMARS.items()}  # fmt: skip
     lines = [
         "# Constrained decoding: decode step and compile time",
@@ -140,7 +141,7 @@ def main() -> None:
         "| sampler, with / without (ms) |",
         "|---|---|---|---|---|---|",
         *(f"| {size} | {name} | {s['with_ms']:.1f} | {s['without_ms']:.1f} | {s['slower_pct']:+.1f}% | "
-          f"{s['sampler_with_ms']:.2f} / {s['sampler_without_ms']:.2f} |" for (size, name), s in steps.items()),
+          f"{s['sampler_with_ms']:.2f} / {s['sampler_without_ms']:.2f} |" for (size, name), s in timed.items()),
         "",
         f"Compile (20 schemas of tests/integration/structured_schemas.py): cold median "
         f"{compiled['cold_median_ms']:.1f} ms, max {compiled['cold_max_ms']:.1f} ms; cached median "

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from libs.engine.model import steps
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -95,7 +97,7 @@ def main() -> int:
             attention.prefill_path = path
             seq = Sequence.from_prompt(f"{path}-{n}", ids)
             start = time.perf_counter()
-            logits = engine.prefill([seq])
+            logits = steps.prefill(engine, [seq])
             elapsed = time.perf_counter() - start
             engine.cache.free(seq)
             return n / elapsed, logits

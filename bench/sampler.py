@@ -26,6 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from libs.engine.model import sampling  # noqa: E402
+from libs.engine.model import steps  # noqa: E402
 from libs.engine.model.engine import EngineConfig  # noqa: E402
 from libs.engine.model.loader import build_engine, load_model  # noqa: E402
 from libs.engine.model.scheduler import sample_tokens  # noqa: E402
@@ -65,17 +66,17 @@ def batch(model, engine, size: int, params: dict) -> list[Sequence]:
     seqs = [Sequence.from_prompt(f"r{i}", [*prompt, i % 7], SamplingParams(max_tokens=1000, ignore_eos=True, seed=i,
                                                                             **params))
             for i in range(size)]  # fmt: skip
-    logits = engine.prefill(seqs)
+    logits = steps.prefill(engine, seqs)
     sample_tokens(seqs, logits, lambda s: None, model.tokenizer.eos_token_ids)
     return seqs
 
 
-def time_steps(model, engine, seqs: list[Sequence], steps: int) -> list[tuple[float, float]]:
-    """(whole step, sampler alone) seconds of each of ``steps`` decode steps."""
+def time_steps(model, engine, seqs: list[Sequence], num_steps: int) -> list[tuple[float, float]]:
+    """(whole step, sampler alone) seconds of each of ``num_steps`` decode steps."""
     eos, out = model.tokenizer.eos_token_ids, []
-    for _ in range(steps):
+    for _ in range(num_steps):
         start = time.perf_counter()
-        logits = engine.decode_step(seqs)
+        logits = steps.decode(engine, seqs)
         sampled = time.perf_counter()
         sample_tokens(seqs, logits, lambda s: None, eos)
         end = time.perf_counter()
@@ -83,7 +84,7 @@ def time_steps(model, engine, seqs: list[Sequence], steps: int) -> list[tuple[fl
     return out
 
 
-def step_times(model, size: int, params: dict, steps: int, rounds: int) -> dict[str, tuple[float, float]]:
+def step_times(model, size: int, params: dict, num_steps: int, rounds: int) -> dict[str, tuple[float, float]]:
     samplers: dict[str, Callable] = {"this": sampling._sample_row, "previous": previous_sample_row}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in samplers}
     for r in range(rounds):
@@ -92,7 +93,7 @@ def step_times(model, size: int, params: dict, steps: int, rounds: int) -> dict[
                 engine = build_engine(model, EngineConfig(num_blocks=64 * size // 8 + 64, enable_prefix_cache=False))
                 seqs = batch(model, engine, size, params)
                 time_steps(model, engine, seqs, 2)  # warm
-                times[name] += time_steps(model, engine, seqs, steps)
+                times[name] += time_steps(model, engine, seqs, num_steps)
     return {name: (statistics.median(t for t, _ in ts) * 1e3, statistics.median(s for _, s in ts) * 1e3)
             for name, ts in times.items()}  # fmt: skip
 

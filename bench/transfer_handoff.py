@@ -17,6 +17,7 @@ from collections.abc import Callable
 import msgspec
 import torch
 
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.loader import LoadedModel, build_engine
 from libs.engine.model.sequence import Sequence
@@ -80,13 +81,13 @@ class HandoffBench:
 
     async def prefill_only(self, seq: Sequence) -> dict[str, float]:
         start = time.perf_counter()
-        self.engine.prefill([seq])
+        steps.prefill(self.engine, [seq])
         return {"prefill": time.perf_counter() - start}
 
     async def serial(self, seq: Sequence, transport: str) -> dict[str, float]:
         ticket, transfers = self._ticket(), self.transfers[transport]
         start = time.perf_counter()
-        self.engine.prefill([seq])
+        steps.prefill(self.engine, [seq])
         computed = time.perf_counter()
         writer = transfers.writer(ticket, self.segment.name)
         writer.submit(self.block_spans(seq))
@@ -100,7 +101,7 @@ class HandoffBench:
         # Opened before the prefill, as the worker does. Its deadline runs from here, through the
         # prefill: the default 30 s is shorter than a 2,048-token prefill on a busy 2-core machine.
         writer = transfers.writer(ticket, self.segment.name, timeout=LAYERWISE_TIMEOUT)
-        self.engine.prefill([seq], layer_done=lambda layer, done: writer.submit(self.layer_spans(seq, layer)))
+        steps.prefill(self.engine, [seq], layer_done=lambda layer, done: writer.submit(self.layer_spans(seq, layer)))
         computed = time.perf_counter()
         await transfers.finish(writer)
         end = time.perf_counter()

@@ -212,13 +212,14 @@ def _tokens(n: int, vocab: int, salt: int) -> list[int]:
 
 
 def _prefill_run(engine, num_new: int, num_cached: int) -> None:
+    from libs.engine.model import steps
     from libs.engine.model.sequence import Sequence
 
     seq = Sequence.from_prompt("calibrate", _tokens(num_cached + num_new, engine.model.config.vocab_size, 1))
     engine.cache.allocate(seq, seq.num_tokens)
     seq.num_computed_tokens = num_cached  # the "cached" part's KV is garbage: only the timing matters
     try:
-        engine.prefill([seq])
+        steps.prefill(engine, [seq])
     finally:
         engine.cache.free(seq)
 

@@ -10,6 +10,7 @@ import tempfile
 import pytest
 
 from kvserve.cli.cluster import LocalCluster
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine, load_model
@@ -30,7 +31,7 @@ def test_a_cluster_serves_a_gguf_of_the_architecture_as_one_process_does(arch):
     engine = build_engine(loaded, EngineConfig(num_blocks=64, enable_prefix_cache=False))
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     expected = Generator(engine, loaded.tokenizer).generate([PROMPT], greedy)[0]
-    logits = engine.prefill_all_logits([Sequence.from_prompt("all", PROMPT + expected.token_ids[:-1])])[0]
+    logits = steps.prefill_all_logits(engine, [Sequence.from_prompt("all", PROMPT + expected.token_ids[:-1])])[0]
     logprobs = logits[len(PROMPT) - 1 :].log_softmax(-1)[range(12), expected.token_ids].tolist()
 
     cluster = LocalCluster(prefill=1, decode=1, gateway_port=0, log=None, env=CLUSTER_ENV, model=str(path),

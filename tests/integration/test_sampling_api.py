@@ -6,6 +6,7 @@ prefill worker, the rest from the decode worker)."""
 import pytest
 import torch
 
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
@@ -29,7 +30,7 @@ def test_chat_logprobs_are_the_engines_log_softmax_streamed_and_whole(openai_cli
     ids = [out.token_id for out in in_process(smollm, prompt, SamplingParams(max_tokens=10, temperature=0))]
     assert [bytes(entry.bytes) for entry in whole] == [tok.token_bytes(i) for i in ids]  # the same tokens
     engine = build_engine(smollm, EngineConfig(num_blocks=128, enable_prefix_cache=False))
-    (logits,) = engine.prefill_all_logits([Sequence.from_prompt("reference", prompt + ids)])
+    (logits,) = steps.prefill_all_logits(engine, [Sequence.from_prompt("reference", prompt + ids)])
     for k, entry in enumerate(whole):
         expected = torch.log_softmax(logits[len(prompt) - 1 + k], dim=-1)
         assert entry.logprob == pytest.approx(expected[ids[k]].item(), abs=2e-3)

@@ -1,10 +1,11 @@
 """The model engine: prefill and decode steps over a paged KV pool.
 
-``prefill`` computes the uncached part of each sequence's tokens, in chunks of
-at most ``max_chunk_tokens``; ``decode_step`` runs one token for each sequence of
-a batch of any lengths. Both return logits and leave sampling, stopping and
-scheduling to the caller (`generator.py` in one process, the workers in the
-cluster). The engine knows nothing about text.
+``prefill_chunk`` computes the next tokens of each sequence of a chunk;
+``decode_step`` runs one token for each sequence of a batch of any lengths. Both
+compute only: each sequence's blocks must already hold its tokens (the caller
+allocates them, and cuts a prefill into chunks: `steps.py`, the scheduler, the
+prefill worker). Both return logits and leave sampling, stopping and scheduling to
+the caller. The engine knows nothing about text.
 """
 
 from collections.abc import Callable
@@ -83,80 +84,38 @@ class Engine:
         if num_prompt_tokens + max_new_tokens > self.max_model_len:
             raise PromptTooLongError(num_prompt_tokens, self.max_model_len, max_new_tokens)
 
-    def prefill(self, seqs: list[Sequence], layer_done: LayerDone | None = None) -> torch.Tensor:
-        """Compute every sequence's tokens from ``num_computed_tokens`` on; return
-        the logits of each one's last token, [B, V].
-
-        Blocks before ``num_computed_tokens`` must already hold valid K/V (a
-        cached prefix); the rest are allocated here. ``layer_done(layer, seqs)``
-        fires after each layer with the sequences whose K/V that layer completes,
-        so a layer-wise hand-off can ship it while the next layers compute.
-        """
-        hidden = self._prefill(seqs, keep_all=False, layer_done=layer_done)
-        return self.model.compute_logits(torch.cat([h[-1] for h in hidden])).float()
-
     @torch.inference_mode()
-    def prefill_chunk(self, chunk: list[tuple[Sequence, int]], layer_done: LayerDone | None = None) -> torch.Tensor | None:
-        """One step of chunked prefill, as a scheduler chose it: the next ``n`` tokens of
-        each ``(sequence, n)``, each sequence's blocks grown to hold its tokens; a partly
-        computed prompt keeps its KV for its next chunk. Returns the logits of the last
-        token of each sequence this step completes, in chunk order ([k, V]), or None when
-        it completes none. ``layer_done`` fires as in `prefill`, for those sequences."""
+    def prefill_chunk(self, chunk: list[tuple[Sequence, int]], layer_done: LayerDone | None = None,
+                      all_logits: bool = False) -> torch.Tensor | None:  # fmt: skip
+        """One step of chunked prefill, as its caller chose it: the next ``n`` tokens of each
+        ``(sequence, n)``, whose blocks must hold them; a partly computed prompt keeps its
+        KV for its next chunk. Returns the logits of the last token of each sequence this
+        step completes, in chunk order ([k, V]), or None when it completes none; with
+        ``all_logits``, those of every token computed ([sum n, V]). ``layer_done(layer,
+        seqs)`` fires after each layer with the sequences this step completes, so a
+        layer-wise hand-off can ship their K/V while the next layers compute."""
         for seq, n in chunk:
             self.check_prompt(seq.num_tokens)
             if n < 1 or seq.num_computed_tokens + n > seq.num_tokens:
                 raise ValueError(f"{seq.request_id}: cannot compute {n} more of its {seq.num_tokens} tokens")
-            self.cache.allocate(seq, seq.num_tokens)
+            self._check_blocks(seq, seq.num_computed_tokens + n)
         completing = [i for i, (seq, n) in enumerate(chunk) if seq.num_computed_tokens + n == seq.num_tokens]
         done = [chunk[i][0] for i in completing]
         on_layer = (lambda layer: layer_done(layer, done)) if layer_done is not None and done else None  # noqa: E731
         hidden = self._run_prefill_chunk(chunk, on_layer)  # [sum n, hidden]
         for seq, _ in chunk:
             self.cache.cache_full_blocks(seq)
+        if all_logits:
+            return self.model.compute_logits(hidden).float()
         if not completing:
             return None
         ends = torch.tensor([n for _, n in chunk], device=hidden.device).cumsum(0) - 1
         return self.model.compute_logits(hidden[ends[completing]]).float()
 
-    def prefill_all_logits(self, seqs: list[Sequence]) -> list[torch.Tensor]:
-        """Like ``prefill``, but the logits of every computed token: one [n_i, V] per sequence."""
-        hidden = self._prefill(seqs, keep_all=True, layer_done=None)
-        return [self.model.compute_logits(torch.cat(h)).float() for h in hidden]
-
-    @torch.inference_mode()
-    def _prefill(
-        self, seqs: list[Sequence], keep_all: bool, layer_done: LayerDone | None
-    ) -> list[list[torch.Tensor]]:
-        for seq in seqs:
-            self.check_prompt(seq.num_tokens)
-            if seq.num_computed_tokens >= seq.num_tokens:
-                raise ValueError(f"{seq.request_id}: nothing left to prefill")
-        for seq in seqs:
-            self.cache.allocate(seq, seq.num_tokens)
-        hidden: list[list[torch.Tensor]] = [[] for _ in seqs]
-        pending = list(range(len(seqs)))
-        while pending:
-            chunk, budget = [], self.config.max_chunk_tokens
-            for i in pending:
-                if budget == 0:
-                    break
-                n = min(seqs[i].num_tokens - seqs[i].num_computed_tokens, budget)
-                chunk.append((i, n))
-                budget -= n
-            completing = [seqs[i] for i, n in chunk if seqs[i].num_computed_tokens + n == seqs[i].num_tokens]
-            on_layer = None
-            if layer_done is not None and completing:
-                on_layer = lambda layer: layer_done(layer, completing)  # noqa: E731
-            out = self._run_prefill_chunk([(seqs[i], n) for i, n in chunk], on_layer)
-            start = 0
-            for i, n in chunk:
-                rows = out[start : start + n]  # [n, hidden]
-                hidden[i].append(rows if keep_all else rows[-1:])
-                start += n
-            pending = [i for i in pending if seqs[i].num_computed_tokens < seqs[i].num_tokens]
-        for seq in seqs:
-            self.cache.cache_full_blocks(seq)
-        return hidden
+    def _check_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        if len(seq.block_table) < self.cache.blocks_needed(num_tokens):
+            raise ValueError(f"{seq.request_id}: {len(seq.block_table)} blocks cannot hold {num_tokens} tokens: "
+                             "allocate them before the step")  # fmt: skip
 
     def _run_prefill_chunk(
         self, chunk: list[tuple[Sequence, int]], layer_done: Callable[[int], None] | None
@@ -177,14 +136,13 @@ class Engine:
 
     @torch.inference_mode()
     def decode_step(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Run each sequence's last token (not yet computed); return logits [B, V]."""
+        """Run each sequence's last token (not yet computed; its block allocated); return logits [B, V]."""
         for seq in seqs:
             if seq.num_computed_tokens != seq.num_tokens - 1:
                 raise ValueError(f"{seq.request_id}: decode needs exactly one uncomputed token")
             if seq.num_tokens > self.max_model_len:
                 raise PromptTooLongError(seq.num_tokens, self.max_model_len)
-        for seq in seqs:
-            self.cache.allocate(seq, seq.num_tokens)
+            self._check_blocks(seq, seq.num_tokens)
         logits = self._decode_rows(seqs)
         for seq in seqs:
             seq.num_computed_tokens += 1

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from libs.common.prefill_order import Work, plan
+from libs.engine.model import steps
 from libs.engine.model.engine import Engine
 from libs.engine.model.grammar import GrammarCompiler
 from libs.engine.model.kv_cache import KVCacheManager
@@ -309,7 +310,8 @@ class Scheduler:
 
 
 def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
-    """Schedule one step, run it on the engine, and account for its tokens: the
+    """Schedule one step, allocate its sequences' blocks, run it on the engine (a
+    prefill in chunks of at most ``max_chunk_tokens``), and account for its tokens: the
     whole of an engine loop's iteration (blocking: a worker runs it on its engine thread)."""
     batch = scheduler.schedule(engine.config.max_chunk_tokens)
     ran = batch.seqs + ([batch.chunk[0]] if batch.chunk is not None else [])
@@ -318,11 +320,12 @@ def run_step(engine: Engine, scheduler: Scheduler) -> StepResult:
     for seq in batch.seqs if batch.is_prefill else []:
         scheduler.due.pop(seq.request_id, None)  # prefilled: no longer ordered
     try:
+        steps.allocate(engine, ran)  # room for them is what schedule() checked
         if batch.chunk is not None:
             engine.prefill_chunk([batch.chunk])  # short of its last token: no logits
         logits = None
         if batch.seqs:
-            logits = engine.prefill(batch.seqs) if batch.is_prefill else engine.decode_step(batch.seqs)
+            logits = steps.prefill(engine, batch.seqs) if batch.is_prefill else engine.decode_step(batch.seqs)
         if logits is not None and batch.is_prefill:
             logits = fan_out(engine, batch, logits)
             ran = batch.seqs + ([batch.chunk[0]] if batch.chunk is not None else [])  # with the forked ones

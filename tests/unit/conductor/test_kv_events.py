@@ -5,6 +5,7 @@ gaps, catches up from snapshots, and its index ends exactly equal to the cache."
 import random
 
 from libs.common.kv_events import KVEventLog, KVEventTracker
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.loader import build_engine
 from libs.engine.model.sequence import Sequence
@@ -89,7 +90,7 @@ def test_the_index_equals_a_workers_real_prefix_cache_after_a_run_with_dropped_e
         prompt = rng.choice(prefixes) + [rng.randrange(250) for _ in range(rng.randrange(1, 30))]
         seq = Sequence.from_prompt(f"r{i}", prompt)
         engine.cache.match_prefix(seq)
-        engine.prefill([seq])
+        steps.prefill(engine, [seq])
         engine.cache.free(seq)
         while (batch := log.take_batch(max_events=3)) is not None:
             if rng.random() < 0.25:

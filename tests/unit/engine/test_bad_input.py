@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine, load_model
@@ -23,7 +24,7 @@ from tests.conftest import make_tiny_checkpoint
 def test_prompt_longer_than_the_context_window(tiny_model):
     engine = build_engine(tiny_model, EngineConfig(num_blocks=64))
     with pytest.raises(PromptTooLongError, match=r"prompt \(257 tokens\) does not fit .* window of 256 tokens"):
-        engine.prefill([Sequence.from_prompt("long", [1] * 257)])
+        steps.prefill(engine, [Sequence.from_prompt("long", [1] * 257)])
     with pytest.raises(PromptTooLongError, match=r"plus max_tokens \(57\)"):
         engine.check_prompt(200, max_new_tokens=57)
     assert engine.cache.num_free_blocks == 64  # nothing was allocated
@@ -45,7 +46,7 @@ def test_unknown_model_path(tmp_path):
 def test_exhausted_kv_pool(tiny_model):
     engine = build_engine(tiny_model, EngineConfig(num_blocks=4, block_size=16))
     with pytest.raises(OutOfKVBlocksError, match="5 blocks needed, 4 free"):
-        engine.prefill([Sequence.from_prompt("big", list(range(70)))])
+        steps.prefill(engine, [Sequence.from_prompt("big", list(range(70)))])
     generator = Generator(engine, tiny_model.tokenizer)
     with pytest.raises(OutOfKVBlocksError):
         generator.generate([list(range(70))], SamplingParams(max_tokens=2))
@@ -77,3 +78,16 @@ def test_invalid_sampling_parameters():
     for bad in (dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=0), dict(stop=[""])):
         with pytest.raises(InvalidRequestError):
             SamplingParams(**bad).validate()
+
+
+def test_the_engine_computes_only_over_blocks_its_caller_allocated(tiny_model):
+    engine = build_engine(tiny_model, EngineConfig(num_blocks=8, block_size=16))
+    seq = Sequence.from_prompt("p", list(range(1, 33)))  # two whole blocks
+    with pytest.raises(ValueError, match="0 blocks cannot hold 32 tokens: allocate them before the step"):
+        engine.prefill_chunk([(seq, 32)])
+    assert engine.cache.num_free_blocks == 8 and seq.num_computed_tokens == 0  # it took nothing, computed nothing
+    steps.allocate(engine, [seq])
+    seq.append_token(int(engine.prefill_chunk([(seq, 32)])[0].argmax()))
+    with pytest.raises(ValueError, match="2 blocks cannot hold 33 tokens"):
+        engine.decode_step([seq])  # its new token needs a third block
+    assert steps.decode(engine, [seq]).shape[0] == 1 and len(seq.block_table) == 3

@@ -4,6 +4,7 @@ recompiles once warmed up."""
 import pytest
 import torch
 
+from libs.engine.model import steps
 from libs.engine.model.compiled import CompiledDecode
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.loader import build_engine
@@ -35,15 +36,15 @@ def prompt(i: int) -> list[int]:
     return [(7 * i + 3 * j) % 250 for j in range(5 + 11 * i % 97)]  # lengths 5..101, all different
 
 
-def decode(engine, seqs: list[Sequence], steps: int) -> list[torch.Tensor]:
+def decode(engine, seqs: list[Sequence], num_steps: int) -> list[torch.Tensor]:
     """Greedy decode steps over ``seqs`` (prefilled if new); the logits of each step."""
     fresh = [s for s in seqs if s.num_computed_tokens < s.num_tokens - 1]
     if fresh:
-        for s, logits in zip(fresh, engine.prefill(fresh)):
+        for s, logits in zip(fresh, steps.prefill(engine, fresh)):
             s.append_token(int(logits.argmax()))
     out = []
-    for _ in range(steps):
-        logits = engine.decode_step(seqs)
+    for _ in range(num_steps):
+        logits = steps.decode(engine, seqs)
         out.append(logits)
         for s, row in zip(seqs, logits):
             s.append_token(int(row.argmax()))
@@ -91,7 +92,7 @@ def test_prefix_cached_and_preempted_sequences(engines, strict):
     for name, engine in (("compiled", compiled), ("eager", eager)):
         shared = prompt(60)[:48]
         head = Sequence.from_prompt(f"{name}-head", shared)
-        engine.prefill([head])
+        steps.prefill(engine, [head])
         cached = Sequence.from_prompt(f"{name}-cached", shared + [9, 8, 7])
         assert engine.cache.match_prefix(cached) == 48  # three full blocks found by hash
         other = Sequence.from_prompt(f"{name}-other", prompt(61))
@@ -101,7 +102,7 @@ def test_prefix_cached_and_preempted_sequences(engines, strict):
         engine.cache.free(other)
         other.num_computed_tokens = other.num_cached_tokens = 0
         other.block_hashes = []
-        other.append_token(int(engine.prefill([other])[0].argmax()))
+        other.append_token(int(steps.prefill(engine, [other])[0].argmax()))
         decode(engine, seqs, 4)
         tokens[name] = [s.output_token_ids for s in seqs]
         free(engine, [head, *seqs])

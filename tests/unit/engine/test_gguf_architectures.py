@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.loader import build_engine, load_model
 from libs.engine.model.sequence import Sequence
@@ -18,12 +19,12 @@ ARCHITECTURES = sorted(TINY_ARCHITECTURES)
 def logits(loaded, ids: list[int]) -> torch.Tensor:
     engine = build_engine(loaded, EngineConfig(num_blocks=64))
     seq = Sequence.from_prompt("p", ids[:-4])
-    prefill = engine.prefill_all_logits([seq])[0]
-    steps = []
+    prefill = steps.prefill_all_logits(engine, [seq])[0]
+    decoded = []
     for token in ids[-4:]:  # and four decode steps
         seq.append_token(token)
-        steps.append(engine.decode_step([seq])[0])
-    return torch.cat([prefill, torch.stack(steps)])
+        decoded.append(steps.decode(engine, [seq])[0])
+    return torch.cat([prefill, torch.stack(decoded)])
 
 
 def f16_rounded(folder, tmp_path):

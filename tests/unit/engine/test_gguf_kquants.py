@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import gguf_quants
-from libs.engine.model import gguf_blocks, quant
+from libs.engine.model import gguf_blocks, quant, steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine, load_model
@@ -217,7 +217,7 @@ def test_a_file_of_one_kept_format_resolves_to_that_format(kind):
 
 def logits(loaded, ids: list[int]) -> torch.Tensor:
     engine = build_engine(loaded, EngineConfig(num_blocks=64, max_chunk_tokens=4096))
-    return engine.prefill_all_logits([Sequence.from_prompt("p", ids)])[0].float()
+    return steps.prefill_all_logits(engine, [Sequence.from_prompt("p", ids)])[0].float()
 
 
 def test_q4_k_m_logits_stay_close_to_the_file_dequantized_to_float32(q4_k_m):

@@ -5,6 +5,7 @@ filled last block (copy on write), and each then decodes as the first would."""
 import pytest
 import torch
 
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.kv_cache import KVCacheManager
@@ -58,7 +59,7 @@ def test_only_a_sequence_whose_blocks_hold_its_computed_kv_forks():
 def test_the_engine_copies_the_partial_blocks_kv(tiny_model):
     engine = build_engine(tiny_model, EngineConfig(num_blocks=16, block_size=BLOCK))
     seq = Sequence.from_prompt("r", [5, 6, 7, 8, 9, 10], SamplingParams(n=2))
-    engine.prefill([seq])
+    steps.prefill(engine, [seq])
     sibling = engine.fork(seq, choice=1)
     assert sibling.block_table[0] == seq.block_table[0] and sibling.block_table[1] != seq.block_table[1]
     assert torch.equal(engine.pool.kv[sibling.block_table[1]], engine.pool.kv[seq.block_table[1]])

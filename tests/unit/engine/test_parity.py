@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.loader import build_engine, load_model
 from libs.engine.model.sequence import Sequence
@@ -15,7 +16,7 @@ ATOL = 1e-4
 
 def our_logits(loaded, ids: list[int]) -> torch.Tensor:
     engine = build_engine(loaded, EngineConfig(num_blocks=64, max_chunk_tokens=4096))
-    return engine.prefill_all_logits([Sequence.from_prompt("p", ids)])[0]
+    return steps.prefill_all_logits(engine, [Sequence.from_prompt("p", ids)])[0]
 
 
 def hf_logits(path, ids: list[int]) -> torch.Tensor:
@@ -55,27 +56,27 @@ def test_decode_logits_match_transformers(architecture):
     _, loaded, ids, ref = architecture
     engine = build_engine(loaded, EngineConfig(num_blocks=64))
     seq = Sequence.from_prompt("p", ids[:200])
-    engine.prefill([seq])
+    steps.prefill(engine, [seq])
     for position in range(200, 208):
         seq.append_token(ids[position])
-        logits = engine.decode_step([seq])[0]
+        logits = steps.decode(engine, [seq])[0]
         assert (logits - ref[position]).abs().max().item() < ATOL
 
 
 def test_prefix_cached_prefill_matches_transformers(architecture):
     _, loaded, ids, ref = architecture
     engine = build_engine(loaded, EngineConfig(num_blocks=64))
-    engine.prefill([Sequence.from_prompt("head", ids[:96])])
+    steps.prefill(engine, [Sequence.from_prompt("head", ids[:96])])
     rest = Sequence.from_prompt("rest", ids)
     assert engine.cache.match_prefix(rest) == 96  # six blocks read from the pool, not recomputed
-    logits = engine.prefill_all_logits([rest])[0]
+    logits = steps.prefill_all_logits(engine, [rest])[0]
     assert (logits - ref[96:]).abs().max().item() < ATOL
 
 
 def test_chunked_prefill_matches_transformers(architecture):
     _, loaded, ids, ref = architecture
     engine = build_engine(loaded, EngineConfig(num_blocks=64, max_chunk_tokens=37, enable_prefix_cache=False))
-    logits = engine.prefill_all_logits([Sequence.from_prompt("p", ids)])[0]
+    logits = steps.prefill_all_logits(engine, [Sequence.from_prompt("p", ids)])[0]
     assert (logits - ref).abs().max().item() < ATOL
 
 

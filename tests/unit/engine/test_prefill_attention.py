@@ -6,7 +6,7 @@ logits of the SDPA path, in bfloat16, to its rounding."""
 import pytest
 import torch
 
-from libs.engine.model import attention
+from libs.engine.model import attention, steps
 from libs.engine.model.attention import AttentionBatch, PrefillSpan
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.kv_pool import KVLayout, KVPool
@@ -103,10 +103,10 @@ def prefill_logits(loaded, ids: list[int], cached: int, chunk: int, path: str, m
         m.setattr(attention, "prefill_path", path)
         engine = build_engine(loaded, EngineConfig(num_blocks=128, max_chunk_tokens=chunk))
         if cached:
-            engine.prefill([Sequence.from_prompt("head", ids[:cached])])
+            steps.prefill(engine, [Sequence.from_prompt("head", ids[:cached])])
         seq = Sequence.from_prompt("seq", ids)
         assert engine.cache.match_prefix(seq) == cached
-        return engine.prefill_all_logits([seq])[0]
+        return steps.prefill_all_logits(engine, [seq])[0]
 
 
 @pytest.mark.parametrize("cached, chunk", [(0, 1024), (0, 64), (160, 1024), (160, 96)])
@@ -117,8 +117,8 @@ def test_engine_prefill_matches_sdpa_path(tiny_bf16, cached, chunk, monkeypatch)
     kernel = attention._load_prefill_kernel()
     monkeypatch.setattr(attention, "_load_prefill_kernel", lambda: lambda *a: calls.append(a) or kernel(*a))
     native = prefill_logits(tiny_bf16, ids, cached, chunk, "native", monkeypatch)
-    steps = -(-cached // chunk) + -(-(len(ids) - cached) // chunk)  # the cached head's, then the rest's
-    assert len(calls) == tiny_bf16.model.config.num_layers * steps  # every layer of every step used the kernel
+    num_chunks = -(-cached // chunk) + -(-(len(ids) - cached) // chunk)  # the cached head's, then the rest's
+    assert len(calls) == tiny_bf16.model.config.num_layers * num_chunks  # every layer of every step used the kernel
     reference = prefill_logits(tiny_bf16, ids, cached, chunk, "sdpa", monkeypatch)
     assert native.shape == (len(ids) - cached, tiny_bf16.model.config.vocab_size)
     # bfloat16 activations: the two paths round some attention outputs differently by an

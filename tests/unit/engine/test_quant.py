@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from libs.engine.model import gguf_blocks, quant
+from libs.engine.model import gguf_blocks, quant, steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine, load_model, open_model
@@ -142,7 +142,7 @@ def test_a_gguf_checkpoint_keeps_its_linear_weights_quantized_with_rotary_rows_i
 
 def logits(loaded, ids: list[int]) -> torch.Tensor:
     engine = build_engine(loaded, EngineConfig(num_blocks=64, max_chunk_tokens=4096))
-    return engine.prefill_all_logits([Sequence.from_prompt("p", ids)])[0].float()
+    return steps.prefill_all_logits(engine, [Sequence.from_prompt("p", ids)])[0].float()
 
 
 def greedy(loaded, prompts: list[list[int]], tokens: int) -> list[list[int]]:

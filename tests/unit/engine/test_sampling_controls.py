@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from libs.engine.model import sampling
+from libs.engine.model import sampling, steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
@@ -144,7 +144,7 @@ def test_logprobs_match_the_engines_logits(tiny_model):
     outs = list(Generator(engine, tiny_model.tokenizer).stream(prompt, params))
     tokens = [o.token_id for o in outs]
     reference = build_engine(tiny_model, EngineConfig(num_blocks=32, block_size=4, enable_prefix_cache=False))
-    (all_logits,) = reference.prefill_all_logits([Sequence.from_prompt("ref", prompt + tokens)])
+    (all_logits,) = steps.prefill_all_logits(reference, [Sequence.from_prompt("ref", prompt + tokens)])
     for k, out in enumerate(outs):
         logits = all_logits[len(prompt) - 1 + k].clone()
         history = prompt + tokens[:k]

@@ -5,6 +5,7 @@ the engine's own APIs (tickets, writers, metrics)."""
 import pytest
 import torch
 
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
@@ -99,7 +100,7 @@ async def test_a_layerwise_hand_off_through_the_registered_transport_decodes_as_
             for src, dst in zip(seq.block_table, lease)
         ])  # fmt: skip
 
-    first = sample(prefill.prefill([seq], layer_done=ship), [GREEDY], [0])[0]
+    first = sample(steps.prefill(prefill, [seq], layer_done=ship), [GREEDY], [0])[0]
     await sender_engine.finish(writer)
     assert shipped == list(range(layout.num_layers))
     assert writer.bytes == len(lease) * layout.num_layers * layout.layer_nbytes
@@ -107,7 +108,7 @@ async def test_a_layerwise_hand_off_through_the_registered_transport_decodes_as_
     resumed = Sequence("r", prompt + [first], len(prompt), GREEDY, block_table=list(lease),
                        num_computed_tokens=len(prompt))  # fmt: skip
     while resumed.num_output_tokens < GREEDY.max_tokens:
-        resumed.append_token(sample(decode.decode_step([resumed]), [GREEDY], [resumed.num_output_tokens])[0])
+        resumed.append_token(sample(steps.decode(decode, [resumed]), [GREEDY], [resumed.num_output_tokens])[0])
     assert resumed.output_token_ids == expected.token_ids
 
 

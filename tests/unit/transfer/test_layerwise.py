@@ -3,6 +3,7 @@ layer after layer, and the receiving engine decodes exactly what one process doe
 
 import torch
 
+from libs.engine.model import steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
@@ -46,7 +47,7 @@ async def test_layers_arrive_in_order_and_decode_matches_one_process(smollm, seg
             for src, dst in zip(seq.block_table, lease)
         ])  # fmt: skip
 
-    first = sample(prefill.prefill([seq], layer_done=ship), [GREEDY], [0])[0]  # chunks of 16: layers ship with the last
+    first = sample(steps.prefill(prefill, [seq], layer_done=ship), [GREEDY], [0])[0]  # chunks of 16: layers ship with the last
     await sender_engine.finish(writer)
     assert shipped == list(range(layout.num_layers))
 
@@ -62,7 +63,7 @@ async def test_layers_arrive_in_order_and_decode_matches_one_process(smollm, seg
     resumed = Sequence("r", prompt + [first], len(prompt), GREEDY, block_table=list(lease),
                        num_computed_tokens=len(prompt))  # fmt: skip
     while resumed.num_output_tokens < GREEDY.max_tokens:
-        resumed.append_token(sample(decode.decode_step([resumed]), [GREEDY], [resumed.num_output_tokens])[0])
+        resumed.append_token(sample(steps.decode(decode, [resumed]), [GREEDY], [resumed.num_output_tokens])[0])
     assert resumed.output_token_ids == expected.token_ids
     assert torch.equal(
         prefill.pool.kv[seq.block_table[0]], decode.pool.kv[lease[0]]
