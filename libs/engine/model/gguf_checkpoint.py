@@ -61,8 +61,8 @@ PRE_TOKENIZERS = {
     "llama-bpe": _LLAMA3,
     "qwen2": _QWEN2,
 }
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
+_TOKEN_TYPE_UNKNOWN, _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 2, 3, 4
+_SPACE = "\u2581"  # SentencePiece's stand-in for a space
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -216,41 +216,30 @@ class GGUFCheckpoint:
         return sum(_hf_name(t.name, self.arch) is not None for t in self._reader.tensors)
 
     def tokenizer_json(self) -> str:
+        """The file's tokenizer as a tokenizers JSON: byte-level BPE (``gpt2``: GPT-2,
+        Llama 3, Qwen, SmolLM) with its merges and pre-tokenizer, or SentencePiece BPE
+        (``llama``: Llama 2, Mistral, TinyLlama, Phi-3) with merges derived from the pieces'
+        scores, as transformers converts a SentencePiece model."""
         f = self._field
         model = f("tokenizer.ggml.model")
+        if model == "llama":
+            return json.dumps(self._sentencepiece_tokenizer(), ensure_ascii=False)
         if model != "gpt2":
-            raise ModelCorruptError(f"{self.path}: tokenizer model {model!r} is not supported (byte-level BPE only)")
+            raise ModelCorruptError(f"{self.path}: tokenizer model {model!r} is not supported "
+                                    "(byte-level BPE, gpt2, or SentencePiece BPE, llama)")  # fmt: skip
         pre = f("tokenizer.ggml.pre", "default")
         if pre not in PRE_TOKENIZERS:
             raise ModelCorruptError(f"{self.path}: pre-tokenizer {pre!r} is not supported ({sorted(PRE_TOKENIZERS)})")
         tokens = f("tokenizer.ggml.tokens")
-        types = f("tokenizer.ggml.token_type")
-        added = [
-            {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
-             "normalized": False, "special": types[i] == _TOKEN_TYPE_CONTROL}  # fmt: skip
-            for i in range(len(tokens))
-            if types[i] in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)
-        ]
-        post = None
-        if f("tokenizer.ggml.add_bos_token", False):
-            bos = tokens[f("tokenizer.ggml.bos_token_id")]
-            bos_id = f("tokenizer.ggml.bos_token_id")
-            post = {
-                "type": "TemplateProcessing",
-                "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
-                "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
-                         {"Sequence": {"id": "B", "type_id": 1}}],  # fmt: skip
-                "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
-            }
         return json.dumps(
             {
                 "version": "1.0",
                 "truncation": None,
                 "padding": None,
-                "added_tokens": added,
+                "added_tokens": self._added_tokens(),
                 "normalizer": None,
                 "pre_tokenizer": PRE_TOKENIZERS[pre],
-                "post_processor": post,
+                "post_processor": self._post_processor(),
                 "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
                 "model": {
                     "type": "BPE",
@@ -267,6 +256,72 @@ class GGUFCheckpoint:
             },
             ensure_ascii=False,
         )
+
+    def _sentencepiece_tokenizer(self) -> dict[str, Any]:
+        """SentencePiece BPE as llama.cpp runs it: a space before the text (and after each
+        special token) unless ``add_space_prefix`` is false, spaces as U+2581, the pair
+        whose merged piece scores highest merged first, bytes of what no piece covers as
+        <0xXX> pieces; decoding undoes each and drops the leading space."""
+        f = self._field
+        tokens, scores = f("tokenizer.ggml.tokens"), f("tokenizer.ggml.scores")
+        if scores is None or len(scores) != len(tokens):
+            raise ModelCorruptError(f"{self.path}: a SentencePiece tokenizer needs a score for each of its pieces")
+        unknown = f("tokenizer.ggml.unknown_token_id")
+        normalizers: list[dict] = [{"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}]
+        if f("tokenizer.ggml.add_space_prefix", True):
+            normalizers.insert(0, {"type": "Prepend", "prepend": _SPACE})
+        return {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": self._added_tokens(),
+            "normalizer": {"type": "Sequence", "normalizers": normalizers},
+            "pre_tokenizer": None,
+            "post_processor": self._post_processor(),
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": _SPACE}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ]},  # fmt: skip
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": tokens[unknown] if unknown is not None else None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": True,
+                "byte_fallback": True,
+                "ignore_merges": False,
+                "vocab": {token: i for i, token in enumerate(tokens)},
+                "merges": sentencepiece_merges(tokens, scores),
+            },
+        }
+
+    def _added_tokens(self) -> list[dict[str, Any]]:
+        """The control, unknown and user-defined pieces: matched whole, before the model runs."""
+        tokens, types = self._field("tokenizer.ggml.tokens"), self._field("tokenizer.ggml.token_type")
+        return [
+            {"id": i, "content": tokens[i], "single_word": False, "lstrip": False, "rstrip": False,
+             "normalized": False, "special": types[i] != _TOKEN_TYPE_USER_DEFINED}  # fmt: skip
+            for i in range(len(tokens))
+            if types[i] in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED, _TOKEN_TYPE_UNKNOWN)
+        ]
+
+    def _post_processor(self) -> dict[str, Any] | None:
+        """The beginning-of-sequence token before the text, where the file asks for it."""
+        f = self._field
+        if not f("tokenizer.ggml.add_bos_token", False):
+            return None
+        bos_id = f("tokenizer.ggml.bos_token_id")
+        bos = f("tokenizer.ggml.tokens")[bos_id]
+        return {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                     {"Sequence": {"id": "B", "type_id": 1}}],  # fmt: skip
+            "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+        }
 
     def tokenizer_config(self) -> dict[str, Any]:
         f = self._field
@@ -285,6 +340,19 @@ class GGUFCheckpoint:
         if template:
             config["chat_template"] = template
         return config
+
+
+def sentencepiece_merges(pieces: list[str], scores: list[float]) -> list[list[str]]:
+    """The BPE merges that reproduce SentencePiece BPE over ``pieces``: every split of a
+    piece into two pieces, the merges of higher-scored pieces first (transformers'
+    SentencePieceExtractor: within a piece, by the halves' ids)."""
+    ids = {piece: i for i, piece in enumerate(pieces)}
+    merges = []
+    for i, piece in enumerate(pieces):
+        local = [(ids[piece[:k]], ids[piece[k:]]) for k in range(1, len(piece)) if piece[:k] in ids and piece[k:] in ids]
+        merges += [(-scores[i], i, left, right) for left, right in sorted(local)]
+    merges.sort(key=lambda m: m[0])  # stable: ties keep the pieces' order
+    return [[pieces[left], pieces[right]] for _, _, left, right in merges]
 
 
 def _warn_loaded_float(path: Path, tensors: list[GGUFTensor]) -> None:

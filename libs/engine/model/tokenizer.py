@@ -6,6 +6,7 @@ blocks), so prompts are byte-identical to what the model was trained on.
 """
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import ByteLevel, DecodeStream
 
 from libs.protocol.errors import InvalidRequestError, ModelNotFoundError
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
 
 
 class Tokenizer:
@@ -28,6 +31,8 @@ class Tokenizer:
         self._byte_of: dict[str, int] | None = None  # byte-level BPE's alphabet, read back to bytes
         if isinstance(tokenizer.decoder, ByteLevel):
             self._byte_of = {char: byte for byte, char in enumerate(byte_level_alphabet())}
+        # SentencePiece BPE (spaces as U+2581, <0xXX> pieces for bytes): read back piece by piece
+        self._sentencepiece = getattr(tokenizer.model, "byte_fallback", False)
         self._special = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
 
     @classmethod
@@ -62,13 +67,18 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (part of a UTF-8 character, for some): a
-        byte-level BPE token read back through its alphabet; an added token's text, or
-        any other tokenizer's decode of the token alone, as UTF-8."""
+        byte-level BPE token read back through its alphabet, a SentencePiece piece with
+        its U+2581 as a space (a <0xXX> piece: that byte); an added token's text, or any
+        other tokenizer's decode of the token alone, as UTF-8."""
         if token_id in self._special:
             return self._special[token_id].encode()
         piece = self._tok.id_to_token(token_id)
         if self._byte_of is not None and piece is not None and all(c in self._byte_of for c in piece):
             return bytes(self._byte_of[c] for c in piece)
+        if self._sentencepiece and piece is not None:
+            if (byte := _BYTE_PIECE.fullmatch(piece)) is not None:
+                return bytes([int(byte.group(1), 16)])
+            return piece.replace("\u2581", " ").encode()
         return self._tok.decode([token_id], skip_special_tokens=False).encode()
 
     def decode_stream(self, skip_special_tokens: bool = True) -> "TokenTextStream":
