@@ -16,7 +16,6 @@ import datetime
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.grammar import time_steps  # noqa: E402
 from libs.engine.model import sampling  # noqa: E402
 from libs.engine.model import steps  # noqa: E402
 from libs.engine.model.engine import EngineConfig  # noqa: E402
@@ -71,19 +71,6 @@ def batch(model, engine, size: int, params: dict) -> list[Sequence]:
     return seqs
 
 
-def time_steps(model, engine, seqs: list[Sequence], num_steps: int) -> list[tuple[float, float]]:
-    """(whole step, sampler alone) seconds of each of ``num_steps`` decode steps."""
-    eos, out = model.tokenizer.eos_token_ids, []
-    for _ in range(num_steps):
-        start = time.perf_counter()
-        logits = steps.decode(engine, seqs)
-        sampled = time.perf_counter()
-        sample_tokens(seqs, logits, lambda s: None, eos)
-        end = time.perf_counter()
-        out.append((end - start, end - sampled))
-    return out
-
-
 def step_times(model, size: int, params: dict, num_steps: int, rounds: int) -> dict[str, tuple[float, float]]:
     samplers: dict[str, Callable] = {"this": sampling._sample_row, "previous": previous_sample_row}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in samplers}
@@ -92,8 +79,8 @@ def step_times(model, size: int, params: dict, num_steps: int, rounds: int) -> d
             with mock.patch.object(sampling, "_sample_row", samplers[name]):
                 engine = build_engine(model, EngineConfig(num_blocks=64 * size // 8 + 64, enable_prefix_cache=False))
                 seqs = batch(model, engine, size, params)
-                time_steps(model, engine, seqs, 2)  # warm
-                times[name] += time_steps(model, engine, seqs, num_steps)
+                time_steps(model, engine, seqs, 2, None)  # warm
+                times[name] += time_steps(model, engine, seqs, num_steps, None)
     return {name: (statistics.median(t for t, _ in ts) * 1e3, statistics.median(s for _, s in ts) * 1e3)
             for name, ts in times.items()}  # fmt: skip
 
