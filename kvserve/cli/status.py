@@ -22,8 +22,8 @@ STATE_PATH = "/console/api/state"
 MAX_DECISIONS = 8
 
 DESCRIPTION = """\
-Show the cluster on one screen, as the gateway's live console sees it: every instance
-with its role, load, KV pool usage, queue or batch and the KV blocks it holds by tier;
+Show the cluster on one screen, as the gateway's live console sees it: every instance,
+host by host, with its role, load, KV pool usage, queue or batch and the KV blocks it holds by tier;
 SLO attainment, TTFT and TPOT over the last five minutes; the last routing decisions,
 predicted and measured; with tenants, each tenant's requests, tokens and refusals
 since the gateway started and its SLOs met and missed over the last five minutes
@@ -125,8 +125,8 @@ def render(state: dict[str, Any], url: str) -> str:
         f"kvserve at {url}: {g['model']}, {g['in_flight']} in flight; {policies}",
         _slo_line(state["slo"]),
         "",
-        *_table(["INSTANCE", "ROLE", "LOAD", "KV USED", "QUEUE/BATCH", "KV BLOCKS BY TIER", "HEARD"],
-                [_instance_row(i) for i in state["instances"]]),  # fmt: skip
+        *_table(["INSTANCE", "ROLE", "HOST", "LOAD", "KV USED", "QUEUE/BATCH", "KV BLOCKS BY TIER", "HEARD"],
+                [_instance_row(i) for i in sorted(state["instances"], key=lambda i: (i["host_id"], i["instance_id"]))]),  # fmt: skip
         "",
         "LAST DECISIONS" if state["decisions"] else "LAST DECISIONS: none yet",
         *_table(["TIME", "REQUEST", "ROUTE", "PREDICTED", "ACTUAL", "REUSE"],
@@ -165,7 +165,7 @@ def _instance_row(i: dict[str, Any]) -> list[str]:
     work_of = {Role.PREFILL: f"{i['queued_tokens']} tok queued", Role.DECODE: f"batch {i['batch_size']}"}
     work = work_of.get(i["role"], "-")
     tiers = ", ".join(f"{t} {n}" for t, n in i["tiers"].items() if n) or "-"
-    return [i["instance_id"], i["role"], str(i["load"]), kv, work, tiers, f"{i['last_heard_s']:.1f}s ago"]
+    return [i["instance_id"], i["role"], i["host_id"], str(i["load"]), kv, work, tiers, f"{i['last_heard_s']:.1f}s ago"]
 
 
 def _decision_row(d: dict[str, Any]) -> list[str]:

@@ -29,9 +29,9 @@ def state(**tenants) -> dict:
     view = ConductorViewReply(instance_id="conductor-0", policy="cache_aware", slo_ttft_s=2.0, slo_tbt_s=0.15,
                               blocks={"prefill-0": {"device": 7}}, decisions=decisions)  # fmt: skip
     heard = [
-        (Heartbeat(instance_id="prefill-0", role="prefill", host_id="h",
+        (Heartbeat(instance_id="prefill-0", role="prefill", host_id="host-b",
                    payload=PrefillBeat(load=1, capacity=200, free_blocks=150, queued_tokens=512)), 0.3),
-        (Heartbeat(instance_id="decode-0", role="decode", host_id="h",
+        (Heartbeat(instance_id="decode-0", role="decode", host_id="host-a",
                    payload=DecodeBeat(load=2, capacity=100, free_blocks=90, batch_size=2)), 0.4),
     ]  # fmt: skip
     served = [
@@ -53,7 +53,8 @@ def test_the_screen_shows_instances_slo_and_decisions():
     assert lines[1] == ("last 5 min: SLO attained 50.0% (1 of 2; TTFT <= 2.00 s, TPOT <= 150 ms); TTFT p50 200 ms "
                         "p90 3.00 s; TPOT p50 50 ms p90 50 ms; cache hit 37.5%")  # fmt: skip
     rows = {line.split()[0]: line.split() for line in lines if line.startswith(("prefill-0 ", "decode-0 "))}
-    assert rows["prefill-0"][:6] == ["prefill-0", "prefill", "1", "25.0%", "of", "200"]
+    assert rows["prefill-0"][:7] == ["prefill-0", "prefill", "host-b", "1", "25.0%", "of", "200"]
+    assert list(rows) == ["decode-0", "prefill-0"]  # host by host
     assert "512 tok queued" in screen and "device 7" in screen and "batch 2" in screen
     (accepted,) = [line for line in lines if "req-1" in line]
     assert "prefill-0 -> decode-0" in accepted and "TTFT 250 ms, TBT 60 ms" in accepted
