@@ -23,9 +23,10 @@ from services.gateway.errors import (
 
 _MISSING_ROLE_CODES = (ErrorCode.NO_PREFILL, ErrorCode.NO_DECODE, ErrorCode.NO_INSTANCES)
 # A prefill worker's hand-off found no decode worker answering (one died, or NATS was
-# down a moment), or one that no longer holds the lease (restarted under its id): the
-# request is worth another admission, which sees the cluster anew.
-HANDOFF_LOST_CODES = (ErrorCode.DECODE_UNAVAILABLE, ErrorCode.NO_DECODE, ErrorCode.NO_LEASE)
+# down a moment), one that no longer holds the lease (restarted under its id), or the
+# leased one's process gone while its KV was on the way (peer_gone): the request is
+# worth another admission, which sees the cluster anew.
+HANDOFF_LOST_CODES = (ErrorCode.DECODE_UNAVAILABLE, ErrorCode.NO_DECODE, ErrorCode.NO_LEASE, ErrorCode.PEER_GONE)
 # The answerer failed (its handler raised, or it could not read the request) rather than said no.
 FAILED_CODES = (ErrorCode.INTERNAL, ErrorCode.BAD_MESSAGE)
 

@@ -74,6 +74,12 @@ class Transfer:
     lease: ReserveReply
     state: State = State.LEASED
     writer: Writer | None = None
+    started_at: float | None = None  # the decode process that leased (its heartbeats' start), when heard
+
+    def restarted(self, decoders: PeerDirectory) -> bool:
+        """Whether another process now runs under the decode worker's id than the one that leased."""
+        heard = decoders.last_heard(self.decode_id)
+        return heard is not None and self.started_at is not None and heard[0].started_at != self.started_at
 
 
 class Handoff:
@@ -99,7 +105,8 @@ class Handoff:
             raise HandoffError(ErrorCode.INTERNAL, str(e)) from e
         if isinstance(reply, ErrorReply):
             raise HandoffError(reply.code, reply.message)
-        return Transfer(request, decode_id, reply)
+        heard = self.decoders.last_heard(decode_id)
+        return Transfer(request, decode_id, reply, started_at=heard[0].started_at if heard is not None else None)
 
     async def _ask_while_alive(self, decode_id: str, subject: str, message: Message, kind: type[M],
                                timeout: float) -> M | ErrorReply:  # fmt: skip

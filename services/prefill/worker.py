@@ -328,7 +328,9 @@ class PrefillWorker(Service):
         except HandoffError as e:
             failed, error = job.transfer.decode_id, e
             self.log.warning("hand-off of %s to %s failed: %s", request_id, failed, e)
-        exclude = frozenset() if error.code == ErrorCode.NO_LEASE else frozenset({failed})
+        # the same worker id again when the process that leased is gone and another runs under it
+        again = error.code == ErrorCode.NO_LEASE or job.transfer.restarted(self.decoders)
+        exclude = frozenset() if again else frozenset({failed})
         if request_id not in self.cancelled and self.decoders.alive(Role.DECODE, exclude=exclude):
             try:
                 job.transfer = await self._lease(job, exclude=exclude)

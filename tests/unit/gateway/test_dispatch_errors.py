@@ -116,7 +116,7 @@ class OneMessage(FakeSubscription):
         return types.SimpleNamespace(data=self.data, subject=subjects.tokens("req", self.publisher))
 
 
-@pytest.mark.parametrize("code", ["decode_unavailable", "no_decode", "no_lease"])
+@pytest.mark.parametrize("code", ["decode_unavailable", "no_decode", "no_lease", "peer_gone"])
 async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_suspect_only(code):
     # the prefill worker's lease or hand-over to d0 went unanswered: d0 is passed over by the
     # next attempt until heard from again (or restarted), as the process seen then

@@ -121,3 +121,18 @@ async def test_a_request_to_a_worker_that_goes_silent_fails_without_waiting_for_
     finally:
         for nc in (prefill_nc, decode_nc):
             await nc.close()
+
+
+def test_a_transfer_knows_when_another_process_runs_under_its_decode_workers_id():
+    """What lets a hand-off whose KV found the leased process gone (peer_gone) be leased
+    again on the same worker id: the process the heartbeats now name is not the one that leased."""
+    from services.prefill.handoff import Transfer
+
+    decoders = PeerDirectory()
+    decoders.observe(Heartbeat(instance_id="decode-0", role="decode", host_id="h", started_at=5.0))
+    transfer = Transfer(REQUEST, "decode-0", lease=None, started_at=5.0)
+    assert not transfer.restarted(decoders)
+    decoders.observe(Heartbeat(instance_id="decode-0", role="decode", host_id="h", started_at=9.0))
+    assert transfer.restarted(decoders)
+    assert not Transfer(REQUEST, "decode-1", lease=None, started_at=5.0).restarted(decoders)  # never heard
+    assert not Transfer(REQUEST, "decode-0", lease=None).restarted(decoders)  # leased before it was heard
