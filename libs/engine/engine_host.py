@@ -21,6 +21,7 @@ from libs.common.settings import ModelSettings
 from libs.engine.contract import make_contract
 from libs.engine.model.engine import Engine, EngineConfig
 from libs.engine.model.loader import LoadedModel, build_engine, load_model
+from libs.engine.primitive_caches import bound_primitive_caches
 from libs.protocol.schema import KVContract
 from libs.transfer import SharedSegment, TransferEngine
 from libs.transfer.segment import new_segment_name, remove_stale_segments
@@ -40,6 +41,7 @@ def _model_key(settings: ModelSettings) -> tuple:
 
 def preload_model(settings: ModelSettings) -> None:
     """Load the model ``settings`` name now, for the first ``EngineHost.create`` with them."""
+    bound_primitive_caches()  # before loading runs a matmul (loader.resolve_dtype may time one)
     torch.set_grad_enabled(False)
     _preloaded[_model_key(settings)] = load_model(
         settings.model, device=settings.device, dtype=settings.dtype, progress=False, quantization=settings.quantization
@@ -71,6 +73,7 @@ class EngineHost:
         shm segment, and open the transfer engine on it (its TCP listener opens when a
         peer on another host is to write here), counting transfers on ``metrics``.
         A host that never ``decodes`` (a prefill worker) does not compile the decode step."""
+        bound_primitive_caches()  # before the first matmul: a step's every new token count is cached
         torch.set_grad_enabled(False)
         removed = remove_stale_segments()
         if removed:
