@@ -115,6 +115,20 @@ def compile_times(model) -> dict[str, float]:
             "cold_max_ms": max(cold) * 1e3, "cached_median_us": statistics.median(cached) * 1e6}  # fmt: skip
 
 
+def step_report_head(title: str, script: str, model, args: argparse.Namespace, extra: str = "") -> list[str]:
+    """A step benchmark's report up to its table: the title, when and where, the command."""
+    return [
+        f"# {title}",
+        "",
+        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()} "
+        f"({torch.get_num_threads()} torch threads), default model ({model.dtype}){extra}:",
+        "",
+        f"    .venv/bin/python bench/{script} --steps {args.steps} --rounds {args.rounds}"
+        + (f" --dtype {args.dtype}" if args.dtype != "auto" else ""),
+        "",
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=12)
@@ -129,14 +143,8 @@ def main() -> None:
     timed = {(size, name): step_times(model, size, args.steps, args.rounds, grammar, grammars)
              for size in (8, 32) for name, grammar in GRAMMARS.items()}  # fmt: skip
     lines = [
-        "# Constrained decoding: decode step and compile time",
-        "",
-        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()} "
-        f"({torch.get_num_threads()} torch threads), default model ({model.dtype}), xgrammar 0.1.34:",
-        "",
-        f"    .venv/bin/python bench/grammar.py --steps {args.steps} --rounds {args.rounds}"
-        + (f" --dtype {args.dtype}" if args.dtype != "auto" else ""),
-        "",
+        *step_report_head("Constrained decoding: decode step and compile time", "grammar.py", model, args,
+                          ", xgrammar 0.1.34"),  # fmt: skip
         "| sequences | the grammar's array holds | half with the grammar (ms/step) | no grammar (ms/step) | slower "
         "| sampler, with / without (ms) |",
         "|---|---|---|---|---|---|",

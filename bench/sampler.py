@@ -12,8 +12,6 @@ the baseline.
 """
 
 import argparse
-import datetime
-import platform
 import statistics
 import sys
 from collections.abc import Callable
@@ -24,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.grammar import time_steps  # noqa: E402
+from bench.grammar import step_report_head, time_steps  # noqa: E402
 from libs.engine.model import sampling  # noqa: E402
 from libs.engine.model import steps  # noqa: E402
 from libs.engine.model.engine import EngineConfig  # noqa: E402
@@ -102,14 +100,7 @@ def main() -> None:
                         f"| {this_s:.2f} / {prev_s:.2f} |")  # fmt: skip
             print(rows[-1], flush=True)
     lines = [
-        "# The sampler's share of a decode step",
-        "",
-        f"Measured {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()} "
-        f"({torch.get_num_threads()} torch threads), default model ({model.dtype}):",
-        "",
-        f"    .venv/bin/python bench/sampler.py --steps {args.steps} --rounds {args.rounds}"
-        + (f" --dtype {args.dtype}" if args.dtype != "auto" else ""),
-        "",
+        *step_report_head("The sampler's share of a decode step", "sampler.py", model, args),
         "| sequences | sampling | this sampler (ms/step) | previous sampler (ms/step) | change | sampler alone, "
         "this / previous (ms) |",
         "|---|---|---|---|---|---|",

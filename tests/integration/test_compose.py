@@ -12,7 +12,6 @@ import re
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -23,6 +22,7 @@ from kvserve.cli.main import main as kvserve
 from libs.common.nats_auth import CLUSTER_PORT, load_credentials, server_urls
 from libs.common.nats_server import find_nats_server
 from libs.common.settings import service_env
+from tests.integration.conftest import wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("conductor", "store", "prefill", "decode", "gateway")
@@ -232,16 +232,20 @@ def test_the_three_nats_servers_route_to_one_another(compose, tmp_path, monkeypa
 
 def _client_port(ports_dir: Path, proc: subprocess.Popen) -> int:
     """The client port a nats-server wrote to its ports file, once it listens."""
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
+    found: list[int] = []
+
+    def listening() -> bool:
         assert proc.poll() is None, f"nats-server exited with {proc.returncode}"
-        for found in ports_dir.glob("*.ports"):
+        for ports in ports_dir.glob("*.ports"):
             try:
-                return int(json.loads(found.read_text())["nats"][0].rsplit(":", 1)[1])
+                found.append(int(json.loads(ports.read_text())["nats"][0].rsplit(":", 1)[1]))
             except (json.JSONDecodeError, KeyError):
-                pass
-        time.sleep(0.02)  # polling the ports file, which nats-server writes once it listens
-    raise AssertionError("nats-server wrote no ports file")
+                pass  # written but not flushed yet
+        return bool(found)
+
+    wait_until(listening, timeout=15)
+    return found[0]
+
 
 async def _crosses(publisher_port: int, subscriber_port: int, user) -> bytes:
     """Publish on one server until a subscriber on the other hears it (routes come up in
