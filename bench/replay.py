@@ -142,7 +142,7 @@ def configs(worker_threads: int | None, baseline_path: Path | None = None) -> li
                       f"decode={host[-1]}: the prefill worker on every core, the decode worker on the last",
                       "kvserve", dict(prefill=1, decode=1, store=True, cpus={"prefill": host, "decode": host[-1:]}),
                       {**threads}))  # fmt: skip
-    # `kvserve up --prefill 0`: LocalCluster adds +local_prefill to the default policy
+    # `kvserve up --prefill 0`: the conductor, never hearing from a prefill worker, prefills on decode
     out.append(
         Config("kvserve-colocated", "kvserve up --prefill 0: one decode worker on every core, prefilling its own "
                "requests, store on", "kvserve", dict(prefill=0, decode=1, store=True), {**threads})  # fmt: skip

@@ -47,7 +47,6 @@ from libs.protocol.errors import KVServeError
 from libs.protocol.models import DEFAULT_MODEL_ID
 from libs.protocol.schema import Heartbeat
 from libs.protocol.vocabulary import Role
-from services.conductor.settings import DEFAULT_POLICY
 
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # also the start order
 GATEWAY_ID = "gateway-0"
@@ -151,11 +150,6 @@ class LocalCluster:
         self.api_key = api_key
         self.tenants_file = None if tenants_file is None else str(Path(tenants_file).resolve())
         self.extra_env = dict(env or {})
-        # the conductors' policy, when this cluster must set it (no prefill worker), and what it was given
-        self.policy: str | None = None
-        self.given_policy = self.extra_env.get("KVSERVE_POLICY") or os.environ.get("KVSERVE_POLICY") or DEFAULT_POLICY
-        if prefill == 0:
-            self.policy = colocated_policy(self.given_policy)
         self.modules = {role: f"services.{role}" for role in ROLES} | (modules or {})
         self.supervise = supervise
         self.standby = standby  # keep a warm spare per worker role (when supervising)
@@ -265,10 +259,8 @@ class LocalCluster:
                 self.echo(f"{server.name} listening on {server.public_url}", label="kvserve")
             self._nats_started_at = time.monotonic()
             self.nats_url = self._nats.url
-            if self.policy is not None:
-                added = f" (+local_prefill added to {self.given_policy})" if self.policy != self.given_policy else ""
-                self.echo(f"no prefill worker: each decode worker prefills its own requests; conductor policy "
-                          f"{self.policy}{added}", label="kvserve")  # fmt: skip
+            if not self.counts.get(Role.PREFILL):
+                self.echo("no prefill worker: each decode worker prefills its own requests", label="kvserve")
             self._watcher = HeartbeatWatcher(
                 self._nats.url_for("observer"), self._on_heartbeat, on_disconnect=self._supervisor.wake
             )
@@ -459,8 +451,6 @@ class LocalCluster:
         env.update(self.extra_env)
         if role != Role.GATEWAY:
             env.pop("KVSERVE_API_KEY", None)  # not even from ``env``
-        if role == Role.CONDUCTOR and self.policy is not None:
-            env["KVSERVE_POLICY"] = self.policy
         if "OMP_NUM_THREADS" in self.extra_env and "KVSERVE_THREADS" not in self.extra_env:
             env["KVSERVE_THREADS"] = self.extra_env["OMP_NUM_THREADS"]  # the threads asked for, not the plan's
         return ServiceProcess(instance_id, role, self.modules[role], env)
@@ -654,13 +644,6 @@ class LocalCluster:
             return self._procs[instance_id]
         except KeyError:
             raise ClusterError(f"no instance {instance_id!r}; this cluster runs {', '.join(self._procs)}") from None
-
-
-def colocated_policy(policy: str) -> str:
-    """``policy`` as a cluster with no prefill worker needs it: with ``+local_prefill``, so
-    that the conductor sends every request to a decode worker to prefill itself."""
-    _, *options = [part.strip() for part in policy.split("+")]
-    return policy if "local_prefill" in options else f"{policy}+local_prefill"
 
 
 def _base_url(address: str) -> str:

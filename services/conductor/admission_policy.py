@@ -29,9 +29,9 @@ import random
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from libs.protocol.vocabulary import ErrorCode
+from libs.protocol.vocabulary import ErrorCode, Role
 from services.conductor.affinity import Home, stay_or_move
-from services.conductor.cluster import Instance
+from services.conductor.cluster import ClusterView, Instance
 from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEstimate
 from services.conductor.routers import (
     OPTIONS,
@@ -177,9 +177,12 @@ class Policy:
     """A router, an admission rule and, optionally, conditional disaggregation: with
     ``local_prefill`` a decode instance prefills a request itself when that is
     predicted faster and short enough not to stall its batch past the TBT target,
-    and every request when no prefill instance is alive (a colocated cluster; the
-    admission rule still judges it, stall included). Without it a cluster with
-    no prefill instance refuses every request (NO_PREFILL)."""
+    and every request when no prefill instance is alive. A cluster that has never
+    had a prefill instance (a colocated deployment, however it was started) is
+    served that way whatever the options: each decode instance prefills its own
+    requests, and the admission rule still judges them, stall included. One whose
+    prefill instances are all gone refuses (NO_PREFILL) without ``local_prefill``,
+    until one is back."""
 
     def __init__(self, router: Router, admission: Admission, local_prefill: bool = False, name: str = "") -> None:
         self.router = router
@@ -192,9 +195,14 @@ class Policy:
         """Whether a prefill instance may copy a longer prefix from a peer (the router's option)."""
         return self.router.replication
 
+    def prefills_on_decode(self, view: ClusterView) -> bool:
+        """Whether a request needs no prefill instance here: the decode instances prefill
+        it when none is alive."""
+        return self.local_prefill or Role.PREFILL not in view.roles_seen
+
     def choose(self, ctx: AdmitContext, home: Home | None = None) -> Decision:
         """The route for ``ctx``'s request (a session's turn: near ``home``, its last turn's)."""
-        colocated = self.local_prefill and not ctx.prefills and bool(ctx.decodes)
+        colocated = not ctx.prefills and bool(ctx.decodes) and self.prefills_on_decode(ctx.view)
         missing = None if colocated else missing_roles(ctx.prefills, ctx.decodes)
         if missing is not None:
             return missing

@@ -175,5 +175,7 @@ class Conductor(Service):
 
     def heartbeat(self) -> Heartbeat:
         beat = super().heartbeat()
-        beat.payload = ConductorBeat(load=self.scheduler.num_own, prefills_on_decode=self.scheduler.policy.local_prefill)
+        scheduler = self.scheduler
+        on_decode = scheduler.policy.prefills_on_decode(scheduler.view)
+        beat.payload = ConductorBeat(load=scheduler.num_own, prefills_on_decode=on_decode)
         return beat

@@ -62,6 +62,7 @@ class ClusterView:
         # (`candidates.py`)
         self.on_change: list[Callable[[Instance], None]] = []
         self.last_fault = float("-inf")  # when an instance last restarted or went silent
+        self.roles_seen: set[str] = set()  # every role an instance was ever heard in, alive or not
         self._deafness = Deafness(clock)
 
     def deaf(self) -> None:
@@ -92,6 +93,7 @@ class ClusterView:
                 self.last_fault = now
             instance = Instance(heartbeat, now, self._cost_of(heartbeat))
             self._instances[heartbeat.instance_id] = instance
+            self.roles_seen.add(heartbeat.role)
             self._by_role.clear()
         else:
             changed = heartbeat is not instance.heartbeat or instance.assigned_since_heartbeat > 0

@@ -127,7 +127,8 @@ class Handlers:
         if nc is None or not nc.is_connected:
             reasons.append("not connected to NATS")
         peers = self.generations.peers
-        # a conductor that prefills on decode workers (local_prefill) serves without a prefill worker
+        # a conductor that prefills on decode workers (local_prefill, or a cluster that never had a prefill
+        # worker) serves without one
         local = any(beat.prefills_on_decode for beat in peers.alive(Role.CONDUCTOR))
         needed = [role for role in READY_ROLES if not (role == Role.PREFILL and local)]
         reasons += [f"no live {role} instance" for role in needed if not peers.alive(role)]

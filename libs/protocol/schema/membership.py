@@ -18,7 +18,7 @@ class GatewayBeat(Beat):
 
 class ConductorBeat(Beat):
     load: int = 0  # requests admitted and not yet finished
-    prefills_on_decode: bool = False  # its policy prefills on decode workers when no prefill worker is alive
+    prefills_on_decode: bool = False  # decode workers prefill when no prefill worker is alive (or ever was)
 
 
 class KVPoolBeat(Beat):
@@ -111,7 +111,7 @@ class Heartbeat(Message):
 
     @property
     def prefills_on_decode(self) -> bool:
-        """A conductor whose requests need no prefill worker (its policy has local_prefill)."""
+        """A conductor whose requests need no prefill worker (local_prefill, or a colocated cluster)."""
         return isinstance(self.payload, ConductorBeat) and self.payload.prefills_on_decode
 
     @property

@@ -1,5 +1,6 @@
 """`kvserve up --prefill 0`: no prefill worker, the decode workers on every core, and the
-conductor's policy with +local_prefill (stand-in services on a real nats-server)."""
+conductor's policy left to its own settings, which serve a cluster that never had a prefill
+worker on its decode workers (stand-in services on a real nats-server)."""
 
 import io
 from types import SimpleNamespace
@@ -7,11 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from kvserve.cli import up
-from kvserve.cli.cluster import colocated_policy
 from kvserve.cli.cpus import plan_cpus
 from kvserve.cli.main import build_parser
 from libs.common.cpu_share import available_cpus, format_cpu_list
-from services.conductor.settings import DEFAULT_POLICY
 from tests.unit.cli.harness import make_cluster
 
 
@@ -54,16 +53,6 @@ def test_up_refuses_cores_for_prefill_with_prefill_0_before_starting_anything(ca
     )
 
 
-@pytest.mark.parametrize(("given", "expected"), [
-    (DEFAULT_POLICY, f"{DEFAULT_POLICY}+local_prefill"),
-    ("least_loaded", "least_loaded+local_prefill"),
-    ("cache_aware+local_prefill+early_rejection", "cache_aware+local_prefill+early_rejection"),
-    ("cache_aware + local_prefill", "cache_aware + local_prefill"),
-])  # fmt: skip
-def test_a_policy_without_local_prefill_gets_it(given, expected):
-    assert colocated_policy(given) == expected
-
-
 def _env(cluster, role: str = "conductor") -> dict[str, str]:
     cluster._nats = SimpleNamespace(public_url="nats://127.0.0.1:1", credentials_file=lambda role: f"/{role}.json")
     return cluster._plan(role, f"{role}-0").env
@@ -81,15 +70,12 @@ def test_the_cluster_leaves_the_decode_prefix_cache_to_the_workers_own_default(m
     assert _env(make_cluster(model_dir, None, prefill=0, env=off), "decode")["KVSERVE_ENABLE_PREFIX_CACHE"] == "0"
 
 
-def test_the_conductor_gets_local_prefill_only_when_there_is_no_prefill_worker(model_dir, monkeypatch):
+def test_the_conductor_policy_is_the_users_whatever_the_prefill_count(model_dir, monkeypatch):
     monkeypatch.delenv("KVSERVE_POLICY", raising=False)
-    env = _conductor_env(make_cluster(model_dir, None, prefill=0))
-    assert env["KVSERVE_POLICY"] == f"{DEFAULT_POLICY}+local_prefill"
-    env = _conductor_env(make_cluster(model_dir, None, prefill=0, env={"KVSERVE_POLICY": "least_loaded"}))
-    assert env["KVSERVE_POLICY"] == "least_loaded+local_prefill"
-    monkeypatch.setenv("KVSERVE_POLICY", "random")  # the user's own environment
-    assert _conductor_env(make_cluster(model_dir, None, prefill=0))["KVSERVE_POLICY"] == "random+local_prefill"
-    assert _conductor_env(make_cluster(model_dir, None, prefill=1))["KVSERVE_POLICY"] == "random"  # untouched
+    for prefill in (0, 1):
+        assert "KVSERVE_POLICY" not in _conductor_env(make_cluster(model_dir, None, prefill=prefill))
+    given = {"KVSERVE_POLICY": "least_loaded"}
+    assert _conductor_env(make_cluster(model_dir, None, prefill=0, env=given))["KVSERVE_POLICY"] == "least_loaded"
     with pytest.raises(ValueError, match="at least one decode worker"):
         make_cluster(model_dir, None, prefill=0, decode=0)
 
@@ -100,5 +86,4 @@ def test_a_cluster_with_no_prefill_worker_starts_and_says_how_it_prefills(model_
     with make_cluster(model_dir, log, prefill=0, env={"KVSERVE_NUM_BLOCKS": "64"}) as cluster:
         assert set(cluster.instances) == {"conductor-0", "store-0", "decode-0", "gateway-0"}
         assert cluster.cpu_plan["decode-0"].cpus == tuple(sorted(available_cpus()))  # every core
-    assert (f"no prefill worker: each decode worker prefills its own requests; conductor policy "
-            f"{DEFAULT_POLICY}+local_prefill (+local_prefill added to {DEFAULT_POLICY})") in log.getvalue()  # fmt: skip
+    assert "no prefill worker: each decode worker prefills its own requests" in log.getvalue()

@@ -26,6 +26,9 @@ def test_missing_roles_are_named():
     view, index, _ = cluster()
     scheduler = Admitter(build_policy("least_loaded"), view, index, config())
     assert scheduler.admit(request()).error_code == "no_instances"
+    view, index, clock = cluster(beat("p1", "prefill"))
+    scheduler = Admitter(build_policy("least_loaded"), view, index, config())
+    clock.now += 5.0  # p1 falls silent
     view.observe(beat("d1", "decode"))
     decision = scheduler.admit(request())
     assert (decision.error_code, decision.error_message) == ("no_prefill", "no prefill instance is alive")

@@ -1,6 +1,7 @@
-"""A cluster with no prefill instance: with ``+local_prefill`` every request is
-prefilled by its decode instance and judged with the stall that prefill costs
-the batch; without it, refused. Round-number cost models (tests/unit/conductor/helpers.py):
+"""A cluster with no prefill instance: one that never had any, or any with
+``+local_prefill``, has every request prefilled by its decode instance and judged
+with the stall that prefill costs the batch; one whose prefill instances are gone,
+without ``+local_prefill``, refuses until one is back. Round-number cost models (tests/unit/conductor/helpers.py):
 prefill 1 ms a token, decode steps of 10 ms + 1 ms a sequence; max_tokens 10, so a
 stall spreads over 10 tokens."""
 
@@ -18,10 +19,27 @@ def scheduler(policy: str, *beats, tbt_s: float = 0.15) -> Admitter:
     return Admitter(build_policy(policy), view, index, config(ttft_s=100.0, tbt_s=tbt_s))
 
 
-@pytest.mark.parametrize("policy", ["cache_aware", "cache_aware+predictive_rejection", "least_loaded"])
-def test_without_local_prefill_no_prefill_instance_means_no_route(policy):
-    d = scheduler(policy, D0).admit(request())
+POLICIES = ["cache_aware", "cache_aware+predictive_rejection", "least_loaded"]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_cluster_that_never_had_a_prefill_instance_prefills_on_decode_whatever_the_policy(policy):
+    s = scheduler(policy, D0)
+    d = s.admit(request())
+    assert (d.admitted, d.prefill_on_decode, d.prefill_id, d.decode_id) == (True, True, "d0", "d0")
+    assert s.policy.prefills_on_decode(s.view)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_without_local_prefill_prefill_instances_gone_means_no_route_until_one_is_back(policy):
+    s = scheduler(policy, beat("p0", "prefill"), D0)
+    assert not s.policy.prefills_on_decode(s.view)
+    s.view.clock.now = 5.0  # past the 3 s timeout: p0 is silent, d0 still beats
+    s.view.observe(D0)
+    d = s.admit(request("a"))
     assert (d.admitted, d.error_code) == (False, "no_prefill")
+    s.view.observe(beat("p1", "prefill"))
+    assert s.admit(request("b")).prefill_id == "p1"
 
 
 def test_without_any_decode_instance_local_prefill_has_no_route_either():
