@@ -121,9 +121,8 @@ class Summary:
 def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
     """Reduce one run. ``block_tokens`` turns expected cached blocks into tokens."""
     records = run.records
-    done = [r for r in records if r.status == "ok"]
-    good = sum(1 for r in records if is_good(r, slo))
-    rejected = sum(1 for r in records if r.status == "rejected")
+    done, counts = _counts(records, slo)
+    good, rejected = counts["good"], counts["rejected"]
     idle = rejected_while_idle(records)
     duration = run.duration_s
     per_block = block_tokens or int(run.settings.get("block_tokens", 0))
@@ -132,11 +131,7 @@ def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
         time_scale=run.time_scale,
         offered_rps=run.offered_rps,
         duration_s=duration,
-        requests=len(records),
-        completed=len(done),
-        rejected=rejected,
-        errors=sum(1 for r in records if r.status == "error"),
-        good=good,
+        **counts,
         slo_attainment=good / len(records) if records else 0.0,
         goodput_rps=good / duration if duration > 0 else 0.0,
         throughput_rps=len(done) / duration if duration > 0 else 0.0,
@@ -180,21 +175,29 @@ def rejected_while_idle(records: Sequence[RequestRecord]) -> list[RequestRecord]
 
 def _band(name: str, records: Sequence[RequestRecord], slo: SLO, idle: list[RequestRecord] | None) -> BandSummary:
     members = [r for r in records if band_of(r.input_tokens) == name]
-    good = sum(1 for r in members if is_good(r, slo))
-    rejected = sum(1 for r in members if r.status == "rejected")
-    done = [r for r in members if r.status == "ok"]
+    done, counts = _counts(members, slo)
+    good, rejected = counts["good"], counts["rejected"]
     return BandSummary(
         band=name,
-        requests=len(members),
-        completed=len(done),
-        rejected=rejected,
-        errors=sum(1 for r in members if r.status == "error"),
-        good=good,
+        **counts,
         slo_attainment=_ratio(good, len(members)),
         admitted_attainment=_ratio(good, len(members) - rejected),
         rejected_while_idle=None if idle is None else sum(1 for r in idle if band_of(r.input_tokens) == name),
         ttft=Distribution.of(r.ttft_s for r in done if r.ttft_s is not None),
     )
+
+
+def _counts(records: Sequence[RequestRecord], slo: SLO) -> tuple[list[RequestRecord], dict[str, int]]:
+    """The completed records, and the counts a summary and a band share: requests,
+    completed, rejected, errors and good (met both SLOs)."""
+    done = [r for r in records if r.status == "ok"]
+    return done, {
+        "requests": len(records),
+        "completed": len(done),
+        "rejected": sum(1 for r in records if r.status == "rejected"),
+        "errors": sum(1 for r in records if r.status == "error"),
+        "good": sum(1 for r in records if is_good(r, slo)),
+    }
 
 
 def _ratio(part: int, whole: int) -> float | None:

@@ -34,10 +34,7 @@ def ttft_cdf(runs: Sequence[Run], path: Path, slo_ttft_ms: float | None = None) 
     ax.set_ylim(0, 1.02)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def goodput_vs_load(summaries: Sequence[Summary], path: Path, target: float = 0.9) -> Path:
@@ -60,10 +57,7 @@ def goodput_vs_load(summaries: Sequence[Summary], path: Path, target: float = 0.
     for ax in (left, right):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def capacity_curves(capacities: Sequence[Capacity], path: Path) -> Path:
@@ -92,6 +86,10 @@ def capacity_curves(capacities: Sequence[Capacity], path: Path) -> Path:
         ax.set_xlabel("offered load (req/s, log scale)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

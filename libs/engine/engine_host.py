@@ -17,7 +17,9 @@ import torch
 
 from libs.common.cpu_share import apply_cpu_share, format_cpu_list
 from libs.common.metrics import Metrics
-from libs.common.settings import ModelSettings
+from libs.common import standby
+from libs.common.service import Service, configure_logging, run_service
+from libs.common.settings import ModelSettings, ServiceSettings, settings_or_exit
 from libs.engine.contract import make_contract
 from libs.engine.model.engine import Engine, EngineConfig
 from libs.engine.model.loader import LoadedModel, build_engine, load_model
@@ -28,6 +30,7 @@ from libs.transfer.segment import new_segment_name, remove_stale_segments
 from libs.transfer.settings import TransferSettings
 
 T = TypeVar("T")
+S = TypeVar("S", bound=ServiceSettings)
 log = logging.getLogger(__name__)
 
 # A model loaded before this process knew which instance it would be (a warm spare,
@@ -46,6 +49,18 @@ def preload_model(settings: ModelSettings) -> None:
     _preloaded[_model_key(settings)] = load_model(
         settings.model, device=settings.device, dtype=settings.dtype, progress=False, quantization=settings.quantization
     )
+
+
+def run_model_worker(role: str, settings_from_env: Callable[[], S], make_service: Callable[[S], Service]) -> None:
+    """A model-serving worker's ``main``: with KVSERVE_STANDBY=1 load the model first and
+    wait as a warm spare until the launcher names the instance (`libs/common/standby.py`);
+    then read its settings (a bad value: one line on stderr naming the variable, exit 2)
+    and serve until stopped."""
+    if standby.requested():
+        standby.wait_for_assignment(lambda: preload_model(settings_or_exit(role, ModelSettings.from_env)))
+    settings = settings_or_exit(role, settings_from_env)
+    configure_logging(settings.instance_id, settings.log_level)
+    run_service(make_service(settings))
 
 
 @dataclass

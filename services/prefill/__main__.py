@@ -5,20 +5,13 @@ it loads the model first and waits as a warm spare until its launcher names its 
 (libs/common/standby.py).
 """
 
-from libs.common import standby
-from libs.common.service import configure_logging, run_service
-from libs.common.settings import ModelSettings, settings_or_exit
-from libs.engine.engine_host import preload_model
+from libs.engine.engine_host import run_model_worker
 from services.prefill.settings import PrefillSettings
 from services.prefill.worker import PrefillWorker
 
 
 def main() -> None:
-    if standby.requested():
-        standby.wait_for_assignment(lambda: preload_model(settings_or_exit("prefill", ModelSettings.from_env)))
-    settings = settings_or_exit("prefill", PrefillSettings.from_env)
-    configure_logging(settings.instance_id, settings.log_level)
-    run_service(PrefillWorker(settings))
+    run_model_worker("prefill", PrefillSettings.from_env, PrefillWorker)
 
 
 if __name__ == "__main__":
