@@ -19,9 +19,10 @@ them (a replica that dies holding requests, once the process is killed).
 import threading
 
 from libs.common.settings import ProcessSettings
+from libs.protocol.ids import InstanceId
 
 
-def parse(spec: str, instance_id: str | None) -> frozenset[str]:
+def parse(spec: str, instance_id: InstanceId | None) -> frozenset[str]:
     """The failpoints ``spec`` arms in the process ``instance_id`` (None: a process without one)."""
     active = set()
     for entry in spec.split(","):

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from nats.aio.msg import Msg
 
 from libs.protocol import subjects
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import KVEvent, KVEventBatch, KVSnapshotReply, KVSnapshotRequest
 from libs.protocol.vocabulary import KVEventKind, KVTier
 
@@ -34,7 +35,7 @@ log = logging.getLogger(__name__)
 class KVEventLog:
     """Thread-safe: `record` may be called from any thread (a worker's engine thread)."""
 
-    def __init__(self, instance_id: str, epoch: int | None = None, tiers: Sequence[str] = TIERS) -> None:
+    def __init__(self, instance_id: InstanceId, epoch: int | None = None, tiers: Sequence[str] = TIERS) -> None:
         """``tiers``: the names whose holdings it keeps (every tier its owner records)."""
         self.instance_id = instance_id
         self.epoch = epoch if epoch is not None else secrets.randbits(62) + 1
@@ -161,7 +162,7 @@ class KVEventTracker:
         self.gaps = 0  # how many times a snapshot was needed
         self.events_applied = 0
 
-    def stream_position(self, instance_id: str) -> tuple[int, int] | None:
+    def stream_position(self, instance_id: InstanceId) -> tuple[int, int] | None:
         """(epoch, last sequence number applied) for a publisher, if known."""
         s = self._streams.get(instance_id)
         return None if s is None else (s.epoch, s.seq)
@@ -175,7 +176,7 @@ class KVEventTracker:
             return False
         return self._apply_in_order(batch.instance_id, stream, batch.events)
 
-    def on_heartbeat(self, instance_id: str, epoch: int, seq: int) -> bool:
+    def on_heartbeat(self, instance_id: InstanceId, epoch: int, seq: int) -> bool:
         """A publisher's heartbeat names its last published event. Events still missing
         at the next heartbeat (the lost tail of a stream, or everything since a restart)
         mean a snapshot; one heartbeat of grace, since a heartbeat may be handled before
@@ -200,24 +201,24 @@ class KVEventTracker:
         buffered, stream.buffered = stream.buffered, []
         return self._apply_in_order(reply.instance_id, stream, sorted(buffered, key=lambda e: e.seq))
 
-    def snapshot_failed(self, instance_id: str) -> None:
+    def snapshot_failed(self, instance_id: InstanceId) -> None:
         """The snapshot request went unanswered: ask again at the next sign of a gap."""
         stream = self._streams.get(instance_id)
         if stream is not None:
             stream.awaiting_snapshot = False
 
-    def forget(self, instance_id: str) -> None:
+    def forget(self, instance_id: InstanceId) -> None:
         if self._streams.pop(instance_id, None) is not None:
             self._reset(instance_id, {})
 
-    def _restart(self, instance_id: str, epoch: int) -> _Stream:
+    def _restart(self, instance_id: InstanceId, epoch: int) -> _Stream:
         """A publisher seen for the first time, or restarted: it starts from nothing."""
         if instance_id in self._streams:
             self._reset(instance_id, {})
         stream = self._streams[instance_id] = _Stream(epoch=epoch)
         return stream
 
-    def _apply_in_order(self, instance_id: str, stream: _Stream, events: list[KVEvent]) -> bool:
+    def _apply_in_order(self, instance_id: InstanceId, stream: _Stream, events: list[KVEvent]) -> bool:
         for i, event in enumerate(events):
             if event.seq <= stream.seq:
                 continue  # already applied (or covered by the snapshot)

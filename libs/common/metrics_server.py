@@ -12,6 +12,7 @@ import msgspec
 from aiohttp import web
 
 from libs.common.metrics import CONTENT_TYPE, Metrics
+from libs.protocol.ids import InstanceId
 
 HealthCheck = Callable[[], list[str]]  # why the service is not healthy now; [] when it is
 
@@ -20,7 +21,7 @@ HEALTH = web.AppKey("health", HealthCheck)
 INSTANCE = web.AppKey("instance", str)
 
 
-def init_app(metrics: Metrics, health: HealthCheck, instance_id: str) -> web.Application:
+def init_app(metrics: Metrics, health: HealthCheck, instance_id: InstanceId) -> web.Application:
     app = web.Application()
     app[METRICS], app[HEALTH], app[INSTANCE] = metrics, health, instance_id
     app.router.add_get("/metrics", _metrics)

@@ -45,6 +45,7 @@ from functools import partial
 from pathlib import Path
 
 from libs.protocol import subjects as s
+from libs.protocol.ids import InstanceId
 from libs.protocol.vocabulary import Role
 
 log = logging.getLogger("kvserve.nats")
@@ -72,7 +73,7 @@ class Identity:
     """A NATS user: one instance of a role (``instance_id``), or any instance of it (None)."""
 
     role: str
-    instance_id: str | None = None
+    instance_id: InstanceId | None = None
 
     @property
     def user(self) -> str:
@@ -105,7 +106,7 @@ class Permissions:
     responds: bool = True  # may answer the requests it receives (on their reply subjects only)
 
 
-def inbox_prefix(role: str, instance_id: str | None = None) -> str:
+def inbox_prefix(role: str, instance_id: InstanceId | None = None) -> str:
     """Where request replies arrive: one prefix per role and instance, so no role reads
     another's replies, and no instance with a user of its own another instance's."""
     return f"_INBOX.{role}" if instance_id is None else f"_INBOX.{role}.{instance_id}"

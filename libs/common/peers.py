@@ -13,6 +13,7 @@ NATS is not 2 seconds of every worker's silence).
 import time
 from collections.abc import Callable
 
+from libs.protocol.ids import InstanceId
 from libs.protocol.schema import Heartbeat
 
 
@@ -66,11 +67,11 @@ class PeerDirectory:
         self._seen[heartbeat.instance_id] = (heartbeat, self.now())
         self._beats[heartbeat.instance_id] = self._beats.get(heartbeat.instance_id, 0) + 1
 
-    def beats(self, instance_id: str) -> int:
+    def beats(self, instance_id: InstanceId) -> int:
         """How many heartbeats of ``instance_id`` were heard: a new one says it was heard again."""
         return self._beats.get(instance_id, 0)
 
-    def last_heard(self, instance_id: str) -> tuple[Heartbeat, float] | None:
+    def last_heard(self, instance_id: InstanceId) -> tuple[Heartbeat, float] | None:
         """The last heartbeat of ``instance_id`` and when it came (by ``clock``); None if never heard."""
         return self._seen.get(instance_id)
 

@@ -2,17 +2,19 @@
 
 from collections import OrderedDict
 
+from libs.protocol.ids import RequestId
+
 
 class RecentIds:
     def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity
         self._ids: OrderedDict[str, None] = OrderedDict()
 
-    def add(self, request_id: str) -> None:
+    def add(self, request_id: RequestId) -> None:
         self._ids[request_id] = None
         self._ids.move_to_end(request_id)
         while len(self._ids) > self.capacity:
             self._ids.popitem(last=False)
 
-    def __contains__(self, request_id: str) -> bool:
+    def __contains__(self, request_id: RequestId) -> bool:
         return request_id in self._ids

@@ -292,7 +292,7 @@ class Service:
         self.stopping.set()
 
 
-def configure_logging(instance_id: str, level: str = "INFO") -> None:
+def configure_logging(instance_id: InstanceId, level: str = "INFO") -> None:
     logging.basicConfig(
         level=level.upper(),
         format=f"%(asctime)s %(levelname)s {instance_id} %(name)s: %(message)s",

@@ -15,9 +15,9 @@ from typing import TypeVar
 
 import torch
 
+from libs.common import standby
 from libs.common.cpu_share import apply_cpu_share, format_cpu_list
 from libs.common.metrics import Metrics
-from libs.common import standby
 from libs.common.service import Service, configure_logging, run_service
 from libs.common.settings import ModelSettings, ServiceSettings, settings_or_exit
 from libs.engine.contract import make_contract

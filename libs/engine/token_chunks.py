@@ -3,11 +3,12 @@ the one that ends a stream with an error: built here alone, so the prefill
 worker, the decode worker and its local prefill stream alike."""
 
 from libs.engine.model.scheduler import TokenOutput
+from libs.protocol.ids import InstanceId, RequestId
 from libs.protocol.schema import ErrorInfo, TokenChunk
 from libs.protocol.vocabulary import ErrorCode, FinishReason
 
 
-def token_chunk(out: TokenOutput, instance_id: str) -> TokenChunk:
+def token_chunk(out: TokenOutput, instance_id: InstanceId) -> TokenChunk:
     """One generated token; a stream's first one also says how much of the prompt was cached."""
     first = out.index == 0
     return TokenChunk(
@@ -23,7 +24,9 @@ def token_chunk(out: TokenOutput, instance_id: str) -> TokenChunk:
     )
 
 
-def error_chunk(request_id: str, index: int, code: ErrorCode, message: str, instance_id: str) -> TokenChunk:
+def error_chunk(
+    request_id: RequestId, index: int, code: ErrorCode, message: str, instance_id: InstanceId
+) -> TokenChunk:
     """The last chunk of a stream that failed before its ``index``-th token."""
     return TokenChunk(request_id=request_id, index=index, finish_reason=FinishReason.ABORT, instance_id=instance_id,
                       error=ErrorInfo(code=code, message=message))  # fmt: skip

@@ -7,6 +7,8 @@ subject token, so no caller can address a subject it was not meant to.
 
 import re
 
+from libs.protocol.ids import InstanceId, RequestId
+
 PREFIX = "kvserve"
 _TOKEN = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -18,7 +20,7 @@ def _token(value: str) -> str:
 
 
 # --- cluster membership -------------------------------------------------------
-def heartbeat(role: str, instance_id: str) -> str:
+def heartbeat(role: str, instance_id: InstanceId) -> str:
     """An instance publishes its Heartbeat here once a second: the subject names its
     sender, so NATS lets an instance speak only for itself (libs/common/nats_auth.py)."""
     return f"{PREFIX}.heartbeat.{_token(role)}.{_token(instance_id)}"
@@ -29,7 +31,7 @@ def heartbeats(role: str) -> str:
     return f"{PREFIX}.heartbeat.{_token(role)}.*"
 
 
-def names_sender(subject: str, role: str, instance_id: str) -> bool:
+def names_sender(subject: str, role: str, instance_id: InstanceId) -> bool:
     """Whether a `heartbeat` subject names the role and instance a heartbeat says it is from:
     a heartbeat that claims to be another's is not to be believed."""
     return subject == f"{PREFIX}.heartbeat.{role}.{instance_id}"
@@ -47,13 +49,13 @@ CONDUCTOR_PROGRESS = f"{PREFIX}.conductor.progress"  # gateway -> every conducto
 CONDUCTOR_ADMITTED = f"{PREFIX}.conductor.admitted"  # conductor -> every conductor replica: ConductorAdmission
 
 
-def conductor_view(instance_id: str) -> str:
+def conductor_view(instance_id: InstanceId) -> str:
     """Gateway -> one conductor: its KV map and recent decisions, for the console (request/reply)."""
     return f"{PREFIX}.conductor.{_token(instance_id)}.view"
 
 
 # --- KV events ------------------------------------------------------------------
-def kv_events(instance_id: str) -> str:
+def kv_events(instance_id: InstanceId) -> str:
     """A publisher's KV events (KVEventBatch), in sequence order."""
     return f"{PREFIX}.kv.events.{_token(instance_id)}"
 
@@ -61,39 +63,39 @@ def kv_events(instance_id: str) -> str:
 KV_EVENTS_ALL = f"{PREFIX}.kv.events.*"
 
 
-def kv_snapshot(instance_id: str) -> str:
+def kv_snapshot(instance_id: InstanceId) -> str:
     """Request/reply: everything a KV event publisher holds (KVSnapshotReply)."""
     return f"{PREFIX}.kv.snapshot.{_token(instance_id)}"
 
 
 # --- prefill workers ----------------------------------------------------------
-def prefill_submit(instance_id: str) -> str:
+def prefill_submit(instance_id: InstanceId) -> str:
     """Gateway -> one prefill worker: a request to prefill (request/reply ack)."""
     return f"{PREFIX}.prefill.{_token(instance_id)}.submit"
 
 
 # --- decode workers -----------------------------------------------------------
-def decode_reserve(instance_id: str) -> str:
+def decode_reserve(instance_id: InstanceId) -> str:
     """Prefill -> decode: lease blocks for a request's KV (request/reply)."""
     return f"{PREFIX}.decode.{_token(instance_id)}.reserve"
 
 
-def decode_admit(instance_id: str) -> str:
+def decode_admit(instance_id: InstanceId) -> str:
     """Prefill -> decode: the KV is in place, start decoding (request/reply)."""
     return f"{PREFIX}.decode.{_token(instance_id)}.admit"
 
 
-def decode_prefill(instance_id: str) -> str:
+def decode_prefill(instance_id: InstanceId) -> str:
     """Gateway -> decode worker: prefill this request here (conditional disaggregation; request/reply ack)."""
     return f"{PREFIX}.decode.{_token(instance_id)}.prefill"
 
 
-def decode_release(instance_id: str) -> str:
+def decode_release(instance_id: InstanceId) -> str:
     """Prefill -> decode: give a lease back unused (publish)."""
     return f"{PREFIX}.decode.{_token(instance_id)}.release"
 
 
-def decode_resend(instance_id: str) -> str:
+def decode_resend(instance_id: InstanceId) -> str:
     """Gateway -> decode worker: publish a request's tokens again from an index, those a NATS
     outage lost (request/reply ack)."""
     return f"{PREFIX}.decode.{_token(instance_id)}.resend"
@@ -103,17 +105,17 @@ def decode_resend(instance_id: str) -> str:
 STORE_OPS = ("exists", "get", "put", "commit", "remove", "stats")
 
 
-def store_op(instance_id: str, op: str) -> str:
+def store_op(instance_id: InstanceId, op: str) -> str:
     """One store instance's batched block operations (request/reply): see STORE_OPS."""
     return f"{PREFIX}.store.{_token(instance_id)}.{_token(op)}"
 
 
-def store_ops(instance_id: str) -> str:
+def store_ops(instance_id: InstanceId) -> str:
     """Every operation subject of one store instance, known or not (the store answers an unknown one)."""
     return f"{PREFIX}.store.{_token(instance_id)}.*"
 
 
-def metrics(instance_id: str) -> str:
+def metrics(instance_id: InstanceId) -> str:
     """Request/reply: the instance's metrics in the Prometheus text format."""
     return f"{PREFIX}.metrics.{_token(instance_id)}"
 
@@ -122,20 +124,20 @@ def metrics(instance_id: str) -> str:
 CANCEL = f"{PREFIX}.cancel"  # broadcast: every worker drops the request
 
 
-def tokens(request_id: str, instance_id: str) -> str:
+def tokens(request_id: RequestId, instance_id: InstanceId) -> str:
     """Worker ``instance_id`` -> gateway: the request's generated tokens, in TokenChunks.
     The subject names its publisher, so NATS lets an instance publish only its own (see
     libs/common/nats_auth.py) and the gateway can tell which instance a chunk came from."""
     return f"{PREFIX}.tokens.{_token(request_id)}.{_token(instance_id)}"
 
 
-def request_tokens(request_id: str) -> str:
+def request_tokens(request_id: RequestId) -> str:
     """The gateway's subscription: the request's tokens from any instance (it keeps only the
     placed instances' chunks, named by `token_publisher`)."""
     return f"{PREFIX}.tokens.{_token(request_id)}.*"
 
 
-def tokens_from(instance_id: str) -> str:
+def tokens_from(instance_id: InstanceId) -> str:
     """Every token subject one instance may publish on (its NATS permission)."""
     return f"{PREFIX}.tokens.*.{_token(instance_id)}"
 

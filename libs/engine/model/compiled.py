@@ -27,7 +27,6 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
 
 import torch
 

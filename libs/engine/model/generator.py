@@ -18,6 +18,7 @@ from libs.engine.model.sequence import Sequence
 from libs.engine.model.stopping import StopChecker
 from libs.engine.model.tokenizer import Tokenizer
 from libs.protocol.errors import OutOfKVBlocksError
+from libs.protocol.ids import RequestId
 from libs.protocol.sampling_params import SamplingParams
 from libs.protocol.schema import TokenLogprobs
 from libs.protocol.vocabulary import FinishReason
@@ -25,7 +26,7 @@ from libs.protocol.vocabulary import FinishReason
 
 @dataclass
 class StepOutput:
-    request_id: str
+    request_id: RequestId
     token_id: int
     text: str  # newly visible text
     finish_reason: FinishReason | None
@@ -35,7 +36,7 @@ class StepOutput:
 
 @dataclass
 class Completion:
-    request_id: str
+    request_id: RequestId
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
@@ -64,7 +65,9 @@ class Generator:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+    def add_request(
+        self, prompt_ids: list[int], params: SamplingParams, request_id: RequestId | None = None
+    ) -> Sequence:
         params.validate(self.engine.model.config.vocab_size)
         if params.grammar is not None:
             self.grammars.compile(params.grammar)  # an invalid schema is refused here, not mid-step
@@ -75,11 +78,11 @@ class Generator:
         self.scheduler.add(seq)
         return seq
 
-    def choices(self, request_id: str) -> list[Sequence]:
+    def choices(self, request_id: RequestId) -> list[Sequence]:
         """A request's sequences, by choice (its n - 1 others once its prefill has run)."""
         return self._choices[request_id]
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: RequestId) -> None:
         self.scheduler.abort(request_id)
 
     def step(self) -> list[StepOutput]:
@@ -137,7 +140,7 @@ class Generator:
     def _stop_checker(self, seq: Sequence) -> StopChecker:
         return StopChecker(self.tokenizer, seq.params, self.engine.max_model_len, seq.num_prompt_tokens)
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: RequestId) -> None:
         for seq in self._choices.pop(request_id, []):
             self._stops.pop((request_id, seq.choice), None)
 

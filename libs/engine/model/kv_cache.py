@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from libs.engine.model.block_pool import BlockListener, BlockPool
 from libs.engine.model.sequence import Sequence
-from libs.protocol.hashing import ROOT, block_hashes, hash_block
+from libs.protocol.hashing import block_hashes, hash_block
 
 
 class KVCacheManager:

@@ -30,6 +30,7 @@ from libs.engine.model.kv_cache import KVCacheManager
 from libs.engine.model.sampling import sample_sequences
 from libs.engine.model.sequence import Sequence
 from libs.engine.model.stopping import check_finish
+from libs.protocol.ids import RequestId
 from libs.protocol.schema import TokenLogprobs
 from libs.protocol.vocabulary import FinishReason
 
@@ -152,7 +153,7 @@ class Scheduler:
         its blocks: it joins the decode batch at once."""
         self.running.append(seq)
 
-    def abort(self, request_id: str) -> Sequence | None:
+    def abort(self, request_id: RequestId) -> Sequence | None:
         """Finish a request's sequences where they stand and free their blocks; the first
         of them, or None if none is here."""
         found = [seq for seq in [*self.waiting, *self.running] if seq.request_id == request_id]

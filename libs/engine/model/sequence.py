@@ -4,13 +4,14 @@ from dataclasses import dataclass, field
 
 from libs.engine.model.grammar import GrammarState
 from libs.protocol.hashing import ROOT, BlockHash
+from libs.protocol.ids import RequestId
 from libs.protocol.sampling_params import SamplingParams
 from libs.protocol.vocabulary import FinishReason
 
 
 @dataclass
 class Sequence:
-    request_id: str
+    request_id: RequestId
     token_ids: list[int]  # prompt, then generated tokens
     num_prompt_tokens: int
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -29,7 +30,7 @@ class Sequence:
     grammar: GrammarState | None = field(default=None, repr=False)
 
     @classmethod
-    def from_prompt(cls, request_id: str, prompt_ids: list[int], params: SamplingParams | None = None,
+    def from_prompt(cls, request_id: RequestId, prompt_ids: list[int], params: SamplingParams | None = None,
                     num_prior_output_tokens: int = 0, hash_root: BlockHash = ROOT) -> "Sequence":  # fmt: skip
         return cls(request_id, list(prompt_ids), len(prompt_ids), params or SamplingParams(),
                    num_prior_output_tokens=num_prior_output_tokens, hash_root=hash_root)  # fmt: skip
