@@ -112,7 +112,7 @@ def policy_exists(spec: str) -> bool:
     return True
 
 
-LOCAL_PREFILL_POLICY = "cache_aware+local_prefill+predictive_rejection"
+NO_LOCAL_PREFILL_POLICY = "cache_aware+predictive_rejection"
 
 
 def configs(worker_threads: int | None, baseline_path: Path | None = None) -> list[Config]:
@@ -133,10 +133,11 @@ def configs(worker_threads: int | None, baseline_path: Path | None = None) -> li
         out.insert(1, Config(baseline.NAME, "an earlier checkout's kvserve-default, by its own bench/replay.py",
                              "baseline", note=f"{baseline_path}{f' at {commit}' if commit else ''}, run by its own "
                              "bench/replay.py --configs kvserve-default"))  # fmt: skip
-    # two ways of letting the prefill worker use what the decode worker leaves idle
-    out.append(Config("kvserve-local-prefill", "kvserve-default with KVSERVE_POLICY=" + LOCAL_PREFILL_POLICY
-                      + ": short prompts prefilled on the decode worker when that is predicted faster", "kvserve",
-                      dict(prefill=1, decode=1, store=True), {"KVSERVE_POLICY": LOCAL_PREFILL_POLICY, **threads}))
+    # the default before the decode worker prefilled beside its batch, and another way of giving
+    # prefill what the decode worker leaves idle
+    out.append(Config("kvserve-no-local-prefill", "kvserve-default with KVSERVE_POLICY=" + NO_LOCAL_PREFILL_POLICY
+                      + ": every prompt prefilled on the prefill worker while one is alive", "kvserve",
+                      dict(prefill=1, decode=1, store=True), {"KVSERVE_POLICY": NO_LOCAL_PREFILL_POLICY, **threads}))
     host = tuple(sorted(os.sched_getaffinity(0)))
     out.append(Config("kvserve-wide-prefill", f"kvserve-default with --cpus prefill={format_cpu_list(host)},"
                       f"decode={host[-1]}: the prefill worker on every core, the decode worker on the last",
@@ -146,6 +147,11 @@ def configs(worker_threads: int | None, baseline_path: Path | None = None) -> li
     out.append(
         Config("kvserve-colocated", "kvserve up --prefill 0: one decode worker on every core, prefilling its own "
                "requests, store on", "kvserve", dict(prefill=0, decode=1, store=True), {**threads})  # fmt: skip
+    )
+    out.append(
+        Config("kvserve-colocated-512", "kvserve-colocated with KVSERVE_LOCAL_CHUNK_TOKENS=512: prefill chunks of 512 "
+               "tokens between two decode steps, as before 64 was the default", "kvserve",
+               dict(prefill=0, decode=1, store=True), {"KVSERVE_LOCAL_CHUNK_TOKENS": "512", **threads})  # fmt: skip
     )
     out.append(Config("llama.cpp", f"llama-server {' '.join(LLAMA_ARGS)}", "llama"))
     return out
@@ -280,7 +286,8 @@ def parser() -> argparse.ArgumentParser:
                     help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
     ap.add_argument("--configs", nargs="+", default=None,
                     help="names to run, in this order (default all: kvserve-default, kvserve-baseline with --baseline, "
-                    "kvserve-disagg, kvserve-nocache, kvserve-local-prefill, kvserve-wide-prefill, kvserve-colocated, llama.cpp)")
+                    "kvserve-disagg, kvserve-nocache, kvserve-no-local-prefill, kvserve-wide-prefill, kvserve-colocated, "
+                    "kvserve-colocated-512, llama.cpp)")
     ap.add_argument("--baseline", type=Path, default=None, metavar="PATH",
                     help="add kvserve-baseline: the kvserve checkout at PATH measured by its own bench/replay.py "
                     "(PYTHONPATH=PATH, this interpreter) on its kvserve-default configuration with the same window, "

@@ -32,7 +32,7 @@ from typing import Protocol
 from libs.protocol.vocabulary import ErrorCode, Role
 from services.conductor.affinity import Home, stay_or_move
 from services.conductor.cluster import ClusterView, Instance
-from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEstimate
+from services.conductor.predict import AdmitContext, DecodeEstimate, PrefillEstimate, step_now
 from services.conductor.routers import (
     OPTIONS,
     ROUTERS,
@@ -115,6 +115,8 @@ class EarlyRejection:
         if route.is_local:  # the batch waits for the prefills queued on d and for this one
             tbt = ctx.with_prefill_stall(tbt, p.queue_s + p.compute_s)
             alone = ctx.with_prefill_stall(alone, p.compute_s)
+        elif backlog := d.prefill.backlog(ctx.now):  # a handed-over request waits for d's own prefills too
+            tbt = ctx.with_prefill_stall(tbt, backlog)
         margin = ctx.margins.tbt(d.instance_id)
         limit = max(slo.tbt_s, alone.tbt_s * margin)
         best_effort = request.best_effort or limit > slo.tbt_s
@@ -176,8 +178,10 @@ def _decode_wait(ctx: AdmitContext, d: Instance, tbt: DecodeEstimate, limit: flo
 class Policy:
     """A router, an admission rule and, optionally, conditional disaggregation: with
     ``local_prefill`` a decode instance prefills a request itself when that is
-    predicted faster and short enough not to stall its batch past the TBT target,
-    and every request when no prefill instance is alive. A cluster that has never
+    predicted faster and its longest stall of the batch (one of the chunks the
+    instance computes between two decode steps, or the whole prompt if shorter)
+    keeps that batch within the TBT target, and every request when no prefill
+    instance is alive. A cluster that has never
     had a prefill instance (a colocated deployment, however it was started) is
     served that way whatever the options: each decode instance prefills its own
     requests, and the admission rule still judges them, stall included. One whose
@@ -213,9 +217,15 @@ class Policy:
         if colocated:  # the only route there is, whatever it costs: admission decides
             route = local_route(ctx, ctx.view.get(route.decode.instance_id))  # the decode instance affinity kept
         elif self.local_prefill:
-            local = local_route(ctx, ctx.view.get(route.decode.instance_id))
-            # only a prefill short enough not to stall the decode batch past its TBT target
-            if local.prefill.compute_s <= ctx.slo.tbt_s and local.prefill.ttft_s < route.prefill.ttft_s:
+            d = ctx.view.get(route.decode.instance_id)
+            local = local_route(ctx, d)
+            # only a prefill whose longest stall of the decode batch (all of it, or one chunk of it)
+            # keeps that batch within its TBT target
+            stall = local.prefill.compute_s
+            if d.prefill.chunk_s is not None:
+                stall = min(stall, d.prefill.chunk_s)
+            within = (stall + step_now(d)) * ctx.margins.tbt(d.instance_id) <= ctx.slo.tbt_s
+            if within and local.prefill.ttft_s < route.prefill.ttft_s:
                 route, on_decode = local, True
         verdict = self.admission.judge(ctx, route)
         if verdict.rejection is not None:

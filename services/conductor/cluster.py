@@ -107,12 +107,10 @@ class ClusterView:
                 changed = True
             instance.assigned_since_heartbeat = 0
         payload = heartbeat.payload
-        if isinstance(payload, PrefillBeat):
-            if payload.progress:
-                instance.prefill.sync(payload.progress, now)
-            if payload.chunk_tokens:  # a request on it is cut only between chunks of this many seconds
-                chunk_s = instance.cost.prefill_time(payload.chunk_tokens)
-                instance.prefill.chunk_s = chunk_s * (payload.speed or 1.0)
+        if isinstance(payload, PrefillBeat) and payload.progress:
+            instance.prefill.sync(payload.progress, now)
+        if chunk_tokens := heartbeat.chunk_tokens:  # a request on it is cut only between chunks of this many seconds
+            instance.prefill.chunk_s = instance.cost.prefill_time(chunk_tokens) * (heartbeat.prefill_speed or 1.0)
         if changed:
             for listener in self.on_change:
                 listener(instance)

@@ -49,10 +49,11 @@ class PrefillEstimate:
     copy_from: str | None = None  # replication: the peer whose cache it copies
     copy_blocks: int = 0
     speed: float = 1.0  # the instance's learned slowness, already applied to load, compute and hand-off
+    interleave_s: float = 0.0  # a decode instance's own prefill: the decode steps it runs between the chunks
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.load_s + self.compute_s + self.handoff_s
+        return self.queue_s + self.load_s + self.compute_s + self.handoff_s + self.interleave_s
 
     @property
     def unloaded_ttft_s(self) -> float:
@@ -62,7 +63,7 @@ class PrefillEstimate:
     @property
     def work_s(self) -> float:
         """What it adds to the instance's queue."""
-        return self.load_s + self.compute_s + self.handoff_s
+        return self.load_s + self.compute_s + self.handoff_s + self.interleave_s
 
 
 @dataclass(frozen=True)
@@ -231,12 +232,18 @@ class AdmitContext:
 
     def local_prefill_estimate(self, d: Instance) -> PrefillEstimate:
         """Prefilling on decode instance ``d`` itself: no cache, no hand-off; its queue is
-        the local prefills booked on ``d`` before it."""
+        the local prefills booked on ``d`` before it. Beside a decoding batch ``d``
+        computes a chunk between two decode steps, so each chunk after the first waits one."""
         if (known := self._local.get(d.instance_id)) is not None:
             return known
         speed = self.margins.prefill_speed(d.instance_id)
         compute = d.cost.prefill_time(self.num_tokens) * speed
-        estimate = PrefillEstimate(d.instance_id, d.prefill.backlog(self.now), 0.0, compute, 0.0, {}, speed=speed)
+        interleave = 0.0
+        chunk_s = d.prefill.chunk_s
+        if chunk_s and compute > chunk_s and (d.decode.num_decoding or d.heartbeat.batch_size):
+            interleave = (ceil(compute / chunk_s) - 1) * step_now(d)
+        estimate = PrefillEstimate(d.instance_id, d.prefill.backlog(self.now), 0.0, compute, 0.0, {}, speed=speed,
+                                   interleave_s=interleave)  # fmt: skip
         self._local[d.instance_id] = estimate
         return estimate
 

@@ -1,10 +1,11 @@
 """Conditional disaggregation: the decode worker prefills a request itself, when
 the conductor predicts that is faster than a prefill worker plus the hand-off
-(a short prompt the decode batch can afford to stall for), then decodes it in
-its batch like any handed-over request. The batch's scheduler prefills such
-requests a chunk per step in deadline order (shortest first unless an earlier
+and its batch can afford the stall, then decodes it in its batch like any
+handed-over request. The batch's scheduler prefills such requests a chunk of at
+most ``local_chunk_tokens`` between two decode steps (so no token of the batch
+waits more than one chunk), in deadline order (shortest first unless an earlier
 one would miss its deadline: `libs/common/prefill_order.py`), as a prefill
-worker does. Also calibrates the worker's cost
+worker does; the chunk size goes out in heartbeats for the conductor's rule. Also calibrates the worker's cost
 model at start-up and reports it, with the batch it is running, in heartbeats.
 """
 
@@ -54,5 +55,6 @@ class LocalPrefill:
     def fill(self, beat: DecodeBeat) -> None:
         w = self.worker
         beat.cost = self.cost
+        beat.chunk_tokens = w.settings.local_chunk_tokens
         beat.batch_size = w.scheduler.num_requests
         beat.context_tokens = sum(s.num_tokens for s in w.scheduler.running)

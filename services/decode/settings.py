@@ -21,11 +21,16 @@ class DecodeSettings(ServiceSettings):
     # recomputes a preempted sequence; naming a block costs a dict entry, so on in every deployment
     enable_prefix_cache: bool = True
     reserve_wait_seconds: float = 10.0
+    # the most prompt tokens it prefills between two decode steps (a request it prefills itself):
+    # the longest stall of its batch
+    local_chunk_tokens: int = 512
 
     def __post_init__(self) -> None:
         self.model.require_cpu()
         if self.max_batch_size < 1:
             raise ValueError(f"KVSERVE_MAX_BATCH_SIZE must be at least 1, got {self.max_batch_size}")
+        if self.local_chunk_tokens < 1:
+            raise ValueError(f"KVSERVE_LOCAL_CHUNK_TOKENS must be at least 1, got {self.local_chunk_tokens}")
         if self.lease_seconds <= 0:
             raise ValueError(f"KVSERVE_LEASE_SECONDS must be positive, got {self.lease_seconds}")
         if self.reserve_wait_seconds < 0:
@@ -40,4 +45,5 @@ class DecodeSettings(ServiceSettings):
             max_batch_size=env_int("MAX_BATCH_SIZE", 64),
             lease_seconds=env_float("LEASE_SECONDS", 30.0),
             enable_prefix_cache=env_bool("ENABLE_PREFIX_CACHE", True),
+            local_chunk_tokens=env_int("LOCAL_CHUNK_TOKENS", 512),
         )

@@ -46,7 +46,8 @@ class DecodeWorker(Service):
     def __init__(self, settings: DecodeSettings) -> None:
         super().__init__(settings)
         self.host = EngineHost.create(
-            settings.model, self.instance_id, settings.host_id, settings.transfer, enable_prefix_cache=settings.enable_prefix_cache,
+            settings.model, self.instance_id, settings.host_id, settings.transfer,
+            max_chunk_tokens=settings.local_chunk_tokens, enable_prefix_cache=settings.enable_prefix_cache,
             metrics=self.metrics,
         )
         self.engine = self.host.engine

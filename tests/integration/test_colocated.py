@@ -1,20 +1,19 @@
 """`kvserve up --prefill 0` live: no prefill worker, one decode worker on every core
-prefilling its own requests under the default policy as it stands (no +local_prefill:
-the conductor never heard from a prefill worker), streaming the
+prefilling its own requests under a policy without +local_prefill (the conductor never
+heard from a prefill worker), streaming the
 one-process engine's answer token for token."""
 
 import json
 import urllib.request
 
 from libs.common.cpu_share import available_cpus
-from services.conductor.settings import DEFAULT_POLICY
 from tests.integration.conftest import start_cluster, wait_until
 from tests.integration.test_gateway_http import get
 from tests.integration.test_one_request import MODEL, reference
 
 
 def test_a_cluster_with_no_prefill_worker_streams_a_chat_completion(smollm):
-    cluster = start_cluster(prefill=0, env={"KVSERVE_POLICY": DEFAULT_POLICY})
+    cluster = start_cluster(prefill=0, env={"KVSERVE_POLICY": "cache_aware+predictive_rejection"})
     try:
         assert {beat.role for beat in cluster.instances.values()} == {"conductor", "store", "decode", "gateway"}
         assert cluster.cpu_plan["decode-0"].cpus == tuple(sorted(available_cpus()))  # every core

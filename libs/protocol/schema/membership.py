@@ -47,6 +47,7 @@ class DecodeBeat(KVPoolBeat):
     load: int = 0  # sequences running or waiting, and leases
     batch_size: int = 0  # sequences running or waiting
     context_tokens: int = 0  # tokens of KV those sequences hold
+    chunk_tokens: int = 0  # the most prompt tokens it prefills between two decode steps; 0: unknown
 
 
 class StoreBeat(KVPoolBeat):
@@ -125,7 +126,7 @@ class Heartbeat(Message):
 
     @property
     def chunk_tokens(self) -> int:
-        return self.payload.chunk_tokens if isinstance(self.payload, PrefillBeat) else 0
+        return self.payload.chunk_tokens if isinstance(self.payload, PrefillBeat | DecodeBeat) else 0
 
     @property
     def queued_tokens(self) -> int:

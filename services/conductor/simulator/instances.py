@@ -207,18 +207,24 @@ class SimPrefill:
 class SimDecode:
     """One continuous batch. Members join and leave only at step boundaries; an
     epoch is the stretch of steps between two such changes, whose ``k`` steps take
-    T(k) = k·(d + e·B + f·C) + f·B·k(k-1)/2 (every step adds B tokens of context)."""
+    T(k) = k·(d + e·B + f·C) + f·B·k(k-1)/2 (every step adds B tokens of context).
+    A prompt it prefills itself is computed a chunk of at most ``chunk_tokens`` at a
+    time between two decode steps (back to back while nothing decodes), first come
+    first served; None: all of it at once."""
 
-    def __init__(self, sim, instance_id: InstanceId, cost: CostModel, max_batch: int, kv_tokens: int) -> None:
+    def __init__(self, sim, instance_id: InstanceId, cost: CostModel, max_batch: int, kv_tokens: int,
+                 chunk_tokens: int | None = None) -> None:  # fmt: skip
         self.sim = sim
         self.instance_id = instance_id
         self.cost = cost
+        self.chunk_tokens = chunk_tokens
+        self.chunk_s = None if chunk_tokens is None else cost.prefill_time(chunk_tokens)
         self.max_batch = max_batch
         self.kv_tokens = kv_tokens
         self.members: list[SimRequest] = []
         self.joining: list[SimRequest] = []  # handed over: joins at the next boundary
         self.waiting: deque[SimRequest] = deque()  # no room yet
-        self.local_jobs: list[tuple[SimRequest, float]] = []  # conditional disaggregation: (request, seconds)
+        self.local_jobs: list[tuple[SimRequest, float]] = []  # conditional disaggregation: (request, seconds left)
         self.epoch_start = 0.0
         self.context = 0  # C: tokens of KV the members hold at the epoch start
         self.version = 0  # the boundary event that is current
@@ -314,11 +320,16 @@ class SimDecode:
                     still.append(member)
             self.members = still
         start = now
-        for request, seconds in self.local_jobs:  # the batch stalls while it prefills
-            start += seconds
-            if sim.prefilled_locally(request, start):
-                self.joining.append(request)
-        self.local_jobs = []
+        if self.local_jobs:  # the batch stalls while it prefills: one chunk (or one whole prompt) a boundary
+            request, left = self.local_jobs[0]
+            step = left if self.chunk_s is None else min(left, self.chunk_s)
+            start += step
+            if step >= left:
+                self.local_jobs.pop(0)
+                if sim.prefilled_locally(request, start):
+                    self.joining.append(request)
+            else:
+                self.local_jobs[0] = (request, left - step)
         self.waiting.extend(self.joining)
         self.joining = []
         context = sum(m.context for m in self.members)
@@ -327,8 +338,10 @@ class SimDecode:
             self.members.append(joiner)
             context += joiner.context
         self.epoch_start, self.context = start, context
-        if self.members:
-            self._schedule(min(m.remaining for m in self.members))
+        if self.members:  # with local prefills left, the next chunk comes after one decode step
+            self._schedule(1 if self.local_jobs else min(m.remaining for m in self.members))
+        elif self.local_jobs:
+            self._schedule(0)  # nothing decodes: the next chunk at once
         else:
             self.version += 1
             self.next_steps = None
@@ -340,6 +353,7 @@ class SimDecode:
         bs = self.cost.block_size
         beat = Heartbeat(instance_id=self.instance_id, role=Role.DECODE, host_id="sim", payload=DecodeBeat(
             cost=self.sim.reported, load=self.num_sequences, batch_size=len(self.members),
+            chunk_tokens=self.chunk_tokens or 0,
             context_tokens=self._context_now(), capacity=self.kv_tokens // bs,
             free_blocks=max(0, self.kv_tokens - self.context) // bs))  # fmt: skip
         if idle:

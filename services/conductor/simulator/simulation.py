@@ -42,6 +42,7 @@ class SimConfig:
     store_blocks: int = 50_000  # 0: no store
     decode_max_batch: int = 256
     decode_kv_tokens: int = 1_500_000
+    decode_chunk_tokens: int | None = 512  # the most prompt tokens a decode instance prefills between two steps
     noise: float = 0.1  # actual durations = predicted x lognormal(0, noise)
     slowdown: float = 1.0  # the instances run this many times slower than the cost model they report
     heartbeat_interval: float = 1.0
@@ -102,7 +103,8 @@ class Simulation:
         self.prefills = {f"prefill-{i}": SimPrefill(self, f"prefill-{i}", cost, config.prefill_cache_blocks)
                          for i in range(config.num_prefill)}  # fmt: skip
         self.decodes = {f"decode-{i}": SimDecode(self, f"decode-{i}", cost, config.decode_max_batch,
-                                                 config.decode_kv_tokens) for i in range(config.num_decode)}  # fmt: skip
+                                                 config.decode_kv_tokens, config.decode_chunk_tokens)
+                        for i in range(config.num_decode)}  # fmt: skip
         self.store = (SimStore("store-0", config.store_blocks, cost, CostModel(config.coefficients))
                       if config.store_blocks > 0 else None)  # fmt: skip
         self.requests: list[SimRequest] = []

@@ -182,6 +182,22 @@ def test_conditional_disaggregation_prefills_a_short_prompt_on_the_decode_worker
     assert (long.prefill_on_decode, long.prefill_id) == (False, "p0")
 
 
+def test_a_decode_worker_that_prefills_in_chunks_takes_a_prompt_longer_than_one_tbt():
+    # 0.5 ms a token, 100 tokens between two decode steps: a 50 ms chunk, 60 ms with the step
+    decode = beat("d0", "decode", cost=coefficients(prefill_per_token=0.0005), chunk_tokens=100, batch_size=1)
+    s, _, _ = scheduler("cache_aware+local_prefill", P0, decode)
+    assert s.view.get("d0").prefill.chunk_s == pytest.approx(0.050)
+    s.view.get("p0").prefill.add("busy", 1.0, 0.0)
+    long = s.admit(request("long", tokens=600, blocks=[]))  # 0.3 s of prefill, cut in 6 chunks
+    assert (long.prefill_on_decode, long.prefill_id, long.decode_id) == (True, "d0", "d0")
+    # the 5 decode steps (11 ms: one sequence) between its chunks come on top of its compute
+    assert long.predicted_ttft_s == pytest.approx(0.300 + 5 * 0.011)
+    chunky = beat("d1", "decode", cost=coefficients(prefill_per_token=0.0005), chunk_tokens=300, batch_size=1)
+    s, _, _ = scheduler("cache_aware+local_prefill", P0, chunky)  # a 150 ms chunk: past the target with the step
+    s.view.get("p0").prefill.add("busy", 1.0, 0.0)
+    assert s.admit(request("long", tokens=600, blocks=[])).prefill_id == "p0"
+
+
 @pytest.mark.parametrize("spec, message", [
     ("fastest", "unknown policy 'fastest'"),
     ("cache_aware+magic", "unknown policy option 'magic'"),

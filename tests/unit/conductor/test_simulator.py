@@ -1,9 +1,11 @@
 """The simulator: deterministic for a seed, decode batches timed in closed form
 exactly as step by step, and, on the shared Mooncake trace, the paper's ordering."""
 
+from math import ceil
 from pathlib import Path
 from statistics import mean, median
 
+import msgspec
 import pytest
 
 from libs.engine.cost_model import CostModel, reference_coefficients
@@ -70,6 +72,23 @@ def test_two_overlapping_decodes_match_a_step_by_step_replay():
                 finish[name] = t
                 del batch[name]
     assert (ra.finish, rb.finish) == pytest.approx((finish["a"], finish["b"]))
+
+
+def test_a_decode_instance_prefills_a_prompt_a_chunk_between_two_decode_steps():
+    c = msgspec.structs.replace(reference_coefficients(), transfer_per_block=10.0)  # a hand-off dearer than a prefill
+    cost = CostModel(c)
+    a = TraceRequest(0, 0.0, 48, 400, (1,))  # decoding when b comes
+    b = TraceRequest(1, 1.5, 640, 5, (2, 3))
+    runs = {chunk: simulate(SimConfig(1, 1, "cache_aware+local_prefill", noise=0.0, store_blocks=0, coefficients=c,
+                                      decode_chunk_tokens=chunk), [a, b]).requests
+            for chunk in (64, None)}  # fmt: skip
+    assert all(r.decision.prefill_on_decode for requests in runs.values() for r in requests)
+    chunks = ceil(cost.prefill_time(640) / cost.prefill_time(64))
+    assert chunks == 3
+    # the same boundary starts b's prefill; cut in chunks, a decode step of a runs between two of them
+    step = cost.decode_step_time(1, 100)  # a's context then: ~60 tokens past its prompt
+    assert runs[64][1].first_token - runs[None][1].first_token == pytest.approx((chunks - 1) * step, rel=1e-3)
+    assert runs[64][0].finish == pytest.approx(runs[None][0].finish)  # a waits as long in all, only in pieces
 
 
 def test_the_report_and_the_plot(tmp_path):

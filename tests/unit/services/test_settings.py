@@ -65,6 +65,7 @@ def test_the_documented_defaults(clean_env):
     assert model.calibrate and model.calibration_file is None
     decode = DecodeSettings.from_env()
     assert (decode.max_batch_size, decode.lease_seconds, decode.enable_prefix_cache) == (64, 30.0, True)
+    assert decode.local_chunk_tokens == 512
     assert decode.model == model and decode.transfer == TransferSettings(listen_host="127.0.0.1", transport="auto", timeout=30.0,
                                                                          connections=4, max_connections=64, idle_timeout=60.0)  # fmt: skip
     store = StoreSettings.from_env()
@@ -90,6 +91,7 @@ def test_variables_reach_the_settings(clean_env):
     ("prefill", "KVSERVE_STORE_REPLICAS", "0"),
     ("prefill", "KVSERVE_NUM_BLOCKS", "0"),
     ("decode", "KVSERVE_LEASE_SECONDS", "0"),
+    ("decode", "KVSERVE_LOCAL_CHUNK_TOKENS", "0"),
     ("decode", "KVSERVE_TRANSPORT", "pigeon"),
     ("decode", "KVSERVE_DEVICE", "cuda:0"),
     ("prefill", "KVSERVE_DEVICE", "mps"),
