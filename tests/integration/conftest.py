@@ -4,7 +4,8 @@ service, started through the same LocalCluster that `kvserve up` runs."""
 import asyncio
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import nats
 import pytest
@@ -12,6 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.cli.cluster import LocalCluster
 from libs.protocol import schema, subjects
+
+T = TypeVar("T")
 
 # float32 so outputs compare exactly with the one-process reference; small pools keep start-up quick
 CLUSTER_ENV = {
@@ -82,9 +85,21 @@ def metrics_of(cluster: LocalCluster, instance_id: str) -> str:
     return asyncio.run(ask())
 
 
-async def wait_until_async(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
-    """``wait_until`` for coroutines: poll without blocking the event loop; fail with ``what``."""
+async def poll_until(probe: Callable[[], Awaitable[T]], holds: Callable[[T], bool], timeout: float, what: str,
+                     interval: float = 0.05) -> T:  # fmt: skip
+    """Await ``probe()`` until ``holds`` its result, without blocking the event loop; fail
+    with ``what`` after ``timeout`` seconds. Returns the result that held."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not holds(result := await probe()):
         assert time.monotonic() < deadline, what
         await asyncio.sleep(interval)  # polling with a deadline, not synchronising on a guess
+    return result
+
+
+async def wait_until_async(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.05) -> None:
+    """``wait_until`` for coroutines: poll without blocking the event loop; fail with ``what``."""
+
+    async def probe() -> bool:
+        return condition()
+
+    await poll_until(probe, bool, timeout, what, interval)

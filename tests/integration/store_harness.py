@@ -20,6 +20,7 @@ from libs.protocol import schema, subjects
 from libs.protocol.schema import Heartbeat, KVContract, KVEventBatch, StoreStatsReply
 from libs.transfer import Descriptor, SharedSegment, Span, TransferEngine
 from libs.transfer.segment import new_segment_name
+from tests.integration.conftest import poll_until
 
 BLOCK_SIZE = 16
 
@@ -183,11 +184,7 @@ class Caller:
     async def wait_stats(self, instance_id: str, condition, timeout: float, what: str) -> StoreStatsReply:
         """Ask for a store's stats until ``condition(stats)`` holds; fail with ``what``
         after ``timeout`` seconds."""
-        deadline = time.monotonic() + timeout
-        while not condition(stats := await self.stats(instance_id)):
-            assert time.monotonic() < deadline, what
-            await asyncio.sleep(0.05)  # polling with a deadline, not synchronising on a guess
-        return stats
+        return await poll_until(lambda: self.stats(instance_id), condition, timeout, what)
 
     async def watch_disk(self, instance_id: str) -> set[bytes]:
         """The blocks a store's KV events say its disk tier holds, kept up to date from now
