@@ -126,7 +126,7 @@ def render(state: dict[str, Any], url: str) -> str:
         _slo_line(state["slo"]),
         "",
         *_table(["INSTANCE", "ROLE", "HOST", "LOAD", "KV USED", "QUEUE/BATCH", "KV BLOCKS BY TIER", "HEARD"],
-                [_instance_row(i) for i in sorted(state["instances"], key=lambda i: (i["host_id"], i["instance_id"]))]),  # fmt: skip
+                [_instance_row(i) for i in sorted(state["instances"], key=_by_host)]),  # fmt: skip
         "",
         "LAST DECISIONS" if state["decisions"] else "LAST DECISIONS: none yet",
         *_table(["TIME", "REQUEST", "ROUTE", "PREDICTED", "ACTUAL", "REUSE"],
@@ -158,6 +158,10 @@ def _slo_line(slo: dict[str, Any]) -> str:
                     f"{_ms(slo['ttft_s'])}, TPOT <= {_ms(slo['tbt_s'])})")  # fmt: skip
     return (f"last {minutes}: {attained}; TTFT p50 {_ms(slo['ttft_p50_s'])} p90 {_ms(slo['ttft_p90_s'])}; "
             f"TPOT p50 {_ms(slo['tpot_p50_s'])} p90 {_ms(slo['tpot_p90_s'])}; cache hit {_pct(slo['cache_hit'])}")  # fmt: skip
+
+
+def _by_host(i: dict[str, Any]) -> tuple[str, str]:
+    return i["host_id"], i["instance_id"]
 
 
 def _instance_row(i: dict[str, Any]) -> list[str]:
