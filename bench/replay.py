@@ -112,7 +112,7 @@ def policy_exists(spec: str) -> bool:
     return True
 
 
-NO_LOCAL_PREFILL_POLICY = "cache_aware+predictive_rejection"
+LOCAL_PREFILL_POLICY = "cache_aware+local_prefill+predictive_rejection"
 
 
 def configs(worker_threads: int | None, baseline_path: Path | None = None) -> list[Config]:
@@ -133,11 +133,12 @@ def configs(worker_threads: int | None, baseline_path: Path | None = None) -> li
         out.insert(1, Config(baseline.NAME, "an earlier checkout's kvserve-default, by its own bench/replay.py",
                              "baseline", note=f"{baseline_path}{f' at {commit}' if commit else ''}, run by its own "
                              "bench/replay.py --configs kvserve-default"))  # fmt: skip
-    # the default before the decode worker prefilled beside its batch, and another way of giving
-    # prefill what the decode worker leaves idle
-    out.append(Config("kvserve-no-local-prefill", "kvserve-default with KVSERVE_POLICY=" + NO_LOCAL_PREFILL_POLICY
-                      + ": every prompt prefilled on the prefill worker while one is alive", "kvserve",
-                      dict(prefill=1, decode=1, store=True), {"KVSERVE_POLICY": NO_LOCAL_PREFILL_POLICY, **threads}))
+    # two ways of giving prefill what the decode worker leaves idle (bench/results/local-prefill.md)
+    out.append(Config("kvserve-local-prefill", "kvserve-default with KVSERVE_POLICY=" + LOCAL_PREFILL_POLICY
+                      + " and KVSERVE_LOCAL_CHUNK_TOKENS=64: the decode worker prefills a request itself, 64 tokens "
+                      "between two decode steps, when that is predicted sooner", "kvserve",
+                      dict(prefill=1, decode=1, store=True),
+                      {"KVSERVE_POLICY": LOCAL_PREFILL_POLICY, "KVSERVE_LOCAL_CHUNK_TOKENS": "64", **threads}))
     host = tuple(sorted(os.sched_getaffinity(0)))
     out.append(Config("kvserve-wide-prefill", f"kvserve-default with --cpus prefill={format_cpu_list(host)},"
                       f"decode={host[-1]}: the prefill worker on every core, the decode worker on the last",
@@ -286,7 +287,7 @@ def parser() -> argparse.ArgumentParser:
                     help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
     ap.add_argument("--configs", nargs="+", default=None,
                     help="names to run, in this order (default all: kvserve-default, kvserve-baseline with --baseline, "
-                    "kvserve-disagg, kvserve-nocache, kvserve-no-local-prefill, kvserve-wide-prefill, kvserve-colocated, "
+                    "kvserve-disagg, kvserve-nocache, kvserve-local-prefill, kvserve-wide-prefill, kvserve-colocated, "
                     "kvserve-colocated-512, llama.cpp)")
     ap.add_argument("--baseline", type=Path, default=None, metavar="PATH",
                     help="add kvserve-baseline: the kvserve checkout at PATH measured by its own bench/replay.py "
