@@ -22,7 +22,11 @@ nothing queued, one that can meet its targets is never refused. A moved request
 (its worker was lost) is never refused.
 A request its decode instance prefills itself is judged with the TBT that
 prefill costs the batch: its own compute and the local prefills queued ahead of
-it stall every member (`AdmitContext.with_prefill_stall`); alone, its own.
+it stall every member (`AdmitContext.with_prefill_stall`); alone, its own. It is
+refused (tbt_slo) when that stall would make a request already booked on the
+instance miss its TBT target: every local prefill booked there is counted against
+each member's mean time between tokens (`DecodeLoad.stall_room`), so a stream
+of small local prefills cannot wear a decoding request's TPOT down unseen.
 """
 
 import random
@@ -115,6 +119,11 @@ class EarlyRejection:
         if route.is_local:  # the batch waits for the prefills queued on d and for this one
             tbt = ctx.with_prefill_stall(tbt, p.queue_s + p.compute_s)
             alone = ctx.with_prefill_stall(alone, p.compute_s)
+            room = ctx.stall_room(d)
+            if judged and p.compute_s > room + _SLACK:  # the promises made to the batch it would stall
+                message = (f"prefilling it on {d.instance_id} ({p.compute_s:.3f} s between decode steps) would make "
+                           f"a request decoding there miss its TBT target ({max(room, 0.0):.3f} s of stall left)")
+                return Verdict(tbt, _reject("tbt_slo", message, _decode_wait(ctx, d, tbt, slo.tbt_s), route), p)
         elif backlog := d.prefill.backlog(ctx.now):  # a handed-over request waits for d's own prefills too
             tbt = ctx.with_prefill_stall(tbt, backlog)
         margin = ctx.margins.tbt(d.instance_id)
@@ -225,6 +234,9 @@ class Policy:
             if d.prefill.chunk_s is not None:
                 stall = min(stall, d.prefill.chunk_s)
             within = (stall + step_now(d)) * ctx.margins.tbt(d.instance_id) <= ctx.slo.tbt_s
+            # and that the requests decoding there can take it: each one's mean time between
+            # tokens, stalls already booked beside it included, stays within the target
+            within = within and local.prefill.compute_s <= ctx.stall_room(d)
             if within and local.prefill.ttft_s < route.prefill.ttft_s:
                 route, on_decode = local, True
         verdict = self.admission.judge(ctx, route)

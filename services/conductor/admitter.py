@@ -232,6 +232,8 @@ class Admitter:
             deadline = None if b.deadline_in_s is None else now + b.deadline_in_s
             prefill.prefill.add(b.request_id, b.work_s, now, b.prefill_speed, deadline, b.favored)
         if (decode := self.view.get(b.decode_id)) is not None:
+            if b.prefill_id == b.decode_id:  # prefilled between its decode steps: every member waits for it
+                decode.decode.add_stall(b.work_s)
             decode.decode.add(b.request_id, b.num_prompt_tokens, now + b.predicted_ttft_s, b.max_tokens,
                               b.expected_output_tokens, b.num_sequences)  # fmt: skip
         self.view.assigned(b.prefill_id)

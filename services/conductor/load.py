@@ -6,7 +6,9 @@ of the next request and the promises it would break are known at once; each
 first token takes its job off. `DecodeLoad` keeps,
 per request sent to a decode instance, when it is predicted to start decoding
 and how many tokens it is expected to generate, so the batch can be read now
-or forecast for any moment at the instance's current step time.
+or forecast for any moment at the instance's current step time, and how much
+prefill the instance has been booked to run beside each request (its stall), so a
+new local prefill can be kept within what every member's TBT promise has left.
 Pure bookkeeping: times are whatever clock the caller uses.
 """
 
@@ -232,6 +234,14 @@ class DecodeRecord:
     expected: int  # tokens it is expected to decode
     decoding: bool = False
     sequences: int = 1  # n: each a member of the batch
+    stall_s: float = 0.0  # prefill its decode instance was booked to run while it is in the batch
+
+    def stall_room(self, step_s: float, limit_s: float) -> float:
+        """Seconds of prefill this record's batch may still stall before its mean time
+        between tokens, over the gaps between the tokens it is expected to decode, passes
+        ``limit_s`` (inf: one token or none, no gap to keep)."""
+        gaps = self.expected - 1
+        return gaps * (limit_s - step_s) - self.stall_s if gaps > 0 else float("inf")
 
     def end(self, step_s: float) -> float:
         """The latest it should end: after ``tokens`` steps."""
@@ -344,6 +354,17 @@ class DecodeLoad:
                 count += r.sequences
                 context += r.context_at(at, step_s)
         return count, context
+
+    def add_stall(self, seconds: float) -> None:
+        """The instance was booked to prefill ``seconds`` of a prompt between its decode
+        steps: every request in its batch, or on its way to it, waits that long."""
+        for r in self.records.values():
+            r.stall_s += seconds
+
+    def stall_room(self, step_s: float, limit_s: float) -> float:
+        """The least prefill stall any of its requests can still take and keep a mean
+        time between tokens within ``limit_s`` at steps of ``step_s`` (inf: none)."""
+        return min((r.stall_room(step_s, limit_s) for r in self.records.values()), default=float("inf"))
 
     def expected_ends(self, now: float, step_s: float) -> list[float]:
         """When every record is expected to end, soonest first (past ends read as now)."""

@@ -253,6 +253,13 @@ class AdmitContext:
         mean time between tokens grows by the stall spread over its expected tokens."""
         return replace(tbt, tbt_s=tbt.tbt_s + stall_s / self.expected_output_tokens)
 
+    def stall_room(self, d: Instance) -> float:
+        """Seconds of prefill ``d`` may still run between its decode steps before one of
+        the requests already booked on it (decoding or on its way) is predicted to miss
+        its TBT target, at the step time of that batch with this request in it."""
+        limit = self.slo.tbt_s / self.margins.tbt(d.instance_id)
+        return d.decode.stall_room(self.decode_all(d).tbt_s, limit)
+
     def best_peer(self) -> tuple[int, str] | None:
         """(blocks, instance) of the prefill instance holding the longest prefix."""
         usable, best = self.usable_blocks, None

@@ -65,11 +65,22 @@ def test_every_request_is_prefilled_on_the_decode_instance_however_long(router):
 def test_the_stall_of_local_prefills_can_refuse_a_request_the_decode_batch_alone_would_take():
     s = scheduler("cache_aware+local_prefill+predictive_rejection", D0, tbt_s=0.03)
     assert s.admit(request("a")).admitted  # 11 ms + 17 ms of stall: within 30 ms
-    # "a" is predicted done when "b"'s prefill ends: its batch's 11 ms steps would fit, but not
-    # with both prefills stalling it (34 ms a token)
+    # "b"'s 170 ms prefill would run while "a" decodes: a's 9 gaps at 12 ms steps have 9 x 18 ms
+    # = 162 ms of stall left before its mean passes 30 ms
     late = s.admit(request("b"))
     assert (late.reason, late.prefill_on_decode) == ("tbt_slo", True)
-    assert late.predicted_tbt_s == pytest.approx(0.011 + 0.340 / 10)
+    assert "would make a request decoding there miss its TBT target (0.162 s of stall left)" in late.error_message
+
+
+def test_every_local_prefill_booked_beside_a_request_counts_against_its_tbt_promise():
+    s = scheduler("cache_aware+local_prefill+predictive_rejection", D0, tbt_s=0.05)
+    assert s.admit(request("a", tokens=60, blocks=[])).admitted
+    # each 60 ms prefill stalls "a" (9 gaps, 50 ms target, steps of 10 ms + 1 ms a member): the
+    # sixth would leave it 9 x (50 - 17) - 5 x 60 = -3 ms, the booked stalls added up
+    admitted = [s.admit(request(f"r{i}", tokens=60, blocks=[])) for i in range(6)]
+    assert [d.admitted for d in admitted] == [True] * 5 + [False]
+    assert "(0.000 s of stall left)" in admitted[-1].error_message
+    assert s.view.get("d0").decode.records["a"].stall_s == pytest.approx(5 * 0.060)
 
 
 def test_a_prompt_whose_own_stall_misses_the_target_is_served_alone_not_refused_forever():

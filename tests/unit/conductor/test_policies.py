@@ -182,6 +182,19 @@ def test_conditional_disaggregation_prefills_a_short_prompt_on_the_decode_worker
     assert (long.prefill_on_decode, long.prefill_id) == (False, "p0")
 
 
+def test_local_prefills_stop_where_the_batch_decoding_beside_them_would_miss_its_tbt():
+    # 0.5 ms a token: each 100-token prompt is 50 ms of prefill, sooner on d0 than behind p0's 1 s
+    decode = beat("d0", "decode", cost=coefficients(prefill_per_token=0.0005))
+    s, _, _ = scheduler("cache_aware+local_prefill", P0, decode, tbt_s=0.08)
+    s.view.get("p0").prefill.add("busy", 1.0, 0.0)
+    picks = [s.admit(request(f"r{i}", tokens=100, blocks=[])) for i in range(12)]
+    # r0's 9 gaps may take 9 x (80 ms - step) of stall beside it, steps of 10 ms + 1 ms a member:
+    # r11's would leave it 9 x (80 - 22) - 10 x 50 = 22 ms, less than its 50: it goes to p0
+    assert [d.prefill_on_decode for d in picks] == [True] * 11 + [False]
+    assert all(d.admitted for d in picks) and picks[-1].prefill_id == "p0"
+    assert s.view.get("d0").decode.records["r0"].stall_s == pytest.approx(10 * 0.050)
+
+
 def test_a_decode_worker_that_prefills_in_chunks_takes_a_prompt_longer_than_one_tbt():
     # 0.5 ms a token, 100 tokens between two decode steps: a 50 ms chunk, 60 ms with the step
     decode = beat("d0", "decode", cost=coefficients(prefill_per_token=0.0005), chunk_tokens=100, batch_size=1)
