@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from libs.common.prefill_order import BAND_NAMES, band_of
 
 WINDOW_S = 30.0  # admitted work per second is averaged over this long
+MIN_SPAN_S = 1.0  # ... or since the first admission, but never over less than this
 DECISIONS = 200  # recent decisions the refusal rates are taken over
 MIN_GUARD_RATE = 0.10  # a band refused less often than this is never protected by the guard
 
@@ -36,23 +37,29 @@ class Overload:
         self.config = config or OverloadConfig()
         self._admitted: deque[tuple[float, int, float]] = deque()  # (when, band, prefill seconds)
         self._decisions: deque[tuple[int, bool]] = deque(maxlen=DECISIONS)  # (band, refused)
+        self._since: float | None = None  # the first admission seen
 
     def observe(self, now: float, num_prompt_tokens: int, work_s: float, admitted: bool) -> None:
         band = band_of(num_prompt_tokens)
         self._decisions.append((band, not admitted))
         if admitted:
             self._admitted.append((now, band, work_s))
+            if self._since is None:
+                self._since = now
 
     def shorter_share(self, num_prompt_tokens: int, now: float, num_instances: int) -> float:
         """The share of a prefill instance that admitted prompts of the bands below this
-        prompt's took over the last ``WINDOW_S`` seconds (0 when the guard protects its band)."""
+        prompt's took over the last ``WINDOW_S`` seconds, or since the first admission when
+        that is sooner (0 when the guard protects its band)."""
         band = band_of(num_prompt_tokens)
         if band == 0 or self.config.max_refusal_ratio <= 0 or self.guarded(band):
             return 0.0
         while self._admitted and self._admitted[0][0] < now - WINDOW_S:
             self._admitted.popleft()
         work = sum(w for _, b, w in self._admitted if b < band)
-        return work / WINDOW_S / max(1, num_instances)
+        # a conductor that started less than a window ago has seen only that much of the load
+        span = WINDOW_S if self._since is None else min(WINDOW_S, max(MIN_SPAN_S, now - self._since))
+        return work / span / max(1, num_instances)
 
     def guarded(self, band: int) -> bool:
         """Whether ``band`` has been refused too often, against every band, to be held back further."""

@@ -5,7 +5,7 @@ import pytest
 
 from services.conductor.admission_policy import build_policy
 from services.conductor.admitter import Admitter
-from services.conductor.overload import WINDOW_S, Overload, OverloadConfig
+from services.conductor.overload import MIN_SPAN_S, WINDOW_S, Overload, OverloadConfig
 from tests.unit.conductor.helpers import beat, cluster, config, request
 
 
@@ -15,10 +15,21 @@ def test_the_share_shorter_prompts_take_counts_only_admitted_shorter_work_in_the
     o.observe(now=10.0, num_prompt_tokens=300, work_s=3.0, admitted=True)  # band 128-511
     o.observe(now=10.0, num_prompt_tokens=40, work_s=9.0, admitted=False)  # refused: takes nothing
     assert o.shorter_share(40, now=10.0, num_instances=1) == 0.0  # nothing is shorter than the shortest band
-    assert o.shorter_share(1500, now=10.0, num_instances=1) == pytest.approx(9.0 / WINDOW_S)
-    assert o.shorter_share(1500, now=10.0, num_instances=3) == pytest.approx(3.0 / WINDOW_S)
-    assert o.shorter_share(300, now=10.0, num_instances=1) == pytest.approx(6.0 / WINDOW_S)
+    # 10 s since the first admission: that is all the load seen so far
+    assert o.shorter_share(1500, now=10.0, num_instances=1) == pytest.approx(9.0 / 10.0)
+    assert o.shorter_share(1500, now=10.0, num_instances=3) == pytest.approx(3.0 / 10.0)
+    assert o.shorter_share(300, now=10.0, num_instances=1) == pytest.approx(6.0 / 10.0)
+    assert o.shorter_share(300, now=20.0, num_instances=1) == pytest.approx(6.0 / 20.0)
+    assert o.shorter_share(1500, now=WINDOW_S, num_instances=1) == pytest.approx(9.0 / WINDOW_S)  # a full window
     assert o.shorter_share(300, now=WINDOW_S + 1, num_instances=1) == 0.0  # the short one left the window
+
+
+def test_a_conductor_that_just_started_takes_the_load_over_the_time_it_has_seen():
+    o = Overload()
+    o.observe(now=100.0, num_prompt_tokens=50, work_s=0.25, admitted=True)
+    assert o.shorter_share(300, now=100.2, num_instances=1) == pytest.approx(0.25 / MIN_SPAN_S)  # not under 1 s
+    o.observe(now=101.5, num_prompt_tokens=50, work_s=0.5, admitted=True)
+    assert o.shorter_share(300, now=102.0, num_instances=1) == pytest.approx(0.75 / 2.0)  # nor over 30 s
 
 
 def test_a_band_refused_far_more_often_than_all_is_no_longer_held_back():
