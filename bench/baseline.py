@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from kvserve.replay.capacity import Capacity, Probe
@@ -50,18 +51,30 @@ def measure(
     found = None
     if args.find_capacity:
         found = capacity([s for _, s in results], args.target_attainment, unit_offered_rps(requests, settings.spread))
+        if found.best is not None and args.beyond:  # its own sweep at those loads, seeds as the others'
+            scales = [found.best.time_scale / f for f in args.beyond]
+            runs, code = run(args, args.out / "beyond" / NAME, scales)
+            problem += f"; its probes beyond capacity exited with code {code}" if code else ""
+            more = [(r, summarize(r, settings.slo, settings.block_tokens)) for r in runs]
+            found = replace(found, beyond=tuple(
+                Probe(s.time_scale, s.offered_rps if s.offered_rps is not None else found.best.offered_rps * f,
+                      s.slo_attainment, s.goodput_rps, s)
+                for (_, s), f in zip(more, args.beyond)))  # fmt: skip
+            results += more
     return results, found, problem
 
 
-def command(args: argparse.Namespace, out: Path) -> list[str]:
+def command(args: argparse.Namespace, out: Path, scales: Sequence[float] = ()) -> list[str]:
     """The older checkout's bench/replay.py command line, with this interpreter,
-    writing its runs, log and report into ``out``."""
+    writing its runs, log and report into ``out``; with ``scales``, a sweep at those
+    time scales whose seeds follow the search's probes (this search's --beyond)."""
     cmd = [
         sys.executable, str(args.baseline.resolve() / "bench" / "replay.py"), "--configs", "kvserve-default",
         "--trace", str(args.trace.resolve()), "--start", str(args.start), "--requests", str(args.requests),
         "--block-tokens", str(args.block_tokens), "--max-input", str(args.max_input or UNCAPPED),
         "--max-output", str(args.max_output), "--slo-ttft-ms", str(args.slo_ttft_ms),
-        "--slo-tbt-ms", str(args.slo_tbt_ms), "--seed", str(args.seed), "--dtype", args.dtype,
+        "--slo-tbt-ms", str(args.slo_tbt_ms), "--seed", str(args.seed + (args.max_probes if scales else 0)),
+        "--dtype", args.dtype,
         "--request-timeout", str(args.request_timeout),
     ]  # fmt: skip
     if args.warm_history:
@@ -70,7 +83,9 @@ def command(args: argparse.Namespace, out: Path) -> list[str]:
         cmd.append("--no-spread")
     if args.worker_threads:
         cmd += ["--worker-threads", str(args.worker_threads)]
-    if args.find_capacity:
+    if scales:
+        cmd += ["--time-scales", *(str(x) for x in scales)]
+    elif args.find_capacity:
         cmd += ["--find-capacity", "--target-attainment", str(args.target_attainment),
                 "--max-probes", str(args.max_probes), "--start-scale", str(args.start_scale)]  # fmt: skip
         if args.max_scale is not None:
@@ -86,13 +101,13 @@ def environment(args: argparse.Namespace) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(args.baseline.resolve())}
 
 
-def run(args: argparse.Namespace, out: Path) -> tuple[list[Run], int]:
+def run(args: argparse.Namespace, out: Path, scales: Sequence[float] = ()) -> tuple[list[Run], int]:
     """Run the older bench/replay.py to its end; its runs that started after the launch, and its exit code."""
     out.mkdir(parents=True, exist_ok=True)
     launched = time.time()
     with (out / "replay.log").open("w") as log:
         # its own session: a Ctrl-C here reaches it once, as the SIGTERM below, which stops its servers
-        proc = subprocess.Popen(command(args, out), env=environment(args), cwd=args.baseline.resolve(), stdout=log,
+        proc = subprocess.Popen(command(args, out, scales), env=environment(args), cwd=args.baseline.resolve(), stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         try:
             code = proc.wait()

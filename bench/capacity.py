@@ -2,13 +2,15 @@
 request capacity (the highest offered load at which the target share of requests
 meets both SLOs) and peak goodput, their ratios to llama.cpp, to kvserve
 without prefix cache and to the earlier checkout (kvserve-baseline), every probe, and the prompt-size bands of each
-configuration's peak-goodput and capacity probes. Formatting only; the searches are
+configuration's peak-goodput and capacity probes; with probes beyond the
+capacity (``--beyond``), what each configuration kept there and its peak
+goodput at any load tried. Formatting only; the searches are
 ``kvserve.replay.capacity``'s and the plot ``kvserve.replay.plots``'."""
 
 from collections.abc import Mapping, Sequence
 
 from kvserve.replay.capacity import Capacity
-from kvserve.replay.report import BANDS_LEGEND, capacity_bands, capacity_verdict, probes_table
+from kvserve.replay.report import BANDS_LEGEND, bands_table, capacity_bands, capacity_verdict, probes_table, runs_table
 from libs.protocol.slo import SLO
 
 BASELINES = ("llama.cpp", "kvserve-nocache", "kvserve-baseline")
@@ -77,8 +79,48 @@ def document(
         f"Attainment and goodput against offered load, a line per configuration: `{plot_name}`.\n",
         *(f"- {note}" for note in notes),
     ]
+    if beyond := beyond_section(results):
+        parts.append(beyond)
     for name, capacity in results.items():
         parts.append(f"\n## {name}\n\n{capacity_verdict(capacity)}.\n\n{probes_table(capacity)}")
         if bands := capacity_bands(capacity):
             parts.append(f"By prompt size, at peak goodput and at capacity:\n\n{bands}")
     return "\n".join(parts)
+
+
+def beyond_section(results: Mapping[str, Capacity]) -> str:
+    """The probes past each capacity (runs and prompt-size bands, named by their multiple of
+    the capacity) and every configuration's peak goodput at any load tried, with its ratios;
+    "" when there are none."""
+    probed = {name: c for name, c in results.items() if c.beyond}
+    if not probed:
+        return ""
+    summaries, bands = [], []
+    for name, c in probed.items():
+        for p in c.beyond:
+            if p.summary is not None:
+                summaries.append(p.summary)
+                bands.append((f"{name} ×{p.offered_rps / c.capacity_rps:.2g} capacity ({p.offered_rps:.3f} req/s)",
+                              p.summary))  # fmt: skip
+    baselines = [name for name in BASELINES if name in results]
+    lines = [
+        "| configuration | peak goodput req/s at any load tried (at offered req/s) "
+        + "".join(f"| vs {name} " for name in baselines) + "|",
+        "|---|---:" + "|---:" * len(baselines) + "|",
+    ]  # fmt: skip
+    for name, c in results.items():
+        peak = c.peak_goodput_any
+        cells = "".join(f"| {_over(peak.goodput_rps, results[b].peak_goodput_any.goodput_rps)} " for b in baselines)
+        lines.append(f"| {name} | {peak.goodput_rps:.3f} ({peak.offered_rps:.3f}) {cells}|")
+    return "\n".join([
+        "\n## Beyond capacity\n",
+        "After its search each configuration with a capacity was probed again at multiples of it (the same prompt "
+        "seed for every configuration at a multiple). \"admitted in SLO\" is what admission promises: of the requests "
+        "it did not refuse, the share that met both SLOs.\n",
+        runs_table(summaries), bands_table(bands),
+        "Peak goodput over every load tried, the search's and these:\n", "\n".join(lines) + "\n",
+    ])  # fmt: skip
+
+
+def _over(value: float, base: float) -> str:
+    return f"{value / base:.2f}×" if base > 0 else "–"

@@ -20,6 +20,13 @@ seed+i in every configuration) and writes bench/results/capacity.md (or
 
     .venv/bin/python bench/replay.py --requests 120 --find-capacity --start-scale 4 --max-probes 6
 
+--beyond F [F ...] then probes each configuration at F times its capacity (the
+same prompt seed for every configuration at a factor; files in --out/beyond): what
+admission keeps past the capacity, reported under "Beyond capacity", with peak
+goodput at any load tried:
+
+    .venv/bin/python bench/replay.py --find-capacity --beyond 2 4 --max-input 0 --block-tokens 8
+
 --start I --warm-history takes the window from the trace's steady state: before
 each run it sends the prefixes the window shares with requests 0..I-1, the cache a
 server holds after serving the trace up to I (the first requests of a trace meet a
@@ -66,7 +73,7 @@ from kvserve.cli.bench import (  # noqa: E402
 )
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
 from kvserve.cli.options import positive_int  # noqa: E402
-from kvserve.replay.capacity import Capacity, find_capacity  # noqa: E402
+from kvserve.replay.capacity import Capacity, find_capacity, probe_beyond  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
 from kvserve.replay.client import Endpoint, plan, replay  # noqa: E402
 from kvserve.replay.history import load_history, shared_prefixes  # noqa: E402
@@ -302,6 +309,9 @@ def parser() -> argparse.ArgumentParser:
                     help="seconds a request may take in all; past it, it is an error (never good anyway)")
     ap.add_argument("--report-only", action="store_true",
                     help="run nothing: rebuild summary.md, comparison.md and the plots from the JSON in --out")
+    ap.add_argument("--beyond", type=float, nargs="+", default=[], metavar="FACTOR",
+                    help="with --find-capacity: then probe each configuration at these multiples of its capacity "
+                    "(e.g. 2 4; default none)")
     ap.add_argument("--capacity-report", type=Path, default=ROOT / "bench" / "results" / "capacity.md",
                     help="with --find-capacity: where the comparison goes, its plot beside it as .png "
                     "(default bench/results/capacity.md)")
@@ -320,6 +330,8 @@ def main() -> int:
                             max_scale=args.max_scale)  # fmt: skip
         except ValueError as e:
             ap.error(str(e))
+    if args.beyond and (not args.find_capacity or min(args.beyond) <= 0):
+        ap.error("--beyond takes positive factors and needs --find-capacity")
     if error := baseline.usage_error(args):
         ap.error(error)
     if args.report_only:
@@ -372,11 +384,14 @@ def main() -> int:
                 if args.find_capacity:
                     measure = capacity_measure(endpoint, requests, settings, label=config.name, out_dir=args.out,
                                                trace_name=str(args.trace))  # fmt: skip
-                    capacities[config.name] = find_capacity(
+                    found = find_capacity(
                         measure, start_scale=args.start_scale, max_probes=args.max_probes,
                         target=args.target_attainment, max_scale=args.max_scale, label=config.name,
                     )  # fmt: skip
-                    results = [(None, p.summary) for p in capacities[config.name].probes]
+                    beyond = capacity_measure(endpoint, requests, settings, label=config.name,
+                                              out_dir=args.out / "beyond", trace_name=str(args.trace))  # fmt: skip
+                    found = capacities[config.name] = probe_beyond(found, beyond, args.beyond, args.max_probes)
+                    results = [(None, p.summary) for p in (*found.probes, *found.beyond)]
                 else:
                     results = run_sweep(endpoint, requests, settings, label=config.name, out_dir=args.out,
                                         trace_name=str(args.trace))  # fmt: skip

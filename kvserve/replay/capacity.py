@@ -9,11 +9,13 @@ pass or doubling it while they fail (up to ``max_scale``: a lighter probe is a
 longer one, and a system that fails there has no capacity), then bisects the
 bracket in log space until ``max_probes`` runs are spent. The capacity is the offered rate of the heaviest
 passing probe; its precision is the width, in req/s, of the final bracket.
+``probe_beyond`` then measures loads at multiples of the capacity: what admission
+does past it (attainment of the requests it admits, refusals by prompt size).
 """
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 from kvserve.replay.metrics import Summary
 
@@ -39,6 +41,7 @@ class Capacity:
     label: str
     target: float
     probes: tuple[Probe, ...]
+    beyond: tuple[Probe, ...] = ()  # after the search, at multiples of the capacity (`probe_beyond`)
 
     def passes(self, probe: Probe) -> bool:
         return probe.slo_attainment >= self.target
@@ -72,7 +75,13 @@ class Capacity:
 
     @property
     def peak_goodput(self) -> Probe:
+        """The search's probe with the most goodput."""
         return max(self.probes, key=lambda p: p.goodput_rps)
+
+    @property
+    def peak_goodput_any(self) -> Probe:
+        """The probe with the most goodput at any load tried, beyond the capacity included."""
+        return max((*self.probes, *self.beyond), key=lambda p: p.goodput_rps)
 
 
 MAX_SCALE_FACTOR = 8.0  # the default lightest load: the start scale times this
@@ -121,3 +130,15 @@ def find_capacity(
         if passing_scale is None or failing_scale is None:
             scale = scale / 2 if passed else min(scale * 2, max_scale)
     return Capacity(label, target, tuple(probes))
+
+
+def probe_beyond(capacity: Capacity, measure: Measure, factors: Sequence[float], first_probe: int) -> Capacity:
+    """``capacity`` with a probe at each of ``factors`` times its capacity (time scale
+    divided by the factor), numbered from ``first_probe`` (so every configuration's
+    probe at a factor uses the same prompt seed); unchanged without a capacity. These
+    loads test what admission does past the capacity; they never move it."""
+    best = capacity.best
+    if best is None or not factors:
+        return capacity
+    beyond = tuple(measure(best.time_scale / f, first_probe + i) for i, f in enumerate(factors))
+    return replace(capacity, beyond=capacity.beyond + beyond)

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from kvserve.replay.capacity import Probe, find_capacity
+from kvserve.replay.capacity import Probe, find_capacity, probe_beyond
 from kvserve.replay.report import capacity_verdict, probes_table
 
 UNIT_RPS = 2.0  # the synthetic trace window's offered rate at time scale 1
@@ -140,3 +140,22 @@ def test_bad_search_settings_are_refused_before_any_probe(kwargs, message):
     with pytest.raises(ValueError, match=message):
         find_capacity(measure, **kwargs)
     assert asked == []
+
+
+def test_probes_beyond_the_capacity_are_at_its_multiples_with_fixed_seeds_and_never_move_it():
+    measure, _ = curve(linear(3.0))
+    found = find_capacity(measure, start_scale=1.0, max_probes=5)
+    asked = []
+
+    def beyond(scale: float, probe: int) -> Probe:
+        asked.append((scale, probe))
+        load = UNIT_RPS / scale
+        return Probe(scale, load, 0.5, 0.5 * load)  # past capacity: half met, more goodput all the same
+
+    more = probe_beyond(found, beyond, [2, 4], first_probe=5)
+    assert asked == [(pytest.approx(found.best.time_scale / 2), 5), (pytest.approx(found.best.time_scale / 4), 6)]
+    assert (more.best, more.capacity_rps, more.probes) == (found.best, found.capacity_rps, found.probes)
+    assert more.peak_goodput == found.peak_goodput  # the search's
+    assert more.peak_goodput_any is more.beyond[1]  # 0.5 x 4 x capacity
+    none = find_capacity(curve(lambda load: 0.0)[0], start_scale=1.0, max_probes=2)
+    assert probe_beyond(none, beyond, [2], first_probe=2) is none  # no capacity: nothing to multiply

@@ -60,3 +60,21 @@ def test_the_document_gives_each_configuration_the_bands_of_its_peak_and_capacit
         and "| peak goodput = capacity (×1, 1.000 req/s) | 512-1023 | 2 | 1 | 1 | 1 | 0 | 1 | 50.0% | 100.0% "
         "| 100 / 100 |" in text
     )
+
+
+def test_loads_beyond_the_capacity_get_their_runs_bands_and_the_peak_goodput_at_any_load():
+    records = [RequestRecord(0, 0.0, 60, 2, status="ok", ttft_s=0.1, e2e_s=0.15, output_tokens=2, ended_s=0.15),
+               RequestRecord(1, 1.0, 600, 2, status="rejected", start_s=1.0, ended_s=1.1)]  # fmt: skip
+    over = summarize(Run("kvserve-default", "http://x", 0.25, 2.0, records), SLO.from_ms(2000, 150))
+    default = RESULTS["kvserve-default"]
+    results = {**RESULTS, "kvserve-default": Capacity("kvserve-default", 0.9, default.probes,
+                                                      (Probe(0.25, 5.656, 0.5, 6.0, over),))}  # fmt: skip
+    text = document(results, SLO.from_ms(2000, 150), heading="H", command="c", window="W", plot_name="p.png")
+    assert "## Beyond capacity" in text
+    assert "| kvserve-default ×2 capacity (5.656 req/s) | <128 | 1 | 1 | 0 |" in text
+    assert "| kvserve-default ×2 capacity (5.656 req/s) | 512-1023 | 1 | 0 | 1 |" in text
+    # 6.0 req/s beyond capacity against llama.cpp's 0.4 and kvserve-nocache's 1.2 (no probes beyond)
+    assert "| kvserve-default | 6.000 (5.656) | 15.00× | 5.00× |" in text
+    assert "| llama.cpp | 0.400 (0.500) | 1.00× | 0.33× |" in text
+    assert "Beyond capacity" not in document(RESULTS, SLO.from_ms(2000, 150), heading="H", command="c", window="W",
+                                             plot_name="p.png")  # fmt: skip

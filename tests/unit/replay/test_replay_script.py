@@ -38,6 +38,15 @@ def test_the_baseline_runs_its_own_replay_on_kvserve_default_with_the_same_capac
     assert baseline.environment(args)["PYTHONPATH"] == str(tmp_path / "old")
 
 
+def test_the_baselines_probes_beyond_capacity_are_a_sweep_seeded_after_its_search(tmp_path):
+    args = parser().parse_args([*TRACE, "--baseline", str(tmp_path / "old"), "--seed", "3", "--find-capacity",
+                                "--max-probes", "5", "--beyond", "2", "4"])  # fmt: skip
+    cmd = baseline.command(args, tmp_path / "beyond", [0.5, 0.25])
+    assert cmd[cmd.index("--seed") + 1] == "8"  # probe 5 on: the seed every configuration used there
+    assert cmd[-5:] == ["--time-scales", "0.5", "0.25", "--out", str(tmp_path / "beyond")]
+    assert "--find-capacity" not in cmd
+
+
 def test_a_baseline_sweep_passes_the_time_scales_a_cap_and_bursts():
     args = parser().parse_args([*TRACE, "--baseline", "/old", "--time-scales", "4", "2", "--max-input", "1024",
                                 "--no-spread", "--worker-threads", "2"])  # fmt: skip
