@@ -2,13 +2,12 @@
 observed prediction errors, and never a refusal on an idle cluster."""
 
 import random
-from collections import deque
 
 import pytest
 
 from services.conductor.admission_policy import build_policy
 from services.conductor.admitter import Admitter
-from services.conductor.margin import MIN_SAMPLES, TTFT_SLACK_S, MarginConfig, Margins, RatioWindow
+from services.conductor.margin import MIN_SAMPLES, TTFT_SLACK_S, Margins, RatioWindow
 from services.conductor.simulator.report import kept
 from services.conductor.simulator.simulation import SimConfig, Simulation
 from services.conductor.simulator.trace import TraceRequest

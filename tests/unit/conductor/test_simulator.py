@@ -3,7 +3,7 @@ exactly as step by step, and, on the shared Mooncake trace, the paper's ordering
 
 from math import ceil
 from pathlib import Path
-from statistics import mean, median
+from statistics import median
 
 import msgspec
 import pytest
