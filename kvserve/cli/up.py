@@ -42,10 +42,11 @@ gateway, conductor and store use one thread each, unpinned. --cpus sets the shar
 
 --prefill 0 runs no prefill worker: each decode worker prefills its own requests
 between its decode steps (conditional disaggregation taken all the way), and the
-decode workers divide every core and keep a prefix cache; the conductor's policy ($KVSERVE_POLICY, else the default) gets +local_prefill
-where it lacks it, and admission counts each prefill's stall of the decode batch.
-On 2 cores it served less than the default pair (bench/results/capacity.md: capacity
-1.54 against 5.17 requests/s)."""
+decode workers divide every core and keep a prefix cache; the conductor, having never
+heard from a prefill worker, has the decode workers prefill every request whatever its
+policy ($KVSERVE_POLICY), and admission counts each prefill's stall of the decode batch.
+On 2 cores it served less than the default pair (bench/results/capacity-capped-warm.md:
+capacity 1.54 against 5.17 requests/s)."""
 
 EPILOG = """\
 examples:
@@ -69,7 +70,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--prefill", type=count, default=1, metavar="N",
         help="prefill workers (default 1). 0: none; each decode worker prefills its own requests, the decode "
-        "workers divide every core and the conductor's policy gets +local_prefill",
+        "workers divide every core and the conductor sends them every request whatever its policy",
     )  # fmt: skip
     parser.add_argument("--decode", type=positive_int, default=1, metavar="M", help="decode workers (default 1)")
     parser.add_argument(
