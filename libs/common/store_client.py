@@ -94,10 +94,11 @@ class StoreClient:
         return reply.tiers
 
     async def put(self, store: str, block_hashes: list[bytes], block_nbytes: int, pin: bool = False,
-                  host_id: str | None = None) -> StorePutReply:  # fmt: skip
-        """Phase one of a put: which blocks the store lacks, and where to write them."""
+                  host_id: str | None = None, owner: str | None = None, share: float | None = None) -> StorePutReply:
+        """Phase one of a put: which blocks the store lacks, and where to write them;
+        ``owner``'s blocks (kept to ``share`` of its DRAM when room is needed)."""
         request = StorePutRequest(contract=self.contract, block_hashes=block_hashes, block_nbytes=block_nbytes,
-                                  pin=pin, host_id=host_id)  # fmt: skip
+                                  pin=pin, host_id=host_id, owner=owner, owner_share=share)  # fmt: skip
         return await self._call(store, request, StorePutReply)
 
     async def commit(self, store: str, put_id: str) -> int:

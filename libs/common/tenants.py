@@ -16,6 +16,7 @@ each tenant's cache scope unguessable; it never leaves the gateway.
     max_concurrent = 16
     max_prompt_tokens = 8192
     cache_scope = "public-prompts"   # optional: share KV with every tenant naming it
+    store_share = 0.25               # optional: the most of each store's DRAM its blocks keep when it is full
     disabled = false
     admin = true                     # optional: sees every tenant in /console and `kvserve status`
 """
@@ -58,6 +59,7 @@ class Tenant:
     cache_scope: str | None = None  # a named scope shared with other tenants; None: its own
     disabled: bool = False
     admin: bool = False  # sees every tenant's usage in the console and `kvserve status`; else only its own
+    store_share: float | None = None  # of each store's DRAM, the most its scope's blocks keep when room is needed
 
     def __repr__(self) -> str:  # never the key hashes, even in a traceback
         return f"Tenant({self.name!r}, weight={self.weight}, disabled={self.disabled})"
@@ -82,6 +84,12 @@ class Tenants:
         """The secret naming ``tenant``'s KV cache scope (its own, or the shared one it joined)."""
         label = f"shared/{tenant.cache_scope}" if tenant.cache_scope else f"tenant/{tenant.name}"
         return hmac.new(self.scope_secret or b"kvserve/tenant-scope", label.encode(), hashlib.sha256).digest()
+
+    @staticmethod
+    def cache_owner(tenant: Tenant) -> str:
+        """The name the stores count ``tenant``'s blocks under: its scope's, not its secret
+        (``tenant/<name>``, or ``shared/<scope>`` for a shared scope)."""
+        return f"shared/{tenant.cache_scope}" if tenant.cache_scope else f"tenant/{tenant.name}"
 
 
 def new_key() -> str:
@@ -118,7 +126,7 @@ def _tenant(name: str, entry: object) -> Tenant:
         raise TenantsFileError(f"tenant name {name!r}: letters, digits, '_', '.', '-' only (at most 64)")
     if not isinstance(entry, dict):
         raise TenantsFileError(f"tenants.{name} must be a table")
-    known = {"keys", "weight", "cache_scope", "disabled", "admin", *QUOTA_FIELDS}
+    known = {"keys", "weight", "cache_scope", "disabled", "admin", "store_share", *QUOTA_FIELDS}
     if unknown := sorted(set(entry) - known):
         raise TenantsFileError(f"tenants.{name}: unknown field(s) {', '.join(unknown)}")
     keys = entry.get("keys", [])
@@ -142,7 +150,11 @@ def _tenant(name: str, entry: object) -> Tenant:
     admin = entry.get("admin", False)
     if not isinstance(admin, bool):
         raise TenantsFileError(f"tenants.{name}.admin must be true or false")
-    return Tenant(name, tuple(keys), float(weight), Quotas(**quotas), scope, disabled, admin)
+    share = entry.get("store_share")
+    if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+        raise TenantsFileError(f"tenants.{name}.store_share must be a number in (0, 1]")
+    return Tenant(name, tuple(keys), float(weight), Quotas(**quotas), scope, disabled, admin,
+                  None if share is None else float(share))  # fmt: skip
 
 
 def read(path: str | Path) -> Tenants:
@@ -171,6 +183,8 @@ def dumps(tenants: Tenants) -> str:
             lines.append("disabled = true")
         if t.admin:
             lines.append("admin = true")
+        if t.store_share is not None:
+            lines.append(f"store_share = {t.store_share!r}")
         lines.append("")
     return "\n".join(lines)
 

@@ -188,6 +188,8 @@ class RequestRun:
             ttft_budget_s=None if target is None else max(0.0, target - (time.monotonic() - self._asked_at)),
             hash_root=None if p.hash_root == ROOT else p.hash_root,
             favored=self.admission is not None and self.admission.favored,
+            cache_owner=p.cache_owner,
+            cache_share=p.cache_share,
         )
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation

@@ -34,6 +34,8 @@ class PreparedRequest:
     hash_root: BlockHash = ROOT  # its cache scope's root: where its block chain (block_hashes) starts
     tenant: str | None = None  # who sent it, and its weight, for the conductor's fair shares under overload
     tenant_weight: float = 1.0
+    cache_owner: str | None = None  # whose blocks its prompt's are, in the stores (its tenant's scope)
+    cache_share: float | None = None  # the most of a store's DRAM that owner's blocks keep when room is needed
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -152,9 +152,10 @@ class StoreClient:
         return found
 
     # --- writes -------------------------------------------------------------------------
-    async def write_back(self, seq: Sequence) -> None:
+    async def write_back(self, seq: Sequence, owner: str | None = None, share: float | None = None) -> None:
         """Offer the prompt's full blocks to the stores that own them; each store takes
-        the ones it lacks. The caller holds the blocks until this returns."""
+        the ones it lacks, counted as ``owner``'s (its tenant's scope, kept to ``share``
+        of the store's DRAM when room is needed). The caller holds the blocks until this returns."""
         bs = self.host.engine.cache.block_size
         last = min(len(seq.block_hashes), seq.num_prompt_tokens // bs)
         ring = self.ring()
@@ -164,12 +165,15 @@ class StoreClient:
         for i, h in enumerate(seq.block_hashes[:last]):
             for name in ring.owners(h, self.replicas):
                 by_store.setdefault(name, []).append(i)
-        await asyncio.gather(*(self._put(name, [seq.block_hashes[i] for i in idx], [seq.block_table[i] for i in idx])
+        await asyncio.gather(*(self._put(name, [seq.block_hashes[i] for i in idx], [seq.block_table[i] for i in idx],
+                                         owner, share)
                                for name, idx in by_store.items()))  # fmt: skip
 
-    async def _put(self, name: str, hashes: list[bytes], blocks: list[int]) -> None:
+    async def _put(self, name: str, hashes: list[bytes], blocks: list[int], owner: str | None = None,
+                   share: float | None = None) -> None:  # fmt: skip
         reply = await self._call(name, self.calls.put(name, hashes, self.host.block_nbytes,
-                                                host_id=self.host.transfers.writer_host_id))  # fmt: skip
+                                                host_id=self.host.transfers.writer_host_id, owner=owner,
+                                                share=share))  # fmt: skip
         if reply is None or not reply.missing:
             return
         spans = [Span(self.host.block_offset(blocks[i]), offset, self.host.block_nbytes)

@@ -220,7 +220,8 @@ class StoreService(Service):
         offsets = [self.tiers.slot_offset(s) for s in slots]
         ticket = self.transfers.expect(self.segment.name, [(o, self.block_nbytes) for o in offsets], ttl,
                                        sender_host=request.host_id)  # fmt: skip
-        put = self.puts.open([hashes[i] for i in placed], slots, request.pin, ticket.token, ttl)
+        put = self.puts.open([hashes[i] for i in placed], slots, request.pin, ticket.token, ttl, request.owner,
+                             request.owner_share)  # fmt: skip
         return StorePutReply(put_id=put.put_id, missing=placed, offsets=offsets, ticket=ticket, ttl_s=ttl,
                              no_room=no_room)  # fmt: skip
 
@@ -236,7 +237,7 @@ class StoreService(Service):
             self.tiers.give_back(put.slots)
             return ErrorReply(code=ErrorCode(record.failed), message=(
                 f"store {self.instance_id}: the put's transfer failed ({record.failed}); nothing stored"))  # fmt: skip
-        return StoreCommitReply(num_stored=self.tiers.commit(put.hashes, put.slots, put.pin))
+        return StoreCommitReply(num_stored=self.tiers.commit(put.hashes, put.slots, put.pin, put.owner, put.share))
 
     def _put_expired(self, put: PendingPut) -> None:
         self.log.warning("put %s was not committed in time: %d slots given back", put.put_id, len(put.slots))
@@ -260,6 +261,7 @@ class StoreService(Service):
             disk_blocks=on_disk.num_blocks, disk_bytes=on_disk.used_bytes,
             disk_capacity_bytes=on_disk.capacity_bytes, disk_pending=self.tiers.num_unwritten,
             counters=dict(self.tiers.counters), kv_epoch=self.events.epoch, kv_seq=self.events.seq,
+            dram_owners=dram.owners(),
         )  # fmt: skip
 
     # --- membership -------------------------------------------------------------------------

@@ -6,7 +6,9 @@ or mapped to one block hash. Eviction order is exact: the least recently used
 unpinned block whose slot no one is reading; a pinned block only when no
 unpinned one can go. A slot under a lease (a copy out to a caller, a write-
 back to disk) is never chosen, and a block unmapped while leased keeps its
-slot until the last lease ends. Pure bookkeeping, no bytes and no I/O: the
+slot until the last lease ends. A block may belong to an owner (a tenant's
+cache scope) with a share of the slots: while an owner holds more than its
+share, its least recently used unpinned blocks go first. Pure bookkeeping, no bytes and no I/O: the
 caller (`tiers.py`) moves the data; it runs on one thread (the event loop).
 The first `Tier` (`tier.py`) of every store.
 """
@@ -34,6 +36,9 @@ class DramTier:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self._leases: Counter[int] = Counter()
         self._orphans: set[int] = set()  # unmapped while leased: freed when the last lease ends
+        self._owner_of: dict[BlockHash, str] = {}
+        self._owned: Counter[str] = Counter()  # each owner's blocks, those leaving not counted
+        self._shares: dict[str, float] = {}  # of the slots, the most an owner keeps when room is needed
 
     # --- what it holds -------------------------------------------------------------
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -63,6 +68,10 @@ class DramTier:
     def num_leased(self) -> int:
         """Slots with at least one lease."""
         return len(self._leases)
+
+    def owners(self) -> dict[str, int]:
+        """Blocks held per owner (those with one)."""
+        return {owner: n for owner, n in self._owned.items() if n > 0}
 
     def lru_order(self) -> list[BlockHash]:
         """The eviction order as it stands: unpinned least recent first, then pinned."""
@@ -108,26 +117,48 @@ class DramTier:
         """A reserved slot that will not be used (a put that never committed)."""
         self._free.append(slot)
 
-    def insert(self, block_hash: BlockHash, slot: int, pinned: bool = False) -> None:
-        """Map a reserved slot, whose bytes are in place, to ``block_hash`` (most recently used)."""
+    def insert(self, block_hash: BlockHash, slot: int, pinned: bool = False, owner: str | None = None,
+               share: float | None = None) -> None:  # fmt: skip
+        """Map a reserved slot, whose bytes are in place, to ``block_hash`` (most recently used),
+        ``owner``'s when given, whose share of the slots becomes ``share`` (None: no limit)."""
         assert block_hash not in self._slot_of, "insert of a block already held"
         self._slot_of[block_hash] = slot
         (self._pinned if pinned else self._lru)[block_hash] = None
+        if owner is not None:
+            self._owner_of[block_hash] = owner
+            self._owned[owner] += 1
+            if share is None:
+                self._shares.pop(owner, None)
+            else:
+                self._shares[owner] = share
 
     def pick_victims(self, count: int) -> list[BlockHash]:
         """Up to ``count`` blocks to evict, in eviction order, marked as leaving (so no
         one picks them again); each stays readable until `unmap`."""
         victims: list[BlockHash] = []
+        over = {owner: excess for owner, share in self._shares.items()
+                if (excess := self._owned[owner] - int(share * self.num_slots)) > 0}  # fmt: skip
+        if over:  # the unpinned blocks of owners past their shares first, least recent first
+            for block_hash in self._lru:
+                if len(victims) == count:
+                    break
+                owner = self._owner_of.get(block_hash)
+                if owner in over and over[owner] > 0 and self._slot_of[block_hash] not in self._leases:
+                    victims.append(block_hash)
+                    over[owner] -= 1
+        chosen = set(victims)
         for order in (self._lru, self._pinned):
             for block_hash in order:
                 if len(victims) == count:
                     break
-                if self._slot_of[block_hash] not in self._leases:
+                if block_hash not in chosen and self._slot_of[block_hash] not in self._leases:
                     victims.append(block_hash)
         for block_hash in victims:
             self._lru.pop(block_hash, None)
             self._pinned.pop(block_hash, None)
             self._leaving.add(block_hash)
+            if (owner := self._owner_of.get(block_hash)) is not None:
+                self._owned[owner] -= 1
         return victims
 
     def unmap(self, block_hash: BlockHash) -> bool:
@@ -136,6 +167,8 @@ class DramTier:
         slot = self._slot_of.pop(block_hash)
         self._lru.pop(block_hash, None)
         self._pinned.pop(block_hash, None)
+        if (owner := self._owner_of.pop(block_hash, None)) is not None and block_hash not in self._leaving:
+            self._owned[owner] -= 1
         self._leaving.discard(block_hash)
         if slot in self._leases:
             self._orphans.add(slot)
@@ -152,3 +185,5 @@ class DramTier:
         assert not set(mapped) & set(free) and not set(mapped) & self._orphans and not set(free) & self._orphans
         assert len(mapped) + len(free) + len(self._orphans) <= self.num_slots
         assert set(self._lru) | set(self._pinned) | self._leaving == set(self._slot_of)
+        counted = Counter(owner for h, owner in self._owner_of.items() if h not in self._leaving)
+        assert +counted == +self._owned, "an owner's blocks miscounted"

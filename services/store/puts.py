@@ -23,6 +23,8 @@ class PendingPut:
     pin: bool
     token: str  # the write ticket's
     timer: asyncio.TimerHandle | None = None
+    owner: str | None = None  # whose blocks (a tenant's cache scope), and its share of the DRAM tier
+    share: float | None = None
 
 
 class PendingPuts:
@@ -34,8 +36,9 @@ class PendingPuts:
     def __len__(self) -> int:
         return len(self._pending)
 
-    def open(self, hashes: list[BlockHash], slots: list[int], pin: bool, token: str, ttl_s: float) -> PendingPut:
-        put = PendingPut(secrets.token_hex(8), hashes, slots, pin, token)
+    def open(self, hashes: list[BlockHash], slots: list[int], pin: bool, token: str, ttl_s: float,
+             owner: str | None = None, share: float | None = None) -> PendingPut:  # fmt: skip
+        put = PendingPut(secrets.token_hex(8), hashes, slots, pin, token, owner=owner, share=share)
         put.timer = asyncio.get_running_loop().call_later(ttl_s + self.grace_s, self._expire, put.put_id)
         self._pending[put.put_id] = put
         return put

@@ -143,9 +143,11 @@ class Caller:
     def read(self, slot: int) -> bytes:
         return bytes(self.segment.view[slot * self.block_nbytes : (slot + 1) * self.block_nbytes])
 
-    async def put(self, instance_id: str, hashes: list[bytes], slots: list[int], pin: bool = False) -> int:
-        """Two-phase put of our ``slots`` under ``hashes``: how many the store did not have."""
-        reply = await self.store.put(instance_id, hashes, self.block_nbytes, pin=pin)
+    async def put(self, instance_id: str, hashes: list[bytes], slots: list[int], pin: bool = False,
+                  owner: str | None = None, share: float | None = None) -> int:  # fmt: skip
+        """Two-phase put of our ``slots`` under ``hashes`` (``owner``'s, at ``share``): how
+        many the store did not have."""
+        reply = await self.store.put(instance_id, hashes, self.block_nbytes, pin=pin, owner=owner, share=share)
         if not reply.missing:
             return 0
         spans = [Span(slots[i] * self.block_nbytes, o, self.block_nbytes) for i, o in zip(reply.missing, reply.offsets)]

@@ -273,3 +273,27 @@ def test_a_conversation_whose_prefix_was_evicted_to_disk_is_served_from_the_stor
         assert b.choices[0].message.content == reference(smollm, second, 16)
     finally:
         cluster.stop()
+
+
+async def test_a_tenant_past_its_share_of_dram_loses_its_own_blocks_first(stores, nats_url, contract):
+    kv_contract, nbytes = contract
+    store = stores("store-shares", slots=8, write_behind_s=3600.0)
+    async with Caller(nats_url, kv_contract, nbytes) as caller:
+        await caller.wait_ready("store-shares")
+        for i in range(8):
+            caller.fill(i, block_bytes(i, nbytes))
+        await caller.put("store-shares", [block_hash(i) for i in range(2)], [0, 1], owner="tenant/b", share=0.5)
+        await caller.put("store-shares", [block_hash(i) for i in range(2, 8)], list(range(2, 8)), owner="tenant/a",
+                         share=0.25)  # fmt: skip
+        stats = await caller.stats("store-shares")
+        assert (stats.dram_blocks, stats.dram_owners) == (8, {"tenant/b": 2, "tenant/a": 6})
+        # two more of a's: room comes from a's own oldest blocks (past its 2 slots), not b's older ones
+        caller.fill(0, block_bytes(20, nbytes))
+        caller.fill(1, block_bytes(21, nbytes))
+        assert await caller.put("store-shares", [block_hash(20), block_hash(21)], [0, 1], owner="tenant/a",
+                                share=0.25) == 2  # fmt: skip
+        where = await caller.exists("store-shares", [block_hash(i) for i in (0, 1, 2, 3, 4, 20, 21)])
+        assert where[:2] == ["dram", "dram"]  # b's blocks stayed
+        assert where[2:4] == ["disk", "disk"] and where[4] == "dram"  # a's two oldest went down to disk
+        assert (await caller.stats("store-shares")).dram_owners == {"tenant/b": 2, "tenant/a": 6}
+    assert store.proc.poll() is None

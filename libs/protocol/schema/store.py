@@ -47,6 +47,8 @@ class StorePutRequest(Message):
     block_nbytes: int
     pin: bool = False  # evicted only when no unpinned block can be
     host_id: str | None = None  # the writer's host for shared memory; None: it may write over TCP (the store listens)
+    owner: str | None = None  # whose blocks (a tenant's cache scope); None: nobody's
+    owner_share: float | None = None  # the most of the DRAM tier the owner's blocks keep when room is needed
 
 
 class StorePutReply(Message):
@@ -100,3 +102,4 @@ class StoreStatsReply(Message):
     counters: dict[str, int]  # hits, misses, puts, evictions, corruptions...
     kv_epoch: int
     kv_seq: int
+    dram_owners: dict[str, int] = msgspec.field(default_factory=dict)  # blocks in DRAM per owner (tenant scope)

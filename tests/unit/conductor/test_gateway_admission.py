@@ -126,7 +126,8 @@ async def test_a_tenants_name_weight_and_cache_scope_reach_the_conductor_and_the
 ):
     key = tenants_file.new_key()
     path = tmp_path / "tenants.toml"
-    tenants_file.write(path, Tenants({"acme": Tenant("acme", (tenants_file.hash_key(key),), weight=3.0)}, b"s"))
+    tenants_file.write(path, Tenants({"acme": Tenant("acme", (tenants_file.hash_key(key),), weight=3.0,
+                                                     store_share=0.5)}, b"s"))  # fmt: skip
     url = await start_gateway(tenants_file=str(path))
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=WAIT)
     await client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=16)
@@ -134,3 +135,4 @@ async def test_a_tenants_name_weight_and_cache_scope_reach_the_conductor_and_the
     submitted = await asyncio.wait_for(cluster.submits.get(), WAIT)
     assert (admit.tenant, admit.tenant_weight) == ("acme", 3.0)
     assert submitted.hash_root is not None and submitted.hash_root != ROOT  # acme's own scope
+    assert (submitted.cache_owner, submitted.cache_share) == ("tenant/acme", 0.5)  # the stores count it as acme's

@@ -109,3 +109,16 @@ def test_kvserve_up_refuses_a_bad_tenants_file_before_starting_anything(tmp_path
     assert main(["up", "--tenants", str(path)]) == 2
     assert "weight" in capsys.readouterr().err
     assert main(["up", "--tenants", str(tmp_path / "missing.toml")]) == 2
+
+
+def test_a_store_share_is_read_written_and_checked_and_names_no_secret():
+    text = tenants_file.dumps(Tenants({"a": Tenant("a", store_share=0.25), "b": Tenant("b")}, b"s"))
+    assert "store_share = 0.25" in text
+    assert tenants_file.parse(text).tenants["a"].store_share == 0.25
+    assert tenants_file.parse(text).tenants["b"].store_share is None
+    for bad in ("0", "1.5", "true", "'half'"):
+        with pytest.raises(TenantsFileError, match="store_share must be a number in"):
+            tenants_file.parse(f"[tenants.a]\nstore_share = {bad}")
+    # the stores count blocks under the scope's name, never its secret
+    assert Tenants.cache_owner(Tenant("a")) == "tenant/a"
+    assert Tenants.cache_owner(Tenant("c", cache_scope="pub")) == "shared/pub"
