@@ -35,13 +35,16 @@ def ratio(capacity: Capacity, baseline: Capacity | None) -> str:
     return f"{capacity.peak_goodput.goodput_rps / base_peak:.2f}× peak goodput"
 
 
+def _head(columns: str, align: str, baselines: Sequence[str]) -> list[str]:
+    """A table's header rows: ``columns``, then a "vs" column per baseline."""
+    return [f"| {columns} " + "".join(f"| vs {name} " for name in baselines) + "|",
+            f"|{align}" + "|---:" * len(baselines) + "|"]  # fmt: skip
+
+
 def comparison_table(results: Mapping[str, Capacity]) -> str:
     baselines = [name for name in BASELINES if name in results]
-    lines = [
-        "| configuration | capacity req/s | bracket width req/s | peak goodput req/s (at offered req/s) | probes "
-        + "".join(f"| vs {name} " for name in baselines) + "|",
-        "|---|---:|---:|---:|---:" + "|---:" * len(baselines) + "|",
-    ]  # fmt: skip
+    lines = _head("configuration | capacity req/s | bracket width req/s | peak goodput req/s (at offered req/s) | probes",
+                  "---|---:|---:|---:|---:", baselines)  # fmt: skip
     for name, capacity in results.items():
         width = capacity.precision_rps
         peak = capacity.peak_goodput
@@ -103,11 +106,7 @@ def beyond_section(results: Mapping[str, Capacity]) -> str:
                 bands.append((f"{name} ×{p.offered_rps / c.capacity_rps:.2g} capacity ({p.offered_rps:.3f} req/s)",
                               p.summary))  # fmt: skip
     baselines = [name for name in BASELINES if name in results]
-    lines = [
-        "| configuration | peak goodput req/s at any load tried (at offered req/s) "
-        + "".join(f"| vs {name} " for name in baselines) + "|",
-        "|---|---:" + "|---:" * len(baselines) + "|",
-    ]  # fmt: skip
+    lines = _head("configuration | peak goodput req/s at any load tried (at offered req/s)", "---|---:", baselines)
     for name, c in results.items():
         peak = c.peak_goodput_any
         cells = "".join(f"| {_over(peak.goodput_rps, results[b].peak_goodput_any.goodput_rps)} " for b in baselines)
