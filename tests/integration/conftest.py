@@ -103,3 +103,16 @@ async def wait_until_async(condition: Callable[[], bool], timeout: float, what: 
         return condition()
 
     await poll_until(probe, bool, timeout, what, interval)
+
+
+async def repeat_until(stopped: asyncio.Event, period: float, action: Callable[[], Awaitable[object]]) -> None:
+    """Await ``action()`` now and then every ``period`` seconds until ``stopped`` is set: the
+    clock of a fake service's heartbeats (a worker is alive while it beats), which ends as
+    soon as it is told to."""
+    while True:
+        await action()
+        try:
+            await asyncio.wait_for(stopped.wait(), period)
+            return
+        except asyncio.TimeoutError:
+            pass

@@ -23,7 +23,7 @@ from openai import OpenAI
 
 from kvserve.cli.cluster import LocalCluster
 from kvserve.replay.streams import ChatLoad, run_streams, tally
-from tests.integration.conftest import CLUSTER_ENV, STARTED, wait_until
+from tests.integration.conftest import CLUSTER_ENV, STARTED, poll_until, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
 NUM_STREAMS = 40
@@ -120,14 +120,15 @@ def test_nats_server_killed_readiness_fails_then_everything_reconnects_and_serve
         await asyncio.wait_for(started.wait(), timeout=120)
         async with aiohttp.ClientSession() as session:
             os.kill(nats_pid, signal.SIGKILL)
-            deadline = time.monotonic() + 30
-            # readiness drops while NATS is down, then comes back once it is restarted
-            while time.monotonic() < deadline:
+
+            async def ready() -> list[int]:
                 async with session.get(ready_url) as response:
                     statuses.append(response.status)
-                if 503 in statuses and statuses[-1] == 200:
-                    break
-                await asyncio.sleep(0.02)  # polling readiness with a deadline
+                return statuses
+
+            # readiness drops while NATS is down, then comes back once it is restarted
+            await poll_until(ready, lambda seen: 503 in seen and seen[-1] == 200, 30,
+                             "readiness did not drop and come back around the nats-server restart", interval=0.02)
         in_flight["outcomes"] = await in_flight["streams"]
         return statuses
 

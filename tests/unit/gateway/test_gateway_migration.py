@@ -13,7 +13,7 @@ import pytest
 from libs.protocol import schema, subjects
 from libs.protocol.schema import Ack, AdmitReply, AdmitRequest, Cancel, Heartbeat, PrefillRequest, TokenChunk
 from services.gateway.app import Gateway
-from tests.integration.conftest import wait_until_async
+from tests.integration.conftest import repeat_until, wait_until_async
 from tests.unit.gateway.conftest import gateway_settings
 
 EOS = 257  # the tiny checkpoint's </s>
@@ -71,17 +71,18 @@ class FakeCluster:
             await self.nc.subscribe(subjects.prefill_submit(p), cb=on_submit)
         await self.nc.subscribe(subjects.CANCEL, cb=on_cancel)
         await self.nc.flush()
-        self._beats = asyncio.create_task(self._heartbeats())
+        self._stopped = asyncio.Event()
+        self._beats = asyncio.create_task(repeat_until(self._stopped, BEAT, self._heartbeats))
 
     async def _heartbeats(self) -> None:
-        while True:  # the fake workers' own clock, as a real worker's heartbeat loop
-            for instance_id, role in list(self.alive.items()):
-                beat = Heartbeat(instance_id=instance_id, role=role, host_id="test", started_at=1.0)
-                await self.nc.publish(subjects.heartbeat(role, instance_id), schema.encode(beat))
-            await asyncio.sleep(BEAT)
+        """One beat of every fake worker still alive, as a real worker's heartbeat loop sends."""
+        for instance_id, role in list(self.alive.items()):
+            beat = Heartbeat(instance_id=instance_id, role=role, host_id="test", started_at=1.0)
+            await self.nc.publish(subjects.heartbeat(role, instance_id), schema.encode(beat))
 
     async def stop(self) -> None:
-        self._beats.cancel()
+        self._stopped.set()
+        await self._beats
 
     async def next_cancel(self) -> Cancel:
         return await asyncio.wait_for(self.cancels.get(), WAIT)

@@ -18,20 +18,18 @@ from schemathesis.specs.openapi.checks import (
 
 from libs.protocol import schema, subjects
 from libs.protocol.schema import Heartbeat
-from tests.integration.conftest import wait_until
+from tests.integration.conftest import repeat_until, wait_until
 from tests.unit.gateway.test_gateway_nats import cluster, start_gateway  # noqa: F401 (fixtures)
 
 MAX_EXAMPLES = 30  # per operation and generation mode
 WAIT = 20.0
 
 
-async def beat_forever(nc) -> None:  # noqa: F811 (the fixture's client)
+async def beat(nc) -> None:  # noqa: F811 (the fixture's client)
     """A live conductor, prefill and decode instance, as the gateway's readiness sees them."""
-    while True:
-        for role in ("conductor", "prefill", "decode"):
-            beat = Heartbeat(instance_id=f"{role}-fake", role=role, host_id="test")
-            await nc.publish(subjects.heartbeat(role, beat.instance_id), schema.encode(beat))
-        await asyncio.sleep(0.5)  # a heartbeat period, not a wait for anything
+    for role in ("conductor", "prefill", "decode"):
+        beat = Heartbeat(instance_id=f"{role}-fake", role=role, host_id="test")
+        await nc.publish(subjects.heartbeat(role, beat.instance_id), schema.encode(beat))
 
 
 def fuzz(base_url: str) -> None:
@@ -66,9 +64,11 @@ def fuzz(base_url: str) -> None:
 
 @pytest.mark.timeout(600)
 async def test_no_generated_request_gets_a_5xx(start_gateway, cluster, nc):  # noqa: F811 (fixtures)
-    beats = asyncio.create_task(beat_forever(nc))
+    stopped = asyncio.Event()
+    beats = asyncio.create_task(repeat_until(stopped, 0.5, lambda: beat(nc)))
     try:
         url = await start_gateway()
         await asyncio.to_thread(fuzz, url)
     finally:
-        beats.cancel()
+        stopped.set()
+        await beats
