@@ -50,16 +50,13 @@ def measure(
         return [], None, problem + "; it left no runs"
     found = None
     if args.find_capacity:
-        found = capacity([s for _, s in results], args.target_attainment, unit_offered_rps(requests, settings.spread))
+        unit_rps = unit_offered_rps(requests, settings.spread)
+        found = capacity([s for _, s in results], args.target_attainment, unit_rps)
         if found.best is not None and args.beyond:  # its own sweep at those loads, seeds as the others'
-            scales = [found.best.time_scale / f for f in args.beyond]
-            runs, code = run(args, args.out / "beyond" / NAME, scales)
+            runs, code = run(args, args.out / "beyond" / NAME, [found.best.time_scale / f for f in args.beyond])
             problem += f"; its probes beyond capacity exited with code {code}" if code else ""
             more = [(r, summarize(r, settings.slo, settings.block_tokens)) for r in runs]
-            found = replace(found, beyond=tuple(
-                Probe(s.time_scale, s.offered_rps if s.offered_rps is not None else found.best.offered_rps * f,
-                      s.slo_attainment, s.goodput_rps, s)
-                for (_, s), f in zip(more, args.beyond)))  # fmt: skip
+            found = replace(found, beyond=probes([s for _, s in more], unit_rps))
             results += more
     return results, found, problem
 
@@ -107,8 +104,9 @@ def run(args: argparse.Namespace, out: Path, scales: Sequence[float] = ()) -> tu
     launched = time.time()
     with (out / "replay.log").open("w") as log:
         # its own session: a Ctrl-C here reaches it once, as the SIGTERM below, which stops its servers
-        proc = subprocess.Popen(command(args, out, scales), env=environment(args), cwd=args.baseline.resolve(), stdout=log,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(command(args, out, scales), env=environment(args), cwd=args.baseline.resolve(),
+                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)  # fmt: skip
         try:
             code = proc.wait()
         except KeyboardInterrupt:
@@ -129,14 +127,18 @@ def load_runs(out: Path, since: float | None = None) -> list[Run]:
 
 
 def capacity(summaries: Sequence[Summary], target: float, unit_rps: float) -> Capacity:
-    """The older search's probes, in the order it ran them, as this search's result;
-    ``unit_rps`` is the window's offered rate at time scale 1 (for a run without one)."""
-    probes = tuple(
+    """The older search's probes, in the order it ran them, as this search's result."""
+    return Capacity(NAME, target, probes(summaries, unit_rps))
+
+
+def probes(summaries: Sequence[Summary], unit_rps: float) -> tuple[Probe, ...]:
+    """The older script's runs as probes; ``unit_rps`` is the window's offered rate at
+    time scale 1 (for a run that does not say its own)."""
+    return tuple(
         Probe(s.time_scale, s.offered_rps if s.offered_rps is not None else unit_rps / s.time_scale,
               s.slo_attainment, s.goodput_rps, s)
         for s in summaries
     )  # fmt: skip
-    return Capacity(NAME, target, probes)
 
 
 def revision(checkout: Path) -> str:
