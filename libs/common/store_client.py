@@ -17,6 +17,7 @@ from nats.errors import TimeoutError as NatsTimeout
 from libs.protocol import schema, subjects
 from libs.protocol.schema import (
     BadMessageError,
+    CacheOwner,
     ErrorReply,
     KVContract,
     Message,
@@ -94,11 +95,11 @@ class StoreClient:
         return reply.tiers
 
     async def put(self, store: str, block_hashes: list[bytes], block_nbytes: int, pin: bool = False,
-                  host_id: str | None = None, owner: str | None = None, share: float | None = None) -> StorePutReply:
+                  host_id: str | None = None, owner: CacheOwner | None = None) -> StorePutReply:  # fmt: skip
         """Phase one of a put: which blocks the store lacks, and where to write them;
-        ``owner``'s blocks (kept to ``share`` of its DRAM when room is needed)."""
+        ``owner``'s blocks."""
         request = StorePutRequest(contract=self.contract, block_hashes=block_hashes, block_nbytes=block_nbytes,
-                                  pin=pin, host_id=host_id, owner=owner, owner_share=share)  # fmt: skip
+                                  pin=pin, host_id=host_id, owner=owner)  # fmt: skip
         return await self._call(store, request, StorePutReply)
 
     async def commit(self, store: str, put_id: str) -> int:

@@ -31,6 +31,8 @@ import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from libs.protocol.schema.contracts import CacheOwner
+
 KEY_PREFIX = "kvs-"
 HASH_PREFIX = "sha256:"
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -86,10 +88,11 @@ class Tenants:
         return hmac.new(self.scope_secret or b"kvserve/tenant-scope", label.encode(), hashlib.sha256).digest()
 
     @staticmethod
-    def cache_owner(tenant: Tenant) -> str:
-        """The name the stores count ``tenant``'s blocks under: its scope's, not its secret
-        (``tenant/<name>``, or ``shared/<scope>`` for a shared scope)."""
-        return f"shared/{tenant.cache_scope}" if tenant.cache_scope else f"tenant/{tenant.name}"
+    def cache_owner(tenant: Tenant) -> CacheOwner:
+        """Whose ``tenant``'s blocks are in the stores: its scope's name, not its secret
+        (``tenant/<name>``, or ``shared/<scope>`` for a shared scope), with its store share."""
+        name = f"shared/{tenant.cache_scope}" if tenant.cache_scope else f"tenant/{tenant.name}"
+        return CacheOwner(name=name, share=tenant.store_share)
 
 
 def new_key() -> str:

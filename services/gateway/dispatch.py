@@ -189,7 +189,6 @@ class RequestRun:
             hash_root=None if p.hash_root == ROOT else p.hash_root,
             favored=self.admission is not None and self.admission.favored,
             cache_owner=p.cache_owner,
-            cache_share=p.cache_share,
         )
         subject, role = subjects.prefill_submit(self.prefill_id), Role.PREFILL
         if self.admission is not None and self.admission.prefill_on_decode:  # conditional disaggregation

@@ -97,7 +97,7 @@ class Generations:
         prepared = await model.prepare(request, request_id, self.tenants.hash_root(tenant, request.cache_salt))
         if tenant is not None and self.tenants.isolated:  # shares under overload are by tenant
             prepared = replace(prepared, tenant=tenant.name, tenant_weight=tenant.weight,
-                               cache_owner=self.tenants.tenants.cache_owner(tenant), cache_share=tenant.store_share)
+                               cache_owner=self.tenants.tenants.cache_owner(tenant))
         try:
             lease = None if tenant is None else self.quotas.acquire(
                 tenant, prepared.num_prompt_tokens, prepared.sampling.max_tokens * prepared.sampling.n)

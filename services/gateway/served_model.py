@@ -14,6 +14,7 @@ from libs.protocol.errors import EmptyPromptError, InvalidRequestError, PromptTo
 from libs.protocol.hashing import ROOT, BlockHash, block_hashes, model_extra
 from libs.protocol.ids import RequestId
 from libs.protocol.sampling_params import SamplingParams
+from libs.protocol.schema.contracts import CacheOwner
 from services.gateway.errors import InvalidParameterError
 from services.gateway.openai_protocol import GenerateRequest
 from services.gateway.tools import render_messages
@@ -34,8 +35,7 @@ class PreparedRequest:
     hash_root: BlockHash = ROOT  # its cache scope's root: where its block chain (block_hashes) starts
     tenant: str | None = None  # who sent it, and its weight, for the conductor's fair shares under overload
     tenant_weight: float = 1.0
-    cache_owner: str | None = None  # whose blocks its prompt's are, in the stores (its tenant's scope)
-    cache_share: float | None = None  # the most of a store's DRAM that owner's blocks keep when room is needed
+    cache_owner: CacheOwner | None = None  # whose blocks its prompt's are, in the stores (its tenant's scope)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -25,7 +25,7 @@ from libs.common.service import Service
 from libs.engine.cost_model import CostModel
 from libs.engine.engine_host import EngineHost
 from libs.engine.model.sequence import Sequence
-from libs.protocol.schema import CostCoefficients, Heartbeat, WriteTicket
+from libs.protocol.schema import CacheOwner, CostCoefficients, Heartbeat, WriteTicket
 from libs.protocol.vocabulary import KVTier, Role
 from libs.transfer import Descriptor, Span, TransferError
 from services.prefill.fetch_policy import FetchPolicy
@@ -152,10 +152,9 @@ class StoreClient:
         return found
 
     # --- writes -------------------------------------------------------------------------
-    async def write_back(self, seq: Sequence, owner: str | None = None, share: float | None = None) -> None:
+    async def write_back(self, seq: Sequence, owner: CacheOwner | None = None) -> None:
         """Offer the prompt's full blocks to the stores that own them; each store takes
-        the ones it lacks, counted as ``owner``'s (its tenant's scope, kept to ``share``
-        of the store's DRAM when room is needed). The caller holds the blocks until this returns."""
+        the ones it lacks, counted as ``owner``'s. The caller holds the blocks until this returns."""
         bs = self.host.engine.cache.block_size
         last = min(len(seq.block_hashes), seq.num_prompt_tokens // bs)
         ring = self.ring()
@@ -166,14 +165,12 @@ class StoreClient:
             for name in ring.owners(h, self.replicas):
                 by_store.setdefault(name, []).append(i)
         await asyncio.gather(*(self._put(name, [seq.block_hashes[i] for i in idx], [seq.block_table[i] for i in idx],
-                                         owner, share)
+                                         owner)
                                for name, idx in by_store.items()))  # fmt: skip
 
-    async def _put(self, name: str, hashes: list[bytes], blocks: list[int], owner: str | None = None,
-                   share: float | None = None) -> None:  # fmt: skip
+    async def _put(self, name: str, hashes: list[bytes], blocks: list[int], owner: CacheOwner | None = None) -> None:
         reply = await self._call(name, self.calls.put(name, hashes, self.host.block_nbytes,
-                                                host_id=self.host.transfers.writer_host_id, owner=owner,
-                                                share=share))  # fmt: skip
+                                                host_id=self.host.transfers.writer_host_id, owner=owner))  # fmt: skip
         if reply is None or not reply.missing:
             return
         spans = [Span(self.host.block_offset(blocks[i]), offset, self.host.block_nbytes)

@@ -316,7 +316,7 @@ class PrefillWorker(Service):
             await self._hand_over(job, [out.token_id for out in outs] if len(outs) > 1 else [])
         if self.store is not None:
             # holds the blocks until the store has the bytes
-            await self.store.write_back(seq, job.request.cache_owner, job.request.cache_share)
+            await self.store.write_back(seq, job.request.cache_owner)
         await self._drop(job)
 
     async def _hand_over(self, job: Job, first_token_ids: list[int]) -> None:

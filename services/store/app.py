@@ -220,8 +220,7 @@ class StoreService(Service):
         offsets = [self.tiers.slot_offset(s) for s in slots]
         ticket = self.transfers.expect(self.segment.name, [(o, self.block_nbytes) for o in offsets], ttl,
                                        sender_host=request.host_id)  # fmt: skip
-        put = self.puts.open([hashes[i] for i in placed], slots, request.pin, ticket.token, ttl, request.owner,
-                             request.owner_share)  # fmt: skip
+        put = self.puts.open([hashes[i] for i in placed], slots, request.pin, ticket.token, ttl, request.owner)
         return StorePutReply(put_id=put.put_id, missing=placed, offsets=offsets, ticket=ticket, ttl_s=ttl,
                              no_room=no_room)  # fmt: skip
 
@@ -237,7 +236,7 @@ class StoreService(Service):
             self.tiers.give_back(put.slots)
             return ErrorReply(code=ErrorCode(record.failed), message=(
                 f"store {self.instance_id}: the put's transfer failed ({record.failed}); nothing stored"))  # fmt: skip
-        return StoreCommitReply(num_stored=self.tiers.commit(put.hashes, put.slots, put.pin, put.owner, put.share))
+        return StoreCommitReply(num_stored=self.tiers.commit(put.hashes, put.slots, put.pin, put.owner))
 
     def _put_expired(self, put: PendingPut) -> None:
         self.log.warning("put %s was not committed in time: %d slots given back", put.put_id, len(put.slots))

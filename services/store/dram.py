@@ -17,6 +17,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Iterator
 
 from libs.protocol.hashing import BlockHash
+from libs.protocol.schema.contracts import CacheOwner
 from libs.protocol.vocabulary import KVTier
 from services.store.tier import TierStats
 
@@ -117,20 +118,19 @@ class DramTier:
         """A reserved slot that will not be used (a put that never committed)."""
         self._free.append(slot)
 
-    def insert(self, block_hash: BlockHash, slot: int, pinned: bool = False, owner: str | None = None,
-               share: float | None = None) -> None:  # fmt: skip
+    def insert(self, block_hash: BlockHash, slot: int, pinned: bool = False, owner: CacheOwner | None = None) -> None:
         """Map a reserved slot, whose bytes are in place, to ``block_hash`` (most recently used),
-        ``owner``'s when given, whose share of the slots becomes ``share`` (None: no limit)."""
+        ``owner``'s when given, whose share of the slots becomes the one it names."""
         assert block_hash not in self._slot_of, "insert of a block already held"
         self._slot_of[block_hash] = slot
         (self._pinned if pinned else self._lru)[block_hash] = None
         if owner is not None:
-            self._owner_of[block_hash] = owner
-            self._owned[owner] += 1
-            if share is None:
-                self._shares.pop(owner, None)
+            self._owner_of[block_hash] = owner.name
+            self._owned[owner.name] += 1
+            if owner.share is None:
+                self._shares.pop(owner.name, None)
             else:
-                self._shares[owner] = share
+                self._shares[owner.name] = owner.share
 
     def pick_victims(self, count: int) -> list[BlockHash]:
         """Up to ``count`` blocks to evict, in eviction order, marked as leaving (so no

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from libs.protocol.hashing import BlockHash
+from libs.protocol.schema.contracts import CacheOwner
 
 # Slots go back this long after their ticket expired: a TCP frame accepted just
 # before the deadline may still be landing in them.
@@ -23,8 +24,7 @@ class PendingPut:
     pin: bool
     token: str  # the write ticket's
     timer: asyncio.TimerHandle | None = None
-    owner: str | None = None  # whose blocks (a tenant's cache scope), and its share of the DRAM tier
-    share: float | None = None
+    owner: CacheOwner | None = None  # whose blocks (a tenant's cache scope)
 
 
 class PendingPuts:
@@ -37,8 +37,8 @@ class PendingPuts:
         return len(self._pending)
 
     def open(self, hashes: list[BlockHash], slots: list[int], pin: bool, token: str, ttl_s: float,
-             owner: str | None = None, share: float | None = None) -> PendingPut:  # fmt: skip
-        put = PendingPut(secrets.token_hex(8), hashes, slots, pin, token, owner=owner, share=share)
+             owner: CacheOwner | None = None) -> PendingPut:  # fmt: skip
+        put = PendingPut(secrets.token_hex(8), hashes, slots, pin, token, owner=owner)
         put.timer = asyncio.get_running_loop().call_later(ttl_s + self.grace_s, self._expire, put.put_id)
         self._pending[put.put_id] = put
         return put

@@ -26,6 +26,7 @@ from functools import partial
 
 from libs.common.kv_events import KVEventLog
 from libs.protocol.hashing import BlockHash
+from libs.protocol.schema.contracts import CacheOwner
 from libs.protocol.vocabulary import KVEventKind, KVTier
 from libs.transfer import SharedSegment
 from services.store.dram import DramTier
@@ -195,18 +196,17 @@ class TieredStore:
         if slots:
             self._slot_freed()
 
-    def commit(self, hashes: Sequence[BlockHash], slots: Sequence[int], pin: bool = False, owner: str | None = None,
-               share: float | None = None) -> int:  # fmt: skip
-        """Make written slots visible under their hashes (``owner``'s, kept to ``share`` of
-        the DRAM tier when room is needed); a block committed meanwhile by someone else
-        keeps its slot and ours goes back. Returns how many are new."""
+    def commit(self, hashes: Sequence[BlockHash], slots: Sequence[int], pin: bool = False,
+               owner: CacheOwner | None = None) -> int:  # fmt: skip
+        """Make written slots visible under their hashes (``owner``'s); a block committed
+        meanwhile by someone else keeps its slot and ours goes back. Returns how many are new."""
         stored: list[BlockHash] = []
         for h, slot in zip(hashes, slots):
             if h in self.dram:
                 self.dram.give_back(slot)
                 self._slot_freed()
             else:
-                self.dram.insert(h, slot, pinned=pin, owner=owner, share=share)
+                self.dram.insert(h, slot, pinned=pin, owner=owner)
                 stored.append(h)
                 if self.next_tier is not None and h not in self.next_tier:
                     self._unwritten[h] = None

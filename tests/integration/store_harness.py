@@ -17,7 +17,7 @@ import nats
 from libs.common.settings import ModelSettings
 from libs.common.store_client import StoreClient
 from libs.protocol import schema, subjects
-from libs.protocol.schema import Heartbeat, KVContract, KVEventBatch, StoreStatsReply
+from libs.protocol.schema import CacheOwner, Heartbeat, KVContract, KVEventBatch, StoreStatsReply
 from libs.transfer import Descriptor, SharedSegment, Span, TransferEngine
 from libs.transfer.segment import new_segment_name
 from tests.integration.conftest import poll_until
@@ -144,10 +144,10 @@ class Caller:
         return bytes(self.segment.view[slot * self.block_nbytes : (slot + 1) * self.block_nbytes])
 
     async def put(self, instance_id: str, hashes: list[bytes], slots: list[int], pin: bool = False,
-                  owner: str | None = None, share: float | None = None) -> int:  # fmt: skip
-        """Two-phase put of our ``slots`` under ``hashes`` (``owner``'s, at ``share``): how
-        many the store did not have."""
-        reply = await self.store.put(instance_id, hashes, self.block_nbytes, pin=pin, owner=owner, share=share)
+                  owner: CacheOwner | None = None) -> int:  # fmt: skip
+        """Two-phase put of our ``slots`` under ``hashes`` (``owner``'s): how many the store
+        did not have."""
+        reply = await self.store.put(instance_id, hashes, self.block_nbytes, pin=pin, owner=owner)
         if not reply.missing:
             return 0
         spans = [Span(slots[i] * self.block_nbytes, o, self.block_nbytes) for i, o in zip(reply.missing, reply.offsets)]

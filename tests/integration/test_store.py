@@ -13,7 +13,7 @@ from libs.common.kv_events import KVEventTracker
 from libs.common.nats_server import NatsServer
 from libs.common.store_client import StoreClient, StoreError
 from libs.protocol import schema, subjects
-from libs.protocol.schema import KVEventBatch, KVSnapshotReply, KVSnapshotRequest
+from libs.protocol.schema import CacheOwner, KVEventBatch, KVSnapshotReply, KVSnapshotRequest
 from tests.integration.conftest import wait_until_async
 from tests.integration.store_harness import Caller, StoreProcess, block_bytes, block_hash, store_contract
 
@@ -282,16 +282,15 @@ async def test_a_tenant_past_its_share_of_dram_loses_its_own_blocks_first(stores
         await caller.wait_ready("store-shares")
         for i in range(8):
             caller.fill(i, block_bytes(i, nbytes))
-        await caller.put("store-shares", [block_hash(i) for i in range(2)], [0, 1], owner="tenant/b", share=0.5)
-        await caller.put("store-shares", [block_hash(i) for i in range(2, 8)], list(range(2, 8)), owner="tenant/a",
-                         share=0.25)  # fmt: skip
+        b, a = CacheOwner(name="tenant/b", share=0.5), CacheOwner(name="tenant/a", share=0.25)
+        await caller.put("store-shares", [block_hash(i) for i in range(2)], [0, 1], owner=b)
+        await caller.put("store-shares", [block_hash(i) for i in range(2, 8)], list(range(2, 8)), owner=a)
         stats = await caller.stats("store-shares")
         assert (stats.dram_blocks, stats.dram_owners) == (8, {"tenant/b": 2, "tenant/a": 6})
         # two more of a's: room comes from a's own oldest blocks (past its 2 slots), not b's older ones
         caller.fill(0, block_bytes(20, nbytes))
         caller.fill(1, block_bytes(21, nbytes))
-        assert await caller.put("store-shares", [block_hash(20), block_hash(21)], [0, 1], owner="tenant/a",
-                                share=0.25) == 2  # fmt: skip
+        assert await caller.put("store-shares", [block_hash(20), block_hash(21)], [0, 1], owner=a) == 2
         where = await caller.exists("store-shares", [block_hash(i) for i in (0, 1, 2, 3, 4, 20, 21)])
         assert where[:2] == ["dram", "dram"]  # b's blocks stayed
         assert where[2:4] == ["disk", "disk"] and where[4] == "dram"  # a's two oldest went down to disk

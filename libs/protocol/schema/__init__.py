@@ -33,6 +33,7 @@ from libs.protocol.schema.console import (  # noqa: F401
     PrefixView,
 )
 from libs.protocol.schema.contracts import (  # noqa: F401
+    CacheOwner,
     CostCoefficients,
     KVContract,
     WriteTicket,

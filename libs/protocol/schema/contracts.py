@@ -1,9 +1,17 @@
 """What holders of KV blocks agree on and grant each other: the KV contract, a write
-ticket, a worker's fitted cost model."""
+ticket, a worker's fitted cost model, whose blocks a put stores."""
 
 import msgspec
 
 from libs.protocol.vocabulary import StoreTier
+
+
+class CacheOwner(msgspec.Struct, frozen=True, kw_only=True):
+    """Whose blocks a prompt's are in the stores: a tenant's cache scope, by name (never its
+    secret), and the most of a store's DRAM tier its blocks keep when room is needed."""
+
+    name: str  # tenant/<name> or shared/<scope>
+    share: float | None = None  # None: no limit
 
 
 class KVContract(msgspec.Struct, frozen=True, kw_only=True):

@@ -7,7 +7,7 @@ from libs.protocol.hashing import BlockHash
 from libs.protocol.ids import BlockId, InstanceId, RequestId
 from libs.protocol.sampling_params import SamplingParams
 from libs.protocol.schema.codec import ErrorInfo, Message
-from libs.protocol.schema.contracts import KVContract, WriteTicket
+from libs.protocol.schema.contracts import CacheOwner, KVContract, WriteTicket
 from libs.protocol.vocabulary import FinishReason
 
 
@@ -22,8 +22,7 @@ class PrefillRequest(Message):
     num_prior_output_tokens: int = 0
     hash_root: BlockHash | None = None  # its cache scope's root, where its block chain starts (None: ROOT, the default)
     favored: bool = False  # before the other requests of its kind (its tenant is under its share: the conductor's call)
-    cache_owner: str | None = None  # whose blocks its prompt's are, for the stores' shares (None: nobody's)
-    cache_share: float | None = None  # the most of a store's DRAM that owner keeps when room is needed
+    cache_owner: CacheOwner | None = None  # whose blocks its prompt's are, for the stores' shares (None: nobody's)
 
 
 class Ack(Message):

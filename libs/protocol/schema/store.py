@@ -10,7 +10,7 @@ import msgspec
 from libs.protocol.hashing import BlockHash
 from libs.protocol.ids import InstanceId
 from libs.protocol.schema.codec import Message
-from libs.protocol.schema.contracts import KVContract, WriteTicket
+from libs.protocol.schema.contracts import CacheOwner, KVContract, WriteTicket
 from libs.protocol.vocabulary import StoreTier
 
 
@@ -47,8 +47,7 @@ class StorePutRequest(Message):
     block_nbytes: int
     pin: bool = False  # evicted only when no unpinned block can be
     host_id: str | None = None  # the writer's host for shared memory; None: it may write over TCP (the store listens)
-    owner: str | None = None  # whose blocks (a tenant's cache scope); None: nobody's
-    owner_share: float | None = None  # the most of the DRAM tier the owner's blocks keep when room is needed
+    owner: CacheOwner | None = None  # whose blocks (a tenant's cache scope); None: nobody's
 
 
 class StorePutReply(Message):

@@ -135,4 +135,5 @@ async def test_a_tenants_name_weight_and_cache_scope_reach_the_conductor_and_the
     submitted = await asyncio.wait_for(cluster.submits.get(), WAIT)
     assert (admit.tenant, admit.tenant_weight) == ("acme", 3.0)
     assert submitted.hash_root is not None and submitted.hash_root != ROOT  # acme's own scope
-    assert (submitted.cache_owner, submitted.cache_share) == ("tenant/acme", 0.5)  # the stores count it as acme's
+    owner = submitted.cache_owner
+    assert (owner.name, owner.share) == ("tenant/acme", 0.5)  # the stores count it as acme's

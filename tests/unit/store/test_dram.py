@@ -2,6 +2,7 @@
 
 import pytest
 
+from libs.protocol.schema import CacheOwner
 from services.store.dram import DramTier
 from tests.unit.store.conftest import BLOCK, h
 
@@ -53,9 +54,9 @@ def test_no_slots_is_an_error():
 def test_an_owner_past_its_share_loses_its_own_blocks_first():
     dram = DramTier(10, block_nbytes=BLOCK)
     for i in range(3):  # b's blocks are the least recently used
-        dram.insert(h(i), dram.take_free_slot(), owner="tenant/b", share=0.5)
+        dram.insert(h(i), dram.take_free_slot(), owner=CacheOwner(name="tenant/b", share=0.5))
     for i in range(3, 10):  # a holds 7 of 10 slots, its share is 4
-        dram.insert(h(i), dram.take_free_slot(), owner="tenant/a", share=0.4)
+        dram.insert(h(i), dram.take_free_slot(), owner=CacheOwner(name="tenant/a", share=0.4))
     assert dram.owners() == {"tenant/b": 3, "tenant/a": 7}
     # a's 3 blocks past its share go first, least recent first; then plain LRU (b's oldest)
     assert dram.pick_victims(4) == [h(3), h(4), h(5), h(0)]
@@ -69,16 +70,16 @@ def test_an_owner_past_its_share_loses_its_own_blocks_first():
 
 def test_an_owners_pinned_or_leased_blocks_stay_and_its_latest_put_sets_its_share():
     dram = DramTier(4, block_nbytes=BLOCK)
-    dram.insert(h(0), dram.take_free_slot(), owner="x")  # no share: never first
+    dram.insert(h(0), dram.take_free_slot(), owner=CacheOwner(name="x"))  # no share: never first
     for i in (1, 2, 3):  # a may keep 1 slot of 4
-        dram.insert(h(i), dram.take_free_slot(), owner="tenant/a", share=0.25)
+        dram.insert(h(i), dram.take_free_slot(), owner=CacheOwner(name="tenant/a", share=0.25))
     dram.pin(h(1))
     dram.lease(dram.slot_of(h(2)))
     assert dram.pick_victims(1) == [h(3)]  # a's only block that may go
     assert dram.pick_victims(1) == [h(0)]  # a is still past its share, but its pinned and leased blocks stay
     dram.unmap(h(3))
     dram.unmap(h(0))
-    dram.insert(h(5), dram.take_free_slot(), owner="x")
-    dram.insert(h(4), dram.take_free_slot(), owner="tenant/a")  # no share now: the latest put says so
+    dram.insert(h(5), dram.take_free_slot(), owner=CacheOwner(name="x"))
+    dram.insert(h(4), dram.take_free_slot(), owner=CacheOwner(name="tenant/a"))  # no share now: the latest put says so
     assert dram.pick_victims(1) == [h(5)]  # plain LRU, not a's newer block
     dram.check()

@@ -120,5 +120,5 @@ def test_a_store_share_is_read_written_and_checked_and_names_no_secret():
         with pytest.raises(TenantsFileError, match="store_share must be a number in"):
             tenants_file.parse(f"[tenants.a]\nstore_share = {bad}")
     # the stores count blocks under the scope's name, never its secret
-    assert Tenants.cache_owner(Tenant("a")) == "tenant/a"
-    assert Tenants.cache_owner(Tenant("c", cache_scope="pub")) == "shared/pub"
+    assert Tenants.cache_owner(Tenant("a")).name == "tenant/a"
+    assert Tenants.cache_owner(Tenant("c", cache_scope="pub")).name == "shared/pub"
