@@ -8,7 +8,9 @@ date from the tokens it has generated so far. That is how the decode worker (aft
 the prefill worker's first token) and a migrated request (whose earlier tokens are
 the end of its prompt) go on from where the grammar stood, with nothing but the
 schema's text on the wire. The sampler asks each state for its row of a token
-bitmask and applies the whole batch's mask at once (`logits_processors.py`).
+bitmask and applies the whole batch's mask at once (`logits_processors.py`), or,
+where the mask would only narrow the draw, first asks whether the token drawn
+without it is allowed (`sampling.py`).
 """
 
 import re
@@ -53,6 +55,7 @@ class GrammarCompiler:
         self._cache: OrderedDict[Grammar, "xgrammar.CompiledGrammar"] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and the benchmark
+        self._never: frozenset[int] | None = None  # special tokens no grammar accepts (stop tokens aside)
 
     def warm(self) -> None:
         """Import xgrammar and read the vocabulary now (seconds of one core), so the first
@@ -78,7 +81,10 @@ class GrammarCompiler:
         return compiled
 
     def state(self, grammar: Grammar) -> "GrammarState":
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(grammar)))
+        tok = self._tokenizer
+        if self._never is None:
+            self._never = frozenset(tok.special_token_ids) - frozenset(tok.eos_token_ids)
+        return GrammarState(_xgrammar().GrammarMatcher(self.compile(grammar)), self._never, tok.vocab_size)
 
     def _build_compiler(self) -> "xgrammar.GrammarCompiler":
         xgr = _xgrammar()
@@ -120,8 +126,13 @@ def _message(error: Exception) -> str:
 class GrammarState:
     """Where one sequence stands in its grammar: the tokens it has accepted."""
 
-    def __init__(self, matcher: "xgrammar.GrammarMatcher") -> None:
+    def __init__(self, matcher: "xgrammar.GrammarMatcher", never: frozenset[int] = frozenset(),
+                 num_texts: int | None = None) -> None:  # fmt: skip
         self._matcher = matcher
+        # Tokens refused before xgrammar sees them: a special token (it warns, once per call)
+        # and an id past the tokenizer's, a row of logits padding (its warning reads past its table).
+        self._never = never
+        self._num_texts = num_texts
         self.num_accepted = 0  # of the sequence's generated tokens
 
     @property
@@ -135,10 +146,18 @@ class GrammarState:
             self.accept(token_id)
 
     def accept(self, token_id: int) -> None:
-        if not self._matcher.accept_token(token_id):
-            # only a token the mask allowed is ever sampled, so a replay that disagrees is a bug
+        if not self.try_accept(token_id):
+            # only a token the mask allowed is ever kept, so a replay that disagrees is a bug
             raise ValueError(f"token {token_id} does not continue the grammar")
+
+    def try_accept(self, token_id: int) -> bool:
+        """Accept ``token_id`` if the grammar allows it next; False (and nothing changed) if not."""
+        if token_id in self._never or (self._num_texts is not None and token_id >= self._num_texts):
+            return False
+        if not self._matcher.accept_token(token_id):
+            return False
         self.num_accepted += 1
+        return True
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Row ``row`` of ``bitmask`` ([b, ceil(V / 32)] int32): bit t set iff token t may come next."""

@@ -20,15 +20,19 @@ from libs.engine.model.sequence import Sequence
 from libs.protocol.sampling_params import SamplingParams
 
 
-def apply_controls(logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int]) -> torch.Tensor:
+def apply_controls(
+    logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: Collection[int], unmasked: Collection[int] = ()
+) -> torch.Tensor:
     """``logits`` [B, V] (float) with each row's logit bias added, its end-of-sequence
     and stop tokens masked while it is short of min_tokens, what its grammar forbids
-    masked, then its penalties applied (vLLM's order); a new tensor."""
+    masked (except in the rows ``unmasked``: their sampler masks them only if it must),
+    then its penalties applied (vLLM's order); a new tensor. A mask commutes with the
+    penalties (a forbidden token stays -inf), so a row masked later gets the same logits."""
     logits = logits.clone()
     vocab = logits.shape[-1]
     _add_logit_bias(logits, seqs, vocab)
     _mask_stop_tokens(logits, seqs, eos_token_ids, vocab)
-    constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None]
+    constrained = [i for i, seq in enumerate(seqs) if seq.grammar is not None and i not in unmasked]
     if constrained:
         mask_rows(logits, constrained, [seqs[i].grammar for i in constrained])
     rows = [i for i, seq in enumerate(seqs) if seq.params.has_penalties]

@@ -11,7 +11,13 @@ cumulative distribution (a pass over the vocabulary, not a random number per
 token), and top-p sorts only as many of the likeliest tokens as hold its mass. A request with a grammar has its sequence's grammar state
 brought up to date first (built from its generated tokens the first time: on the
 prefill worker, the decode worker and after a migration alike), and advanced by
-the token drawn. Otherwise `logits_processors.apply_controls` gives the
+the token drawn. A grammar row whose draw the mask only narrows (greedy, or
+temperature alone, and no logprobs) is drawn from its unmasked logits first and
+the mask filled only when the grammar refuses that token, in which case the row is
+drawn again, masked, with a fresh random number: the token accepted either way
+has the masked distribution's law (for the greedy row, its argmax), and filling a
+mask costs up to milliseconds a row where checking a token costs microseconds.
+Otherwise `logits_processors.apply_controls` gives the
 *processed* logits (logit bias, the min_tokens mask, the grammar's mask, penalties): logprobs are
 read from those, before temperature, top-k, top-p and min-p reshape the
 distribution the token is then drawn from (vLLM calls these "processed"
@@ -23,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from libs.engine.model.grammar import GrammarCompiler
+from libs.engine.model.grammar import GrammarCompiler, mask_rows
 from libs.engine.model.logits_processors import apply_controls, cut_min_p
 from libs.engine.model.sequence import Sequence
 from libs.protocol.sampling_params import SamplingParams
@@ -35,6 +41,7 @@ _MASK63 = (1 << 63) - 1
 # CPU generator keeps a seed's low 32 bits); for n up to 128 any two start over 2e7 indices apart.
 _CHOICE = 0x9E3779B1
 _NUCLEUS_FIRST = 256  # top-p sorts this many of the likeliest tokens first (`_nucleus`)
+_REDRAW = 0x5851F42D4C957F2D  # a seeded row drawn again (its grammar refused the first) takes another stream
 
 
 @dataclass(frozen=True)
@@ -53,12 +60,31 @@ def sample_sequences(
     if not any(p.changes_logits for p in params):
         return [Sampled(token) for token in sample(logits, params, indices)]
     _sync_grammars(seqs, grammars)
-    processed = apply_controls(logits.float(), seqs, eos_token_ids)  # [B, V]
+    unmasked = {i for i, seq in enumerate(seqs) if seq.grammar is not None and _mask_can_wait(seq.params)}
+    processed = apply_controls(logits.float(), seqs, eos_token_ids, unmasked)  # [B, V]
     tokens = sample(cut_min_p(processed, params), params, indices)
-    for seq, token in zip(seqs, tokens):
-        if seq.grammar is not None:
-            seq.grammar.accept(token)
+    refused = []
+    for i, seq in enumerate(seqs):
+        if seq.grammar is None:
+            continue
+        if i not in unmasked:
+            seq.grammar.accept(tokens[i])
+        elif not seq.grammar.try_accept(tokens[i]):
+            refused.append(i)
+    if refused:
+        mask_rows(processed, refused, [seqs[i].grammar for i in refused])
+        redrawn = sample(processed[refused], [params[i] for i in refused], [indices[i] for i in refused], redraw=True)
+        for i, token in zip(refused, redrawn):
+            seqs[i].grammar.accept(token)
+            tokens[i] = token
     return [Sampled(t, lp) for t, lp in zip(tokens, _logprobs(processed, tokens, params))]
+
+
+def _mask_can_wait(p: SamplingParams) -> bool:
+    """Whether a row's grammar mask can be left until its grammar refuses the token drawn
+    without it: the mask changes nothing else about the draw (no top-k, top-p or min-p
+    cut measured against the tokens it removes) and no logprobs are read from it."""
+    return p.logprobs is None and (p.is_greedy or (p.top_k is None and p.top_p >= 1.0 and p.min_p == 0.0))
 
 
 def _sync_grammars(seqs: list[Sequence], grammars: GrammarCompiler | None) -> None:
@@ -74,19 +100,22 @@ def _sync_grammars(seqs: list[Sequence], grammars: GrammarCompiler | None) -> No
         seq.grammar.catch_up(seq.generated_token_ids)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int]) -> list[int]:
+def sample(
+    logits: torch.Tensor, params: list[SamplingParams], output_indices: list[int], redraw: bool = False
+) -> list[int]:
     """One token per row of ``logits`` ([B, V]); ``output_indices[i]`` is how many
     tokens row i's sequence has generated before this one (and, for a request's other
-    sequences, which one it is)."""
+    sequences, which one it is); ``redraw``: a second draw for the same index, from a
+    seeded row's other random stream."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1).tolist()
     for row, (p, index) in enumerate(zip(params, output_indices)):
         if not p.is_greedy:
-            tokens[row] = _sample_row(logits[row], p, index)
+            tokens[row] = _sample_row(logits[row], p, index, redraw)
     return tokens
 
 
-def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
+def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int, redraw: bool = False) -> int:
     logits = logits / p.temperature
     if p.top_k is not None and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
@@ -97,7 +126,7 @@ def _sample_row(logits: torch.Tensor, p: SamplingParams, index: int) -> int:
         probs, ids = _nucleus(probs, p.top_p)
     generator = None
     if p.seed is not None:
-        generator = torch.Generator().manual_seed((p.seed * _MIX + index) & _MASK63)
+        generator = torch.Generator().manual_seed(((p.seed * _MIX + index) ^ (_REDRAW if redraw else 0)) & _MASK63)
     drawn = _draw(probs, generator)
     return drawn if ids is None else int(ids[drawn])
 

@@ -9,7 +9,7 @@ import torch
 
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
-from libs.engine.model.grammar import GrammarCompiler, check_grammar
+from libs.engine.model.grammar import GrammarCompiler, GrammarState, check_grammar
 from libs.engine.model.loader import build_engine
 from libs.engine.model.logits_processors import apply_controls
 from libs.engine.model.sampling import _sync_grammars, sample_sequences
@@ -49,7 +49,7 @@ def constrained(prompt: list[int], generated: bytes = b"", **params) -> Sequence
     """A sequence whose grammar-constrained output so far is ``generated`` (one byte a
     token), as a migrated request carries it: the end of its prompt."""
     ids = [*prompt, *generated]
-    params = SamplingParams(max_tokens=64, temperature=0.0, grammar=GRAMMAR, **params)
+    params = SamplingParams(**{"max_tokens": 64, "temperature": 0.0, "grammar": GRAMMAR, **params})
     return Sequence.from_prompt("r", ids, params, num_prior_output_tokens=len(generated))
 
 
@@ -64,6 +64,53 @@ def test_the_mask_allows_only_what_the_grammar_allows_and_leaves_other_rows_alon
     assert torch.equal(out[0], logits[0])
     assert allowed(out[1]) == [ord("{")]
     assert out[1, ord("{")] == logits[1, ord("{")]
+
+
+def fills(monkeypatch) -> list[int]:
+    """Every row a grammar state fills a mask for, as it happens."""
+    filled = []
+    fill = GrammarState.fill_mask
+    monkeypatch.setattr(GrammarState, "fill_mask", lambda self, bitmask, row: (filled.append(row), fill(self, bitmask, row)))
+    return filled
+
+
+@pytest.mark.parametrize("refused", [ord("x"), EOS, VOCAB - 1])  # text, a stop token too early, a padding row
+def test_a_greedy_row_is_masked_only_when_its_grammar_refuses_the_unmasked_argmax(grammars, monkeypatch, refused):
+    filled = fills(monkeypatch)
+    seq = constrained([1, 2], b'{"colour": "')  # only r or g may follow
+    logits = torch.zeros(1, VOCAB)
+    logits[0, ord("r")] = 1.0
+    [out] = sample_sequences(logits, [seq], {EOS}, grammars)
+    assert out.token_id == ord("r") and filled == []  # allowed as drawn: no mask was needed
+    seq = constrained([1, 2], b'{"colour": "')
+    logits[0, refused] = 5.0
+    [out] = sample_sequences(logits, [seq], {EOS}, grammars)
+    assert out.token_id == ord("r") and len(filled) == 1  # the masked argmax
+    assert seq.grammar.num_accepted == len(b'{"colour": "') + 1
+
+
+def test_a_row_drawn_again_after_a_refusal_has_the_masked_distribution(grammars):
+    # unmasked, "x" holds 84% of the mass and "g" 11%; masked, "g" holds e / (e + 1) = 73%
+    logits = torch.full((1, VOCAB), float("-inf"))
+    logits[0, ord("g")], logits[0, ord("r")], logits[0, ord("x")] = 1.0, 0.0, 3.0
+    drawn = []
+    for seed in range(400):
+        seq = constrained([1, 2], b'{"colour": "', temperature=1.0, seed=seed)
+        [out] = sample_sequences(logits, [seq], {EOS}, grammars)
+        drawn.append(out.token_id)
+    assert set(drawn) == {ord("g"), ord("r")}
+    assert drawn.count(ord("g")) / len(drawn) == pytest.approx(0.731, abs=0.08)
+
+
+def test_a_row_that_reads_logprobs_or_cuts_by_top_p_is_masked_before_its_draw(grammars, monkeypatch):
+    filled = fills(monkeypatch)
+    logits = torch.zeros(2, VOCAB)
+    logits[:, ord("r")] = 1.0
+    seqs = [constrained([1, 2], b'{"colour": "', logprobs=2), constrained([1, 2], b'{"colour": "', temperature=1.0,
+                                                                         seed=1, top_p=0.9)]  # fmt: skip
+    outs = sample_sequences(logits, seqs, {EOS}, grammars)
+    assert len(filled) == 2
+    assert outs[0].logprobs.top_ids == [ord("r"), ord("g")]  # read from the masked logits: only r and g remain
 
 
 def test_a_rebuilt_state_goes_on_from_the_tokens_generated_before(grammars):
