@@ -224,7 +224,7 @@ def hf_worker(variant: str, reps: int) -> None:
     emit(memory=memory_kib())
 
 
-def run_variant(variant: str, reps: int, timeout: float, extra: list[str] = []) -> dict:
+def run_variant(variant: str, reps: int, timeout: float, extra: list[str] = [], quiet: bool = False) -> dict:
     """Run one variant in a fresh process; its start-up counts from the spawn."""
     env = dict(os.environ)
     result: dict = {"variant": variant, "prefill": {}, "decode": {}}
@@ -253,7 +253,8 @@ def run_variant(variant: str, reps: int, timeout: float, extra: list[str] = []) 
             result["decode"][fields["decode"]] = fields["tok_s"]
         elif "memory" in fields:
             result["rss_mib"] = fields["memory"]["VmHWM"] / 1024
-        print(f"  {variant}: {fields}", flush=True)
+        if not quiet:
+            print(f"  {variant}: {fields}", flush=True)
     proc.wait()
     if proc.returncode != 0 and "error" not in result:
         result["error"] = f"exited {proc.returncode}: " + " | ".join(tail)
@@ -505,11 +506,22 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results/engine.md")
     parser.add_argument("--gguf", metavar="KIND", help="only the decode rows on the default model as this "
                         "llama-quantize file type (e.g. Q4_K_M)")  # fmt: skip
+    parser.add_argument("--prefill-speed", action="store_true", help="only print what `kvserve up` serves "
+                        f"({DEFAULT_VARIANT}) prefills, in tokens/s at 2,048 tokens, as JSON")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--worker-model", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-prefill-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.prefill_speed:
+        result = run_variant(DEFAULT_VARIANT, args.reps, args.timeout, ["--worker-prefill-only"], quiet=True)
+        print(json.dumps({"variant": DEFAULT_VARIANT, "dtype": result.get("dtype"),
+                          "tok_s": result["prefill"].get(2048), "error": result.get("error")}))  # fmt: skip
+        return
     if args.worker and args.worker_model:
         kvserve_worker(args.worker, args.reps, args.worker_model, FILE_BATCHES, ())
+        return
+    if args.worker and args.worker_prefill_only:
+        kvserve_worker(args.worker, args.reps, batches=(), prefill_lengths=(2048,))
         return
     if args.worker:
         (hf_worker if args.worker.startswith("hf-") else kvserve_worker)(args.worker, args.reps)

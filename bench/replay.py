@@ -32,6 +32,11 @@ each run it sends the prefixes the window shares with requests 0..I-1, the cache
 server holds after serving the trace up to I (the first requests of a trace meet a
 cold cache).
 
+Before any server starts, the machine's prefill speed is measured as
+`bench/engine.py --prefill-speed` measures it (what `kvserve up` serves, 2,048
+tokens) and written beside the results: a capacity is only worth what the machine
+under it prefills.
+
 --baseline PATH adds kvserve-baseline: the kvserve checkout at PATH (a `git
 worktree` of an earlier main, say) measured by its own bench/replay.py on its
 kvserve-default configuration with the same window, loads or search and SLOs
@@ -46,10 +51,12 @@ others:
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import platform
 import shlex
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -63,6 +70,7 @@ sys.path.insert(0, str(ROOT))
 from bench import baseline  # noqa: E402
 from bench.capacity import document as capacity_document  # noqa: E402
 from bench.cpu_use import cpu_line, cpu_seconds, machine_busy_seconds, start_profiles, top_frames  # noqa: E402
+from bench.engine import cpu_name  # noqa: E402
 from bench.llama_server import LLAMA_ARGS, llama_server  # noqa: E402
 from kvserve.cli.bench import (  # noqa: E402
     MAX_PROBES,
@@ -231,7 +239,20 @@ def report_only(out: Path, slo: SLO) -> int:
     return 0
 
 
-def write_capacity(args, capacities, settings, started, requests, notes, cpu_notes) -> int:
+def machine_note(reps: int = 3) -> str:
+    """The CPU and its prefill speed as `bench/engine.py --prefill-speed` measures it
+    (a fresh process, before any server starts; the median of ``reps``)."""
+    command = [sys.executable, str(ROOT / "bench" / "engine.py"), "--prefill-speed", "--reps", str(reps)]
+    out = subprocess.run(command, cwd=ROOT,
+                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    lines = out.stdout.strip().splitlines()
+    speed = json.loads(lines[-1]) if out.returncode == 0 and lines else {"error": out.stderr.strip()[-300:]}
+    measured = (f"{speed['tok_s']:,.0f} tokens/s at 2,048 tokens ({speed['variant']}, {speed['dtype']})"
+                if speed.get("tok_s") else f"not measured ({speed.get('error')})")  # fmt: skip
+    return f"CPU {cpu_name()}; its prefill speed (`bench/engine.py --prefill-speed`): {measured}"
+
+
+def write_capacity(args, capacities, settings, started, requests, notes, cpu_notes, machine: str) -> int:
     report = args.capacity_report
     report.parent.mkdir(parents=True, exist_ok=True)
     plot = capacity_curves(list(capacities.values()), report.with_suffix(".png"))
@@ -241,7 +262,7 @@ def write_capacity(args, capacities, settings, started, requests, notes, cpu_not
         f"{os.getloadavg()[0]:.2f}. Trace `{args.trace.name}` requests {first}-{last}, "
         f"{settings.block_tokens}-token blocks, {input_note(settings.max_input)}, at most "
         f"{settings.max_output} output tokens{', bucketed arrivals spread' if settings.spread else ''}; "
-        f"kvserve in {args.dtype}.{warmed_note(settings, requests)}"
+        f"kvserve in {args.dtype}.{warmed_note(settings, requests)} {machine}."
     )
     note_lines = [f"{name}: {note}" for name, note in notes.items() if note]
     text = capacity_document(
@@ -357,6 +378,8 @@ def main() -> int:
     )  # fmt: skip
     started = datetime.datetime.now().astimezone()
     print(f"{started:%Y-%m-%d %H:%M %Z} on {platform.node()}, {os.cpu_count()} CPUs, load {os.getloadavg()}")
+    machine = machine_note()
+    print(machine, flush=True)
     all_results, by_config, notes, cpu_notes = [], {}, {}, []
     capacities: dict[str, Capacity] = {}
     for config in chosen(configs(args.worker_threads, args.baseline), args.configs):
@@ -405,7 +428,7 @@ def main() -> int:
         if config.name in capacities:
             print(probes_table(capacities[config.name]) + capacity_verdict(capacities[config.name]))
     if args.find_capacity:
-        return write_capacity(args, capacities, settings, started, requests, notes, cpu_notes)
+        return write_capacity(args, capacities, settings, started, requests, notes, cpu_notes, machine)
     write_outputs(all_results, args.out, title="Trace replay: kvserve against llama.cpp")
     text = [
         f"# Trace replay comparison, {started:%Y-%m-%d %H:%M %Z}\n",

@@ -1,6 +1,7 @@
 """bench/replay.py's options: `--max-input 0` is no cap; `--baseline PATH` runs the
 checkout at PATH's own bench/replay.py (the command is checked, nothing is run)
-and reads its runs back as kvserve-baseline."""
+and reads its runs back as kvserve-baseline; the machine's prefill speed is measured
+for the report."""
 
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench import baseline
-from bench.replay import chosen, configs, parser
+from bench.replay import chosen, configs, machine_note, parser
 from kvserve.replay.records import RequestRecord, Run
 
 TRACE = ["--trace", "/traces/t.jsonl"]
@@ -132,3 +133,10 @@ def test_the_workload_options_are_kvserve_benchs_own_with_this_scripts_defaults(
     assert (defaults.max_input, defaults.max_output, defaults.start_scale, defaults.max_probes) == (1024, 16, 4.0, 6)
     with pytest.raises(SystemExit):
         parser().parse_args(["--max-output", "0"])  # kvserve bench's check: at least 1
+
+
+def test_the_report_names_the_cpu_and_its_measured_prefill_speed():
+    note = machine_note(reps=1)  # a real bench/engine.py --prefill-speed: the default model prefills 2,048 tokens
+    assert note.startswith("CPU ") and "not measured" not in note
+    speed = float(note.split("): ")[1].split(" tokens/s")[0].replace(",", ""))
+    assert speed > 0 and "at 2,048 tokens (int4-eager, " in note
