@@ -64,6 +64,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -99,6 +101,7 @@ from kvserve.replay.sweep import (  # noqa: E402
 )
 from kvserve.replay.trace import load_trace  # noqa: E402
 from libs.common.cpu_share import format_cpu_list  # noqa: E402
+from libs.engine.model.loader import resolve_dtype  # noqa: E402
 from libs.protocol.errors import KVServeError  # noqa: E402
 from libs.protocol.models import DEFAULT_MODEL_ID  # noqa: E402
 from libs.protocol.slo import SLO  # noqa: E402
@@ -321,9 +324,9 @@ def parser() -> argparse.ArgumentParser:
                     help="add kvserve-baseline: the kvserve checkout at PATH measured by its own bench/replay.py "
                     "(PYTHONPATH=PATH, this interpreter) on its kvserve-default configuration with the same window, "
                     "loads or search and SLOs, into --out/kvserve-baseline")
-    ap.add_argument("--dtype", default="bfloat16",
-                    help="kvserve's dtype (default bfloat16, the faster here: 'auto' times a matmul at start-up "
-                    "and can pick float32 on a busy machine)")
+    ap.add_argument("--dtype", default="auto",
+                    help="kvserve's dtype (default auto: what `kvserve up` picks on this CPU, decided once here "
+                    "before any server starts, so a busy machine cannot make configurations differ)")
     ap.add_argument("--worker-threads", type=int, default=None, help="OMP_NUM_THREADS for kvserve services")
     ap.add_argument("--profile-seconds", type=int, default=0, help="py-spy every kvserve service during the first load")
     ap.add_argument("--request-timeout", type=float, default=900.0,
@@ -355,6 +358,8 @@ def main() -> int:
         ap.error("--beyond takes positive factors and needs --find-capacity")
     if error := baseline.usage_error(args):
         ap.error(error)
+    if args.dtype == "auto":
+        args.dtype = str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
     if args.report_only:
         return report_only(args.out, SLO.from_ms(args.slo_ttft_ms, args.slo_tbt_ms))
 

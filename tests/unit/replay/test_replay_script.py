@@ -25,7 +25,7 @@ def test_the_baseline_runs_its_own_replay_on_kvserve_default_with_the_same_capac
     args = parser().parse_args([
         *TRACE, "--baseline", str(tmp_path / "old"), "--start", "6000", "--requests", "120", "--warm-history",
         "--block-tokens", "8", "--max-input", "0", "--max-output", "16", "--seed", "3", "--slo-ttft-ms", "1500",
-        "--find-capacity", "--start-scale", "4", "--max-probes", "5", "--max-scale", "16",
+        "--find-capacity", "--start-scale", "4", "--max-probes", "5", "--max-scale", "16", "--dtype", "bfloat16",
     ])  # fmt: skip
     out = tmp_path / "out" / "kvserve-baseline"
     assert baseline.command(args, out) == [
