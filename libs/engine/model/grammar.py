@@ -55,7 +55,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[Grammar, "xgrammar.CompiledGrammar"] = OrderedDict()
         self._lock = threading.Lock()
         self.num_compiled = 0  # cache misses, for tests and the benchmark
-        self._never: frozenset[int] | None = None  # special tokens no grammar accepts (stop tokens aside)
+        # special tokens no grammar accepts (stop tokens aside)
+        self._never = frozenset(tokenizer.special_token_ids) - frozenset(tokenizer.eos_token_ids)
 
     def warm(self) -> None:
         """Import xgrammar and read the vocabulary now (seconds of one core), so the first
@@ -81,10 +82,8 @@ class GrammarCompiler:
         return compiled
 
     def state(self, grammar: Grammar) -> "GrammarState":
-        tok = self._tokenizer
-        if self._never is None:
-            self._never = frozenset(tok.special_token_ids) - frozenset(tok.eos_token_ids)
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(grammar)), self._never, tok.vocab_size)
+        matcher = _xgrammar().GrammarMatcher(self.compile(grammar))
+        return GrammarState(matcher, self._never, self._tokenizer.vocab_size)
 
     def _build_compiler(self) -> "xgrammar.GrammarCompiler":
         xgr = _xgrammar()
@@ -126,8 +125,7 @@ def _message(error: Exception) -> str:
 class GrammarState:
     """Where one sequence stands in its grammar: the tokens it has accepted."""
 
-    def __init__(self, matcher: "xgrammar.GrammarMatcher", never: frozenset[int] = frozenset(),
-                 num_texts: int | None = None) -> None:  # fmt: skip
+    def __init__(self, matcher: "xgrammar.GrammarMatcher", never: frozenset[int], num_texts: int) -> None:
         self._matcher = matcher
         # Tokens refused before xgrammar sees them: a special token (it warns, once per call)
         # and an id past the tokenizer's, a row of logits padding (its warning reads past its table).
@@ -152,7 +150,7 @@ class GrammarState:
 
     def try_accept(self, token_id: int) -> bool:
         """Accept ``token_id`` if the grammar allows it next; False (and nothing changed) if not."""
-        if token_id in self._never or (self._num_texts is not None and token_id >= self._num_texts):
+        if token_id in self._never or token_id >= self._num_texts:
             return False
         if not self._matcher.accept_token(token_id):
             return False
