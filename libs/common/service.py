@@ -58,6 +58,7 @@ class Service:
                            ).set(self.started_at)  # fmt: skip
         self._nats_reconnects = self.metrics.counter("kvserve_nats_reconnects_total", "Times the NATS connection came back")
         self.metrics_address: str | None = None  # base URL of /metrics and /healthz, when served
+        self.warming = False  # start-up work still runs beside requests (`warm_in_background`)
         self.heard_views: list[HeardView] = []  # told when NATS is lost and back
 
     @property
@@ -122,7 +123,8 @@ class Service:
 
     def heartbeat(self) -> Heartbeat:
         s = self.settings
-        return Heartbeat(instance_id=s.instance_id, role=s.role, host_id=s.host_id, started_at=self.started_at)
+        return Heartbeat(instance_id=s.instance_id, role=s.role, host_id=s.host_id, started_at=self.started_at,
+                         warming=self.warming)  # fmt: skip
 
     # --- NATS -----------------------------------------------------------------
     async def _connect(self) -> NATS:
@@ -268,6 +270,21 @@ class Service:
 
     async def publish(self, subject: str, message: Message) -> None:
         await self.nc.publish(subject, schema.encode(message))
+
+    def warm_in_background(self, work: Callable[[], object]) -> asyncio.Task:
+        """Run blocking start-up work (importing a library, building tables) in a thread, so
+        it does not hold up readiness. Until it ends, the heartbeats say ``warming``: it
+        shares this process's cores with the requests served meanwhile, so their times are
+        no sample of how fast the instance runs (the conductor learns nothing from them)."""
+        self.warming = True
+
+        async def warm() -> None:
+            try:
+                await asyncio.to_thread(work)
+            finally:
+                self.warming = False
+
+        return self.spawn(warm())
 
     def spawn(self, coro: Awaitable, essential: bool = False) -> asyncio.Task:
         """Run ``coro`` in a task that is kept alive and whose failure is logged. An

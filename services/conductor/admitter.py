@@ -257,7 +257,7 @@ class Admitter:
         now = record.first_token_at = self.view.clock()
         if (prefill := self.view.get(record.prefill_id)) is not None:
             served = prefill.prefill.done(request_id, now)
-            if served is not None and served.measured_s is not None:
+            if served is not None and served.measured_s is not None and self._teaches(record):
                 self.margins.observe_prefill(record.prefill_id, served.measured_s, served.predicted_s)
         if (decode := self.view.get(record.decode_id)) is not None:
             record.modelled_at_first_s = decode.decode.advance(now)
@@ -271,7 +271,8 @@ class Admitter:
 
     def _teaches(self, record: "Admitted") -> bool:
         """Whether a request's latencies are samples of the predictions: not a moved
-        request's, nor one's that a fault (a restart, an instance gone) may have touched."""
+        request's, nor one's that a fault (a restart, an instance gone) or an instance's start-up
+        work (its heartbeats say ``warming``) may have touched."""
         return not record.booking.moved and self.view.last_fault < record.admitted_at - FAULT_GRACE_S
 
     def finished(self, request_id: RequestId, num_output_tokens: int = 0) -> None:

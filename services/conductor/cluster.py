@@ -61,7 +61,9 @@ class ClusterView:
         # told of every instance that may have changed: a new heartbeat came, or a request was sent to it
         # (`candidates.py`)
         self.on_change: list[Callable[[Instance], None]] = []
-        self.last_fault = float("-inf")  # when an instance last restarted or went silent
+        # when an instance last restarted, went silent or said it was still warming up: what ran
+        # about then teaches admission nothing (`Admitter._teaches`)
+        self.last_fault = float("-inf")
         self.roles_seen: set[str] = set()  # every role an instance was ever heard in, alive or not
         self._deafness = Deafness(clock)
 
@@ -88,6 +90,8 @@ class ClusterView:
             instance.last_seen = now
             return instance
         changed = True
+        if heartbeat.warming:
+            self.last_fault = now
         if instance is None or instance.heartbeat.started_at != heartbeat.started_at:
             if instance is not None:  # the same instance, started again
                 self.last_fault = now

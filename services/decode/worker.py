@@ -80,7 +80,7 @@ class DecodeWorker(Service):
         expiry = self.spawn(self._expire_leases(), essential=True)
         stack.callback(loop.cancel)
         stack.callback(expiry.cancel)
-        self.spawn(asyncio.to_thread(self.grammars.warm))  # in the background: it does not hold up readiness
+        self.warm_in_background(self.grammars.warm)
 
     # --- hand-off --------------------------------------------------------------
     async def on_reserve(self, request: ReserveRequest, msg: Msg) -> ReserveReply | ErrorReply:

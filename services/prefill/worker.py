@@ -46,6 +46,25 @@ from services.prefill.settings import PrefillSettings
 from services.prefill.store_client import StoreClient
 
 SPEED_STEPS = 64  # steps whose measured/predicted time gives the worker's speed
+MIN_SPEED_STEPS = 5  # ... and how many it takes before there is one (a step on a shape not seen yet is slow)
+
+
+class StepSpeed:
+    """How much slower than its cost model a worker's steps run: the median of the last
+    SPEED_STEPS measured/predicted ratios, 0 (not known) until there are MIN_SPEED_STEPS.
+    A median of one or two would be the first steps' (new shapes, start-up work beside
+    them), and the conductor scales every prediction for the worker by it."""
+
+    def __init__(self) -> None:
+        self.ratios: deque[float] = deque(maxlen=SPEED_STEPS)
+
+    def observe(self, seconds: float, predicted: float) -> None:
+        if predicted > 0:
+            self.ratios.append(seconds / predicted)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.ratios) if len(self.ratios) >= MIN_SPEED_STEPS else 0.0
 
 
 @dataclass
@@ -85,7 +104,7 @@ class PrefillWorker(Service):
         self.ready: dict[str, Job] = {}  # prepared: the steps choose their chunks from these
         self._work = asyncio.Event()  # a job became ready
         self._blocks_freed = asyncio.Event()  # a job's blocks went back to the pool
-        self.step_ratios: deque[float] = deque(maxlen=SPEED_STEPS)  # measured / predicted step time
+        self.step_speed = StepSpeed()
         self.worker_metrics = WorkerMetrics(self.metrics, self.engine.cache.block_pool,
                                             num_running=lambda: len(self.ready),
                                             num_waiting=lambda: len(self.in_flight) - len(self.ready))  # fmt: skip
@@ -108,7 +127,7 @@ class PrefillWorker(Service):
             await self.store.start(self.reports.cost)
         loop = self.spawn(self._prefill_loop(), essential=True)
         stack.callback(loop.cancel)
-        self.spawn(asyncio.to_thread(self.grammars.warm))  # in the background: it does not hold up readiness
+        self.warm_in_background(self.grammars.warm)
 
     async def on_submit(self, request: PrefillRequest, msg: Msg) -> Ack | ErrorReply:
         seq = await sequence_of(self.engine, request)
@@ -181,17 +200,16 @@ class PrefillWorker(Service):
 
     @property
     def speed(self) -> float:
-        """Its steps' measured time over what its cost model predicted, the median of
-        the last ones; 0 before the first."""
-        return statistics.median(self.step_ratios) if self.step_ratios else 0.0
+        """Its steps' measured time over what its cost model predicted (`StepSpeed`); 0: not yet known."""
+        return self.step_speed.value
 
     def _observe_step(self, chunk: list[tuple[Job, int]], seconds: float) -> None:
         cost = self.cost
         base = cost.coefficients.prefill_base  # one per step, not per prompt in it
         # each prompt's n tokens came after the num_computed_tokens - n it had before the step
         predicted = base + sum(cost.prefill_time(n, job.seq.num_computed_tokens - n) - base for job, n in chunk)
-        if predicted > 0:
-            self.step_ratios.append(seconds / predicted)
+        if not self.warming:  # a step beside start-up work says little of its speed
+            self.step_speed.observe(seconds, predicted)
         if self.store is not None:  # the speed a store fetch must beat
             self.store.policy.observe_prefill(sum(n for _, n in chunk), seconds)
 

@@ -74,6 +74,9 @@ class Heartbeat(Message):
     host_id: str
     started_at: float = 0.0
     address: str | None = None  # gateway: its base URL, once it listens
+    # start-up work still shares its cores (a worker's grammar tables): what it runs now is slower
+    # than it will be, so the conductor learns no speed or margin from it
+    warming: bool = False
     payload: GatewayBeat | ConductorBeat | PrefillBeat | DecodeBeat | StoreBeat | None = None
 
     def __post_init__(self) -> None:

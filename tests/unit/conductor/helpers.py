@@ -25,11 +25,13 @@ def coefficients(**overrides) -> CostCoefficients:
     return CostCoefficients(**{**fields, **overrides})
 
 
-def beat(instance_id: str, role: str, load: int = 0, free: int = 100, started_at: float = 0.0, **fields) -> Heartbeat:
+def beat(instance_id: str, role: str, load: int = 0, free: int = 100, started_at: float = 0.0, warming: bool = False,
+         **fields) -> Heartbeat:  # fmt: skip
     """A worker's (or store's) heartbeat; ``fields`` go in its role's payload."""
     fields.setdefault("cost", coefficients())
     payload = ROLE_BEATS[Role(role)](free_blocks=free, **fields, **({"load": load} if role != Role.STORE else {}))
-    return Heartbeat(instance_id=instance_id, role=role, host_id="h", started_at=started_at, payload=payload)
+    return Heartbeat(instance_id=instance_id, role=role, host_id="h", started_at=started_at, warming=warming,
+                     payload=payload)  # fmt: skip
 
 
 def block(i: int) -> bytes:

@@ -78,6 +78,27 @@ def test_samples_taken_across_a_fault_or_a_migration_teach_the_margins_nothing()
     assert len(s.margins.ttft_all) == 1
 
 
+def test_what_runs_while_an_instance_warms_up_teaches_nothing():
+    view, index, clock = cluster(beat("p0", "prefill"), beat("d0", "decode"))
+    s = Admitter(build_policy("cache_aware+predictive_rejection"), view, index, config())
+    clock.now = 1.0
+    view.observe(beat("p0", "prefill", warming=True))  # its start-up work shares its cores
+    view.observe(beat("d0", "decode"))
+    for i in range(MIN_SAMPLES):
+        assert s.admit(request(f"a{i}", tokens=40, blocks=[])).admitted
+        clock.now += 0.05
+        s.first_token(f"a{i}", ttft_s=5.0)  # slow: the start-up work's doing
+        s.finished(f"a{i}", num_output_tokens=10)
+    assert (len(s.margins.ttft_all), len(s.margins.speed_all), len(s.margins.tbt_all)) == (0, 0, 0)
+    clock.now = 30.0  # warm: its requests teach again, a grace period on
+    view.observe(beat("p0", "prefill"))
+    view.observe(beat("d0", "decode"))
+    assert s.admit(request("b", tokens=40, blocks=[])).admitted
+    clock.now = 30.05
+    s.first_token("b", ttft_s=0.05)
+    assert (len(s.margins.ttft_all), len(s.margins.speed_all)) == (1, 1)
+
+
 def overload(n: int = 700, seed: int = 3) -> list[TraceRequest]:
     """Unrelated prompts of 2k-9k tokens arriving faster than 2 prefill workers can serve."""
     rng = random.Random(seed)
