@@ -8,7 +8,7 @@ import torch
 
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.fused import FusedDecode, _ops
-from libs.engine.model.loader import build_engine, load_model
+from libs.engine.model.loader import build_engine, load_model, resolve_dtype
 from libs.engine.model.sequence import Sequence
 from tests.conftest import TINY_ARCHITECTURES, make_tiny_checkpoint, tiny_architecture
 from tests.unit.engine.test_compiled import decode
@@ -49,18 +49,23 @@ def assert_same(loaded, batch: int) -> None:
 
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_fused_step_equals_the_modules_on_the_default_model(default_bf16, batch):
+    if batch == 8 and resolve_dtype("auto", torch.device("cpu")) != torch.bfloat16:
+        # minutes of bfloat16 without a fast path, for a step kvserve never fuses here (it serves
+        # float32); the full 8 rows are checked on a tiny model below on every CPU
+        pytest.skip("bfloat16 has no fast path on this CPU: kvserve serves float32 here, where nothing is fused")
     assert_same(default_bf16, batch)
 
 
-@pytest.mark.parametrize("quantization, bias", [("int4", False), ("int8", False), ("none", True)])
-def test_fused_step_equals_the_modules_for_every_projection(tmp_path, quantization, bias):
+@pytest.mark.parametrize("quantization, bias, batch", [("int4", False, 3), ("int4", False, 8), ("int8", False, 3),
+                                                       ("none", True, 3)])  # fmt: skip
+def test_fused_step_equals_the_modules_for_every_projection(tmp_path, quantization, bias, batch):
     folder = make_tiny_checkpoint(tmp_path / "tiny", seed=3, attention_bias=bias)
     loaded = load_model(str(folder), dtype="bfloat16", quantization=quantization, progress=False)
     if bias:
         with torch.no_grad():  # a saved random model's biases are zeros: make them count
             for layer in loaded.model.layers:
                 layer.self_attn.qkv_proj.bias.normal_(0, 0.5)
-    assert_same(loaded, 3)
+    assert_same(loaded, batch)
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])
