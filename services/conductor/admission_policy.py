@@ -108,8 +108,8 @@ class EarlyRejection:
         # ahead of a favored request (those of tenants further over their shares go after it)
         rho = (ctx.shorter_share if not (route.is_local or ctx.favored) and ctx.view.get(p.instance_id).prefill.num_pending
                else 0.0)  # fmt: skip
-        if judged and rho > 0 and (rho >= 1 or p.ttft_s / (1 - rho) + slack > slo.ttft_s + _SLACK):
-            pushed = p.ttft_s / (1 - rho) if rho < 1 else float("inf")
+        if judged and rho > 0 and p.ttft_s / (1 - rho) + slack > slo.ttft_s + _SLACK:  # rho < 1: overload.MAX_SHARE
+            pushed = p.ttft_s / (1 - rho)
             message = (f"predicted TTFT {p.ttft_s:.3f} s{_plus(slack)} on {p.instance_id}, {pushed:.3f} s{_plus(slack)} with the "
                        f"shorter prompts that take {rho:.0%} of it going first, exceeds the {slo.ttft_s:.3f} s target")  # fmt: skip
             return Verdict(route.decode, _reject("ttft_slo", message, p.work_s, route, ttft_s=pushed + slack), p)

@@ -1,10 +1,15 @@
 """Overload: which requests to keep when not all fit.
 
 Goodput counts requests, and a prefill instance computes the shortest work first,
-so a long prompt admitted now is pushed back by every shorter prompt that arrives
-while it waits or runs. Admission predicts that: a prompt's TTFT grows by the
-share of the instance the shorter prompts are taking (their recent admitted work
-per second, ``rho``), ``ttft / (1 - rho)``, as in a priority queue's busy period.
+so a prompt admitted now is pushed back by every shorter prompt that arrives while
+it waits or runs. Admission predicts that: a prompt's TTFT grows by the share of
+the instance the prompts shorter than it are taking (their recent admitted work per
+second, ``rho``), ``ttft / (1 - rho)``, as in a shortest-first queue's busy period, with ``rho`` at most
+MAX_SHARE: what was admitted in a burst is already queued (and placed), not a rate that
+goes on, so no burst turns the prediction into a refusal of every longer prompt.
+Shorter means fewer tokens, not a lower band: a 500-token prompt is pushed back by
+one of 200 tokens as surely as by one of 20, so a band's own shorter prompts count
+too (else they take the room admission kept for the band below).
 Under load that refuses long prompts before they take the time many short ones
 would have met their SLOs in; at light load ``rho`` is small and changes nothing.
 
@@ -20,7 +25,10 @@ from dataclasses import dataclass
 from libs.common.prefill_order import BAND_NAMES, band_of
 
 WINDOW_S = 30.0  # admitted work per second is averaged over this long
-MIN_SPAN_S = 1.0  # ... or since the first admission, but never over less than this
+MIN_SPAN_S = 5.0  # ... or since the first admission, but never over less than this (a burst is not a rate)
+# the most of an instance shorter prompts are taken to keep taking: a burst of them, or one
+# measured over a short span, predicts at most this (TTFT x 4), never a prompt that cannot start
+MAX_SHARE = 0.75
 DECISIONS = 200  # recent decisions the refusal rates are taken over
 MIN_GUARD_RATE = 0.10  # a band refused less often than this is never protected by the guard
 
@@ -35,7 +43,7 @@ class OverloadConfig:
 class Overload:
     def __init__(self, config: OverloadConfig | None = None) -> None:
         self.config = config or OverloadConfig()
-        self._admitted: deque[tuple[float, int, float]] = deque()  # (when, band, prefill seconds)
+        self._admitted: deque[tuple[float, int, float]] = deque()  # (when, prompt tokens, prefill seconds)
         self._decisions: deque[tuple[int, bool]] = deque(maxlen=DECISIONS)  # (band, refused)
         self._since: float | None = None  # the first admission seen
 
@@ -43,23 +51,22 @@ class Overload:
         band = band_of(num_prompt_tokens)
         self._decisions.append((band, not admitted))
         if admitted:
-            self._admitted.append((now, band, work_s))
+            self._admitted.append((now, num_prompt_tokens, work_s))
             if self._since is None:
                 self._since = now
 
     def shorter_share(self, num_prompt_tokens: int, now: float, num_instances: int) -> float:
-        """The share of a prefill instance that admitted prompts of the bands below this
-        prompt's took over the last ``WINDOW_S`` seconds, or since the first admission when
-        that is sooner (0 when the guard protects its band)."""
-        band = band_of(num_prompt_tokens)
-        if band == 0 or self.config.max_refusal_ratio <= 0 or self.guarded(band):
+        """The share of a prefill instance that admitted prompts shorter than this one took
+        over the last ``WINDOW_S`` seconds, or since the first admission when that is sooner
+        (0 when the guard protects its band)."""
+        if self.config.max_refusal_ratio <= 0 or self.guarded(band_of(num_prompt_tokens)):
             return 0.0
         while self._admitted and self._admitted[0][0] < now - WINDOW_S:
             self._admitted.popleft()
-        work = sum(w for _, b, w in self._admitted if b < band)
+        work = sum(w for _, tokens, w in self._admitted if tokens < num_prompt_tokens)
         # a conductor that started less than a window ago has seen only that much of the load
         span = WINDOW_S if self._since is None else min(WINDOW_S, max(MIN_SPAN_S, now - self._since))
-        return work / span / max(1, num_instances)
+        return min(MAX_SHARE, work / span / max(1, num_instances))
 
     def guarded(self, band: int) -> bool:
         """Whether ``band`` has been refused too often, against every band, to be held back further."""

@@ -5,7 +5,7 @@ import pytest
 
 from services.conductor.admission_policy import build_policy
 from services.conductor.admitter import Admitter
-from services.conductor.overload import MIN_SPAN_S, WINDOW_S, Overload, OverloadConfig
+from services.conductor.overload import MAX_SHARE, MIN_SPAN_S, WINDOW_S, Overload, OverloadConfig
 from tests.unit.conductor.helpers import beat, cluster, config, request
 
 
@@ -14,9 +14,12 @@ def test_the_share_shorter_prompts_take_counts_only_admitted_shorter_work_in_the
     o.observe(now=0.0, num_prompt_tokens=50, work_s=6.0, admitted=True)  # band <128
     o.observe(now=10.0, num_prompt_tokens=300, work_s=3.0, admitted=True)  # band 128-511
     o.observe(now=10.0, num_prompt_tokens=40, work_s=9.0, admitted=False)  # refused: takes nothing
-    assert o.shorter_share(40, now=10.0, num_instances=1) == 0.0  # nothing is shorter than the shortest band
-    # 10 s since the first admission: that is all the load seen so far
-    assert o.shorter_share(1500, now=10.0, num_instances=1) == pytest.approx(9.0 / 10.0)
+    assert o.shorter_share(40, now=10.0, num_instances=1) == 0.0  # nothing admitted is shorter
+    assert o.shorter_share(50, now=10.0, num_instances=1) == 0.0  # nor as long: shorter only
+    assert o.shorter_share(60, now=10.0, num_instances=1) == pytest.approx(6.0 / 10.0)  # the same band counts
+    assert o.shorter_share(400, now=10.0, num_instances=2) == pytest.approx(9.0 / 20.0)
+    # 10 s since the first admission: that is all the load seen so far (9 s of it, 0.9: at most 0.75)
+    assert o.shorter_share(1500, now=10.0, num_instances=1) == MAX_SHARE
     assert o.shorter_share(1500, now=10.0, num_instances=3) == pytest.approx(3.0 / 10.0)
     assert o.shorter_share(300, now=10.0, num_instances=1) == pytest.approx(6.0 / 10.0)
     assert o.shorter_share(300, now=20.0, num_instances=1) == pytest.approx(6.0 / 20.0)
@@ -27,9 +30,16 @@ def test_the_share_shorter_prompts_take_counts_only_admitted_shorter_work_in_the
 def test_a_conductor_that_just_started_takes_the_load_over_the_time_it_has_seen():
     o = Overload()
     o.observe(now=100.0, num_prompt_tokens=50, work_s=0.25, admitted=True)
-    assert o.shorter_share(300, now=100.2, num_instances=1) == pytest.approx(0.25 / MIN_SPAN_S)  # not under 1 s
-    o.observe(now=101.5, num_prompt_tokens=50, work_s=0.5, admitted=True)
-    assert o.shorter_share(300, now=102.0, num_instances=1) == pytest.approx(0.75 / 2.0)  # nor over 30 s
+    assert o.shorter_share(300, now=100.2, num_instances=1) == pytest.approx(0.25 / MIN_SPAN_S)  # not under 5 s
+    o.observe(now=106.5, num_prompt_tokens=50, work_s=0.5, admitted=True)
+    assert o.shorter_share(300, now=108.0, num_instances=1) == pytest.approx(0.75 / 8.0)  # nor over 30 s
+
+
+def test_a_burst_of_shorter_prompts_never_makes_a_longer_one_unable_to_start():
+    o = Overload()
+    for i in range(40):  # 40 short prompts at once, 0.5 s of work each: 20 s of work in no time
+        o.observe(now=0.0, num_prompt_tokens=20 + i, work_s=0.5, admitted=True)
+    assert o.shorter_share(1000, now=0.0, num_instances=1) == MAX_SHARE < 1  # its TTFT x 4, not infinite
 
 
 def test_a_band_refused_far_more_often_than_all_is_no_longer_held_back():
