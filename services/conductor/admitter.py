@@ -273,7 +273,7 @@ class Admitter:
         """Whether a request's latencies are samples of the predictions: not a moved
         request's, nor one's that a fault (a restart, an instance gone) or an instance's start-up
         work (its heartbeats say ``warming``) may have touched."""
-        return not record.booking.moved and self.view.last_fault < record.admitted_at - FAULT_GRACE_S
+        return not record.booking.moved and self.view.last_disturbance < record.admitted_at - FAULT_GRACE_S
 
     def finished(self, request_id: RequestId, num_output_tokens: int = 0) -> None:
         """The request is over (done, failed, cancelled or refused by its decode instance),

@@ -63,7 +63,7 @@ class ClusterView:
         self.on_change: list[Callable[[Instance], None]] = []
         # when an instance last restarted, went silent or said it was still warming up: what ran
         # about then teaches admission nothing (`Admitter._teaches`)
-        self.last_fault = float("-inf")
+        self.last_disturbance = float("-inf")
         self.roles_seen: set[str] = set()  # every role an instance was ever heard in, alive or not
         self._deafness = Deafness(clock)
 
@@ -91,10 +91,10 @@ class ClusterView:
             return instance
         changed = True
         if heartbeat.warming:
-            self.last_fault = now
+            self.last_disturbance = now
         if instance is None or instance.heartbeat.started_at != heartbeat.started_at:
             if instance is not None:  # the same instance, started again
-                self.last_fault = now
+                self.last_disturbance = now
             instance = Instance(heartbeat, now, self._cost_of(heartbeat))
             self._instances[heartbeat.instance_id] = instance
             self.roles_seen.add(heartbeat.role)
@@ -147,7 +147,7 @@ class ClusterView:
             alive = [inst.last_seen for inst in self._instances.values() if now - inst.last_seen <= self.timeout]
             self._oldest_seen = min(alive, default=float("inf"))
         for inst in silent:
-            self.last_fault = now
+            self.last_disturbance = now
             del self._instances[inst.instance_id]
             self._by_role.clear()
             if self.on_gone is not None:

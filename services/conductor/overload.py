@@ -4,12 +4,12 @@ Goodput counts requests, and a prefill instance computes the shortest work first
 so a prompt admitted now is pushed back by every shorter prompt that arrives while
 it waits or runs. Admission predicts that: a prompt's TTFT grows by the share of
 the instance the prompts shorter than it are taking (their recent admitted work per
-second, ``rho``), ``ttft / (1 - rho)``, as in a shortest-first queue's busy period, with ``rho`` at most
-MAX_SHARE: what was admitted in a burst is already queued (and placed), not a rate that
-goes on, so no burst turns the prediction into a refusal of every longer prompt.
+second, ``rho``), ``ttft / (1 - rho)``, as in a shortest-first queue's busy period.
 Shorter means fewer tokens, not a lower band: a 500-token prompt is pushed back by
 one of 200 tokens as surely as by one of 20, so a band's own shorter prompts count
-too (else they take the room admission kept for the band below).
+too (else they take the room admission kept for the band below). ``rho`` is at most
+MAX_SHARE: what was admitted in a burst is already queued (and placed), not a rate
+that goes on, so no burst turns the prediction into a refusal of every longer prompt.
 Under load that refuses long prompts before they take the time many short ones
 would have met their SLOs in; at light load ``rho`` is small and changes nothing.
 
