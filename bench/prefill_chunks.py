@@ -28,17 +28,21 @@ PROMPT = 2048
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", default="auto",
+                    help="the engine's dtype: auto (what `kvserve up` picks here), bfloat16, float32")
+    ap.add_argument("--chunks", type=int, nargs="+", default=list(CHUNKS), help="step sizes to try, in tokens")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     import torch
 
     from libs.engine.model.engine import EngineConfig
-    from libs.engine.model.loader import build_engine, load_model
+    from libs.engine.model.loader import build_engine, load_model, resolve_dtype
     from libs.engine.model.sequence import Sequence
 
     torch.set_grad_enabled(False)
-    loaded = load_model(None, dtype="bfloat16", progress=False)
+    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
+    loaded = load_model(None, dtype=dtype, progress=False)
     engine = build_engine(loaded, EngineConfig(num_blocks=512, max_chunk_tokens=PROMPT, enable_prefix_cache=False))
     vocab = loaded.model.config.vocab_size
     rng = random.Random(0)
@@ -62,7 +66,7 @@ def main() -> int:
 
     prefill(PROMPT)  # warm up
     rows = {}
-    for chunk in CHUNKS:
+    for chunk in sorted({*args.chunks, PROMPT}):
         runs = [prefill(chunk) for _ in range(args.reps)]
         total = statistics.median(r[0] for r in runs)
         first_step = statistics.median(r[1][0] for r in runs)
@@ -73,7 +77,7 @@ def main() -> int:
         "# Prefill step size: throughput against the wait it imposes",
         "",
         f"{datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z} on {platform.node()} ({platform.processor() or platform.machine()}), "
-        f"default model, bfloat16, one process, torch threads {torch.get_num_threads()}, median of {args.reps}.",
+        f"default model, {dtype}, one process, torch threads {torch.get_num_threads()}, median of {args.reps}.",
         "",
         f"Command: `.venv/bin/python {' '.join(sys.argv)}`",
         "",

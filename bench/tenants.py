@@ -8,7 +8,8 @@ B at ``--b-share`` of ``--capacity`` (default 25%), A at ``--a-times`` of it (de
 Three phases, the same B window each time: B alone, A alone, A and B together. Reported:
 each tenant's SLO attainment, goodput and TTFT percentiles per phase, A's refusals by
 code, and B's p99 TTFT together against alone (the issue's target: within 1.3x, with
-attainment >= 95%).
+attainment >= 95%). ``--also KEY=VALUE`` runs the A-and-B phase once more on a new cluster
+with that setting (the same prompts, a cold cache): a variant against the default, side by side.
 
     .venv/bin/python bench/tenants.py --out bench/results/tenants.md
 """
@@ -63,6 +64,11 @@ def row(phase: str, tenant: str, s: Summary) -> str:
             f"{s.slo_attainment:.1%} | {s.goodput_rps:.3f} | {_ms(s.ttft.p50)} / {_ms(s.ttft.p90)} / {_ms(s.ttft.p99)} |")
 
 
+def variant(item: str, b: Summary, a: Summary, b_alone: Summary) -> str:
+    ratio = f"{b.ttft.p99 / b_alone.ttft.p99:.2f}x" if b.ttft.p99 and b_alone.ttft.p99 else "not measured"
+    return f"With {item}: B's p99 TTFT {ratio} alone, attainment {b.slo_attainment:.1%}; A's goodput {a.goodput_rps:.3f} req/s."
+
+
 def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value:,.0f}"
 
@@ -78,6 +84,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="each phase's length (default 60)")
     ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                     help="a setting for every service (repeatable), e.g. KVSERVE_FAIR_SHARE_PRESSURE=0.25")
+    ap.add_argument("--also", action="append", default=[], metavar="KEY=VALUE",
+                    help="run the A-and-B phase again on a cluster with this setting as well (repeatable), "
+                    "e.g. KVSERVE_CONTENDED_CHUNK_TOKENS=0")  # fmt: skip
     ap.add_argument("--log", type=Path, default=None, help="keep the cluster's log here (default: not kept)")
     ap.add_argument("--out", type=Path, default=None, help="write the report here (default: print it)")
     args = ap.parse_args()
@@ -101,14 +110,22 @@ def main() -> int:
         keys = write_tenants(Path(tmp) / "tenants.toml")
         log = open(args.log or Path(tmp) / "cluster.log", "w")
         env = dict(item.split("=", 1) for item in args.env)
-        cluster = LocalCluster(prefill=1, decode=1, gateway_port=0, log=log, supervise=True, env=env,
-                               tenants_file=str(Path(tmp) / "tenants.toml"), store_dir=Path(tmp) / "stores")  # fmt: skip
-        cluster.start(timeout=180)
-        try:
+
+        def run_cluster(env: dict[str, str], stores: str, phases: list[tuple[str, str, str]]) -> None:
+            """Start a cluster with ``env`` and run each (phase, who, prompts) on it."""
+            cluster = LocalCluster(prefill=1, decode=1, gateway_port=0, log=log, supervise=True, env=env,
+                                   tenants_file=str(Path(tmp) / "tenants.toml"), store_dir=Path(tmp) / stores)  # fmt: skip
+            cluster.start(timeout=180)
+            try:
+                run_phases(cluster, phases)
+            finally:
+                cluster.stop()
+
+        def run_phases(cluster: LocalCluster, phases: list[tuple[str, str, str]]) -> None:
             endpoints = {name: Endpoint(cluster.gateway_url, cluster.model_id, api_key=key) for name, key in keys.items()}
 
-            async def phase(name: str, who: str) -> None:
-                synth, runs = synths[name], []
+            async def phase(name: str, who: str, prompts: str) -> None:
+                synth, runs = synths[prompts], []
                 if "B" in who:
                     runs.append(("B", replay(endpoints["B"], plan(b_window, synth, b_scale, spread=True),
                                              label=f"{name} B", time_scale=b_scale, progress=False)))  # fmt: skip
@@ -128,11 +145,14 @@ def main() -> int:
             warm = PromptSynthesizer(vocab, BLOCK_TOKENS, 0, None, MAX_OUTPUT)
             for name in ("B", "A"):
                 asyncio.run(replay(endpoints[name], plan(b_window[:1], warm, 0.0), progress=False))
-            asyncio.run(phase("B alone", "B"))
-            asyncio.run(phase("A alone", "A"))
-            asyncio.run(phase("A and B", "AB"))
-        finally:
-            cluster.stop()
+            for name, who, prompts in phases:
+                asyncio.run(phase(name, who, prompts))
+
+        run_cluster(env, "stores", [("B alone", "B", "B alone"), ("A alone", "A", "A alone"),
+                                    ("A and B", "AB", "A and B")])  # fmt: skip
+        for i, item in enumerate(args.also):
+            key, value = item.split("=", 1)
+            run_cluster({**env, key: value}, f"stores-{i}", [(f"A and B, {item}", "AB", "A and B")])
     by = {(phase, tenant): s for phase, tenant, s in results}
     alone, shared = by[("B alone", "B")], by[("A and B", "B")]
     ratio = (shared.ttft.p99 / alone.ttft.p99) if alone.ttft.p99 and shared.ttft.p99 else None
@@ -158,10 +178,11 @@ def main() -> int:
         "",
         "Errors: " + "; ".join(f"{k}: {dict(v) or 'none'}" for k, v in errors.items()),
         "",
-        f"B's p99 TTFT with A flooding against B alone: "
+        "B's p99 TTFT with A flooding against B alone: "
         + (f"{ratio:.2f}x" if ratio is not None else "not measured") + " (target: within 1.3x); B's attainment "
         f"with A: {shared.slo_attainment:.1%} (target: >= 95%); A alone: goodput "
         f"{by[('A alone', 'A')].goodput_rps:.3f} req/s.",
+        *(variant(item, by[(f"A and B, {item}", "B")], by[(f"A and B, {item}", "A")], alone) for item in args.also),
     ]
     text = "\n".join(lines) + "\n"
     if args.out is not None:

@@ -12,16 +12,21 @@ late follow, shortest first; best-effort jobs (no deadline) come last, in
 arrival order, so they only use time SLO work does not need. A *favored* job (a
 tenant under its weighted share while another is over it: the conductor says so)
 goes before the other jobs of its kind, so a light tenant's requests do not queue
-behind a flooding tenant's admitted work.
+behind a flooding tenant's admitted work. `step` cuts the plan into a worker's next
+step: a favored job waits only for the step in progress, so while favored work is
+about, the other tenants' steps are kept short and a favored step carries no other
+tenant's tokens (each would add to the favored job's own step).
 
 Pure functions over plain numbers: the caller's clock, seconds of predicted work.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 K = TypeVar("K")
+
+CONTENDED_S = 10.0  # after a favored job, the others' steps stay short this long (fair_share.py's ACTIVE_S)
 
 # Prompt-size bands, in tokens (<128, 128-511, 512-1023, >=1024): admission learns its
 # margins per band and the benchmarks report per band.
@@ -60,6 +65,29 @@ def plan(jobs: Iterable[Work[K]], now: float) -> list[Work[K]]:
     late.sort(key=lambda j: (not j.favored, j.remaining_s, j.arrived))
     best_effort.sort(key=lambda j: j.arrived)
     return ordered + late + best_effort
+
+
+def step(ordered: Sequence[Work[K]], tokens_left: Callable[[K], int], max_tokens: int,
+         contended_tokens: int = 0, contended: bool = False) -> list[tuple[K, int]]:
+    """The next step from a plan: up to ``max_tokens`` prompt tokens, the plan's jobs in
+    order. ``contended`` (favored work was about lately) with ``contended_tokens`` set:
+    a step that starts with a job not favored takes at most ``contended_tokens``, and a
+    step of favored jobs takes only favored ones, so a favored job waits at most one
+    short step and its own step is its own work. 0: off (every step as if uncontended)."""
+    if not ordered:
+        return []
+    head_favored = ordered[0].favored
+    strict = contended and contended_tokens > 0
+    budget = min(max_tokens, contended_tokens) if strict and not head_favored else max_tokens
+    out: list[tuple[K, int]] = []
+    for job in ordered:
+        if budget <= 0 or (strict and job.favored != head_favored):
+            break
+        n = min(tokens_left(job.key), budget)
+        if n > 0:
+            out.append((job.key, n))
+            budget -= n
+    return out
 
 
 def completions(ordered: Sequence[Work[K]], now: float, first_start: float | None = None) -> dict[K, float]:

@@ -10,7 +10,10 @@ order of `libs/common/prefill_order.py`: shortest remaining work first unless
 that would make an earlier request miss its TTFT deadline, late ones next,
 best effort last. So a short prompt arriving behind a long one waits one step,
 not the whole long prompt, and a long prompt keeps its computed KV between its
-chunks. Finishing overlaps the next step's compute.
+chunks. While a favored request (its tenant under its share, another's over it)
+came in the last ``CONTENDED_S``, the other tenants' steps take at most
+``contended_chunk_tokens`` and a favored step only favored prompts. Finishing
+overlaps the next step's compute.
 """
 
 import asyncio
@@ -25,7 +28,7 @@ from nats.aio.msg import Msg
 
 from libs.common import failpoints
 from libs.common.peers import PeerDirectory
-from libs.common.prefill_order import Work, plan
+from libs.common.prefill_order import CONTENDED_S, Work, plan, step
 from libs.common.recent import RecentIds
 from libs.common.service import Service
 from libs.engine.cost_model import CostModel, uncalibrated_coefficients
@@ -102,6 +105,7 @@ class PrefillWorker(Service):
         self.grammars = GrammarCompiler(self.host.loaded.tokenizer, self.engine.model.config.vocab_size)
         self.in_flight: dict[str, Job] = {}  # taken, not yet finished
         self.ready: dict[str, Job] = {}  # prepared: the steps choose their chunks from these
+        self.favored_at: float | None = None  # when a favored request (another tenant over its share) last came
         self._work = asyncio.Event()  # a job became ready
         self._blocks_freed = asyncio.Event()  # a job's blocks went back to the pool
         self.step_speed = StepSpeed()
@@ -136,6 +140,8 @@ class PrefillWorker(Service):
         now = asyncio.get_running_loop().time()
         deadline = None if request.ttft_budget_s is None else now + request.ttft_budget_s
         job = Job(request, seq, now, deadline)
+        if request.favored:  # another tenant is over its share: keep its steps short a while
+            self.favored_at = time.monotonic()
         self.in_flight[request.request_id] = job
         self.spawn(self._make_ready(job))
         return Ack()
@@ -179,20 +185,29 @@ class PrefillWorker(Service):
 
     def _next_chunk(self, now: float) -> list[tuple[Job, int]]:
         """The next step: up to ``max_chunk_tokens`` prompt tokens, from the ready jobs in
-        the order `prefill_order.plan` gives them."""
+        the order `prefill_order.plan` gives them; while favored work came lately, as
+        `prefill_order.step` keeps it (``contended_chunk_tokens``)."""
         speed = self.speed or 1.0
         work = [Work(request_id, self.cost.prefill_time(job.tokens_left, job.seq.num_computed_tokens) * speed,
                      job.deadline, job.arrived, job.request.favored)
                 for request_id, job in self.ready.items()]  # fmt: skip
-        chunk, budget = [], self.settings.max_chunk_tokens
-        for w in plan(work, now):
-            if budget <= 0:
-                break
-            job = self.ready[w.key]
-            n = min(job.tokens_left, budget)
-            chunk.append((job, n))
-            budget -= n
-        return chunk
+        return [(self.ready[key], n)
+                for key, n in step(plan(work, now), lambda key: self.ready[key].tokens_left,
+                                   self.settings.max_chunk_tokens, self.settings.contended_chunk_tokens,
+                                   self.contended)]  # fmt: skip
+
+    @property
+    def contended(self) -> bool:
+        """Whether a favored request came lately (another tenant is over its share)."""
+        return self.favored_at is not None and time.monotonic() - self.favored_at < CONTENDED_S
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The most prompt tokens of a request not favored the next step takes: where a
+        favored request that comes next starts (the conductor predicts its wait by it)."""
+        if self.contended and self.settings.contended_chunk_tokens:
+            return min(self.settings.max_chunk_tokens, self.settings.contended_chunk_tokens)
+        return self.settings.max_chunk_tokens
 
     @property
     def cost(self) -> CostModel:
@@ -389,7 +404,7 @@ class PrefillWorker(Service):
             segment=self.host.segment.name, contract=self.host.contract,
             queued_tokens=sum(j.seq.num_prompt_tokens - j.seq.num_computed_tokens for j in self.in_flight.values()
                               if j.seq.num_computed_tokens < j.seq.num_prompt_tokens),
-            speed=self.speed, chunk_tokens=self.settings.max_chunk_tokens,
+            speed=self.speed, chunk_tokens=self.chunk_tokens,
             progress={request_id: job.progress for request_id, job in self.in_flight.items()},
         )  # fmt: skip
         self.reports.fill(beat.payload)

@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from math import ceil, sqrt
 
-from libs.common.prefill_order import Work, plan
+from libs.common.prefill_order import CONTENDED_S, Work, plan
 from libs.engine.cost_model import CostModel
 from libs.protocol.ids import InstanceId, RequestId
 from libs.protocol.schema import DecodeBeat, Heartbeat, PrefillBeat, StoreBeat
@@ -96,14 +96,18 @@ class SimPrefill:
     """Serves its jobs as a prefill worker does (`libs/common/prefill_order.py`): each
     chunk of at most ``chunk_tokens`` goes to the head of the plan (shortest first,
     earlier promises kept, late ones next, best effort last), so a job is cut only
-    between chunks."""
+    between chunks; a chunk of a job not favored is at most ``contended_tokens`` while a
+    favored job came in the last ``CONTENDED_S`` (0: never)."""
 
-    def __init__(self, sim, instance_id: InstanceId, cost: CostModel, cache_blocks: int, chunk_tokens: int = 2048) -> None:
+    def __init__(self, sim, instance_id: InstanceId, cost: CostModel, cache_blocks: int, chunk_tokens: int = 2048,
+                 contended_tokens: int = 0) -> None:  # fmt: skip
         self.sim = sim
         self.instance_id = instance_id
         self.cost = cost
         self.cache = BlockLRU(cache_blocks)
         self.chunk_tokens = chunk_tokens
+        self.contended_tokens = contended_tokens
+        self.favored_at: float | None = None  # when a favored request last came
         self.queue: deque[SimRequest] = deque()  # submitted, not yet started
         self.jobs: dict[str, list] = {}  # request id -> [request, seconds left, deadline]
         self.running: SimRequest | None = None  # the chunk in progress is this request's
@@ -112,6 +116,8 @@ class SimPrefill:
         self._idle_beat: Heartbeat | None = None  # sent again while it has no job and its cache has not changed
 
     def submit(self, request: SimRequest) -> None:
+        if request.decision is not None and request.decision.favored:
+            self.favored_at = self.sim.now
         self.queue.append(request)
         self._start(request)
         if self.running is None:
@@ -165,9 +171,16 @@ class SimPrefill:
         request = self.running = job[0]
         if request.prefill_start is None:
             request.prefill_start = sim.now
-        step = min(job[1], self.cost.prefill_time(self.chunk_tokens))
+        step = min(job[1], self.cost.prefill_time(self._chunk_tokens(order[0].favored)))
         job[1] -= step
         sim.schedule(sim.now + step, self._chunk_done, request)
+
+    def _chunk_tokens(self, favored: bool = False) -> int:
+        """A chunk's most tokens: `prefill_order.step`'s rule, one job a chunk."""
+        contended = self.favored_at is not None and self.sim.now - self.favored_at < CONTENDED_S
+        if contended and self.contended_tokens and not favored:
+            return min(self.chunk_tokens, self.contended_tokens)
+        return self.chunk_tokens
 
     def _chunk_done(self, request: SimRequest) -> None:
         job = self.jobs[request.request_id]
@@ -197,7 +210,7 @@ class SimPrefill:
         beat = Heartbeat(instance_id=self.instance_id, role=Role.PREFILL, host_id="sim", payload=PrefillBeat(
             cost=self.sim.reported, load=len(queued), queued_tokens=sum(r.trace.input_length for r in queued),
             capacity=self.cache.capacity, free_blocks=self.cache.capacity - len(self.cache.blocks),
-            speed=speeds[len(speeds) // 2] if speeds else 0.0, chunk_tokens=self.chunk_tokens,
+            speed=speeds[len(speeds) // 2] if speeds else 0.0, chunk_tokens=self._chunk_tokens(),
             progress={k: left / r.prefill_seconds if r.prefill_seconds > 0 else 0.0
                       for k, (r, left, _) in self.jobs.items()}))  # fmt: skip
         self._idle_beat = None if self.jobs else beat

@@ -43,6 +43,7 @@ class SimConfig:
     decode_max_batch: int = 256
     decode_kv_tokens: int = 1_500_000
     decode_chunk_tokens: int | None = 512  # the most prompt tokens a decode instance prefills between two steps
+    prefill_contended_tokens: int = 512  # a chunk not favored while favored work is about (prefill_order.step); 0: off
     noise: float = 0.1  # actual durations = predicted x lognormal(0, noise)
     slowdown: float = 1.0  # the instances run this many times slower than the cost model they report
     heartbeat_interval: float = 1.0
@@ -100,7 +101,8 @@ class Simulation:
         fair = FairShareConfig(config.fair_share_pressure)
         self.scheduler = Admitter(policy, self.view, self.index,
                                    AdmitterConfig(config.slo, predict, overload=overload, fair_share=fair))
-        self.prefills = {f"prefill-{i}": SimPrefill(self, f"prefill-{i}", cost, config.prefill_cache_blocks)
+        self.prefills = {f"prefill-{i}": SimPrefill(self, f"prefill-{i}", cost, config.prefill_cache_blocks,
+                                                    contended_tokens=config.prefill_contended_tokens)
                          for i in range(config.num_prefill)}  # fmt: skip
         self.decodes = {f"decode-{i}": SimDecode(self, f"decode-{i}", cost, config.decode_max_batch,
                                                  config.decode_kv_tokens, config.decode_chunk_tokens)

@@ -161,3 +161,33 @@ def test_shorter_prompts_going_first_push_back_only_an_unfavored_request(favored
     # 90% of the instance going to shorter prompts first would push it past its target; a favored
     # request goes before them (they are another tenant's, further over its share)
     assert decision.admitted == favored, decision.error_message
+
+
+def test_a_favored_prompt_waits_for_one_short_step_and_its_own_step_carries_no_other_tenants_tokens():
+    from libs.common.prefill_order import Work, plan, step
+
+    tokens = {"a-long": 1000, "a-short": 50, "b": 40}
+    flood = [Work("a-long", 2.0, 100.0, 0.0), Work("a-short", 0.1, 100.0, 1.0)]
+    # a's work alone (b came lately): short steps, so a favored prompt coming next waits for at most 64 tokens
+    assert step(plan(flood, 0.0), tokens.get, 256, 64, contended=True) == [("a-short", 50), ("a-long", 14)]
+    # b's prompt goes first, and alone: a's tokens beside it would lengthen b's own step
+    queued = plan([*flood, Work("b", 0.08, 100.0, 2.0, favored=True)], 0.0)
+    assert step(queued, tokens.get, 256, 64, contended=True) == [("b", 40)]
+    # nobody favored lately, or the rule off: whole steps, filled in plan order
+    assert step(plan(flood, 0.0), tokens.get, 256, 64, contended=False) == [("a-short", 50), ("a-long", 206)]
+    assert step(queued, tokens.get, 256, 0, contended=True) == [("b", 40), ("a-short", 50), ("a-long", 166)]
+
+
+def test_in_the_simulator_a_light_tenant_waits_less_behind_the_floods_short_steps():
+    capacity = 1 / CostModel(reference_coefficients()).prefill_time(2048, 0)
+    trace = noisy_neighbour(capacity, flood=4.0, light=0.25, duration_s=60)
+    light = {t.index for t in trace if t.tenant == "b"}
+
+    def light_ttfts(contended_tokens: int) -> list[float]:
+        result = simulate(SimConfig(1, 1, "cache_aware+predictive_rejection",
+                                    prefill_contended_tokens=contended_tokens), trace)  # fmt: skip
+        return sorted(r.ttft for r in result.requests if r.trace.index in light and r.ttft is not None)
+
+    short, whole = light_ttfts(512), light_ttfts(0)
+    assert len(short) >= len(whole)
+    assert sum(short) / len(short) < sum(whole) / len(whole)  # simulated seconds: the waits for a's chunks
