@@ -67,6 +67,18 @@ def plan(jobs: Iterable[Work[K]], now: float) -> list[Work[K]]:
     return ordered + late + best_effort
 
 
+def contended(favored_at: float | None, now: float) -> bool:
+    """Whether a favored job came within CONTENDED_S of ``now`` (``favored_at``: when the last did)."""
+    return favored_at is not None and now - favored_at < CONTENDED_S
+
+
+def step_tokens(max_tokens: int, contended_tokens: int, is_contended: bool, favored: bool = False) -> int:
+    """The most prompt tokens of a step that starts with a ``favored`` job or not (`step`)."""
+    if is_contended and contended_tokens > 0 and not favored:
+        return min(max_tokens, contended_tokens)
+    return max_tokens
+
+
 def step(ordered: Sequence[Work[K]], tokens_left: Callable[[K], int], max_tokens: int,
          contended_tokens: int = 0, contended: bool = False) -> list[tuple[K, int]]:
     """The next step from a plan: up to ``max_tokens`` prompt tokens, the plan's jobs in
@@ -78,7 +90,7 @@ def step(ordered: Sequence[Work[K]], tokens_left: Callable[[K], int], max_tokens
         return []
     head_favored = ordered[0].favored
     strict = contended and contended_tokens > 0
-    budget = min(max_tokens, contended_tokens) if strict and not head_favored else max_tokens
+    budget = step_tokens(max_tokens, contended_tokens, contended, head_favored)
     out: list[tuple[K, int]] = []
     for job in ordered:
         if budget <= 0 or (strict and job.favored != head_favored):

@@ -28,7 +28,7 @@ from nats.aio.msg import Msg
 
 from libs.common import failpoints
 from libs.common.peers import PeerDirectory
-from libs.common.prefill_order import CONTENDED_S, Work, plan, step
+from libs.common.prefill_order import Work, contended, plan, step, step_tokens
 from libs.common.recent import RecentIds
 from libs.common.service import Service
 from libs.engine.cost_model import CostModel, uncalibrated_coefficients
@@ -199,15 +199,13 @@ class PrefillWorker(Service):
     @property
     def contended(self) -> bool:
         """Whether a favored request came lately (another tenant is over its share)."""
-        return self.favored_at is not None and time.monotonic() - self.favored_at < CONTENDED_S
+        return contended(self.favored_at, time.monotonic())
 
     @property
     def chunk_tokens(self) -> int:
         """The most prompt tokens of a request not favored the next step takes: where a
         favored request that comes next starts (the conductor predicts its wait by it)."""
-        if self.contended and self.settings.contended_chunk_tokens:
-            return min(self.settings.max_chunk_tokens, self.settings.contended_chunk_tokens)
-        return self.settings.max_chunk_tokens
+        return step_tokens(self.settings.max_chunk_tokens, self.settings.contended_chunk_tokens, self.contended)
 
     @property
     def cost(self) -> CostModel:

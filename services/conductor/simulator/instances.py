@@ -14,7 +14,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from math import ceil, sqrt
 
-from libs.common.prefill_order import CONTENDED_S, Work, plan
+from libs.common.prefill_order import Work, contended, plan, step_tokens
 from libs.engine.cost_model import CostModel
 from libs.protocol.ids import InstanceId, RequestId
 from libs.protocol.schema import DecodeBeat, Heartbeat, PrefillBeat, StoreBeat
@@ -177,10 +177,7 @@ class SimPrefill:
 
     def _chunk_tokens(self, favored: bool = False) -> int:
         """A chunk's most tokens: `prefill_order.step`'s rule, one job a chunk."""
-        contended = self.favored_at is not None and self.sim.now - self.favored_at < CONTENDED_S
-        if contended and self.contended_tokens and not favored:
-            return min(self.chunk_tokens, self.contended_tokens)
-        return self.chunk_tokens
+        return step_tokens(self.chunk_tokens, self.contended_tokens, contended(self.favored_at, self.sim.now), favored)
 
     def _chunk_done(self, request: SimRequest) -> None:
         job = self.jobs[request.request_id]
