@@ -48,7 +48,7 @@ from bench.transfer_report import machine_load, report, write_report  # noqa: E4
 from libs.protocol.schema import WriteTicket  # noqa: E402
 from libs.transfer import SharedSegment, Span, TransferEngine  # noqa: E402
 from libs.transfer.segment import SHM_DIR, new_segment_name  # noqa: E402
-from tests.unit.transfer.tls_certs import TestCA  # noqa: E402
+from libs.transfer.tcp.certificates import ClusterCA  # noqa: E402
 
 PEER = ROOT / "bench" / "transfer_peer.py"
 NETNS_ENV = "KVSERVE_BENCH_NETNS"
@@ -124,8 +124,8 @@ class WireBench:
     def __init__(self, stack: ExitStack, logdir: Path, max_size: int, room: int, mooncake: bool, pids: list[int]) -> None:
         self.pids = pids  # every process that may leave a segment behind
         self.peer = self._peer(stack, logdir, "kvserve", max(max_size, room))
-        ca = TestCA(logdir, "bench")
-        receiver_tls = ca.leaf("receiver")
+        ca = ClusterCA.create("bench-ca")
+        receiver_tls = ca.issue("receiver").write(logdir / "tls-receiver")
         self.tls_peer = self._peer(stack, logdir, "kvserve-tls", max_size, receiver_tls.cert, receiver_tls.key,
                                    receiver_tls.ca)  # fmt: skip
         self.socket_peer = self._peer(stack, logdir, "socket", max_size)
@@ -139,7 +139,7 @@ class WireBench:
         for c in (1, 4, 8):
             self.engines[f"tcp{c}"] = self._engine(stack, TransferEngine("bench-host", transport="tcp", connections=c,
                                                                          slice_bytes=SLICE))  # fmt: skip
-        sender_tls = ca.leaf("sender")
+        sender_tls = ca.issue("sender").write(logdir / "tls-sender")
         for c in (1, 4):
             self.engines[f"tls{c}"] = self._engine(stack, TransferEngine("bench-host", transport="tcp", connections=c,
                                                                          slice_bytes=SLICE, tls=sender_tls))  # fmt: skip

@@ -26,6 +26,16 @@ from urllib.parse import urlsplit
 from kvserve.cli.console import Console
 from kvserve.cli.cpus import CpuShare, plan_cpus
 from kvserve.cli.heartbeats import HeartbeatWatcher
+from kvserve.cli.join_bundle import (
+    JOINABLE_ROLES,
+    VERSION,
+    BundleModel,
+    BundleNats,
+    BundleTls,
+    JoinBundle,
+    JoinedNats,
+    write_bundle,
+)
 from kvserve.cli.model import ModelChoiceError, resolve_model
 from kvserve.cli.reaper import Reaper
 from kvserve.cli.service_process import ServiceProcess, describe_exit
@@ -41,12 +51,15 @@ from kvserve.cli.supervisor import (
 )
 from libs.common import standby
 from libs.common.cpu_share import available_cpus
+from libs.common.nats_auth import OBSERVER, load_credentials
 from libs.common.nats_server import NatsCluster, NatsServer
 from libs.common.settings import without_secrets
 from libs.protocol.errors import KVServeError
 from libs.protocol.models import DEFAULT_MODEL_ID
 from libs.protocol.schema import Heartbeat
 from libs.protocol.vocabulary import Role
+from libs.transfer.tcp.certificates import ClusterCA, Leaf
+from libs.transfer.tcp.tls import TlsFiles
 
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # also the start order
 GATEWAY_ID = "gateway-0"
@@ -57,6 +70,7 @@ STOP_GRACE_SECONDS = 20.0
 # import, the model's load: seconds of CPU) would otherwise compete with the recovery.
 STANDBY_RESPAWN_SECONDS = 10.0
 STANDBY_ROLES = (Role.PREFILL, Role.DECODE)  # the roles whose start is slow enough to keep a spare
+DATA_PLANE_ROLES = (Role.PREFILL, Role.DECODE, Role.STORE)  # the roles that move KV (libs/transfer)
 _STDOUT: Any = object()  # `log`'s default: sys.stdout as it is when the cluster is built, not at import
 
 
@@ -95,6 +109,17 @@ class LocalCluster:
     instance or nats-server) is started again after a backoff: ``restart_delays``
     (first, longest) seconds, doubling at each exit in a row. Without it (tests that kill
     on purpose) a process that exits stays down until ``restart()``.
+
+    Several hosts: with ``listen`` (this host's address on the network the hosts share),
+    nats-server and the workers' data plane listen there, the data plane speaks mutual TLS
+    from a CA this cluster makes (unless ``tls`` is False), nats-server also has a user per
+    joinable role, ``decode`` may be 0 (decode hosts join), and ``join_bundle`` names where
+    to write what another host needs to join (kvserve/cli/join_bundle.py). With ``member``
+    (a bundle, and ``member_host``, the first host's address as reached from here) this
+    is a joining host instead: no nats-server, conductor or gateway of its own, only the
+    workers and stores asked for, their ids tagged with ``host_id`` (``decode-hostb-0``).
+    ``host_id`` (default: the host name) tells hosts apart: peers on one host move KV
+    through shared memory, others over TCP.
     """
 
     def __init__(
@@ -123,9 +148,19 @@ class LocalCluster:
         metrics_port: int | None = None,
         standby: bool = True,
         nats_servers: int = 1,
+        listen: str | None = None,
+        tls: bool = True,
+        join_bundle: str | Path | None = None,
+        member: JoinBundle | None = None,
+        member_host: str | None = None,
+        host_id: str | None = None,
     ) -> None:
-        if decode < 1:
-            raise ValueError("a cluster needs at least one decode worker")
+        if decode < 1 and listen is None and member is None:
+            raise ValueError("a cluster needs at least one decode worker (0 only with listen: decode hosts join)")
+        if join_bundle is not None and listen is None:
+            raise ValueError("a join bundle needs listen: the address the other hosts reach this one at")
+        if member is not None and (listen is None or member_host is None):
+            raise ValueError("a joining host needs listen (its own address) and member_host (the first host's)")
         if prefill < 0:
             raise ValueError(f"prefill workers: at least 0, got {prefill}")
         if conductors < 1:
@@ -134,14 +169,25 @@ class LocalCluster:
             raise ValueError(f"a cluster needs at least one nats-server, got {nats_servers}")
         if unknown := set(modules or {}) - set(ROLES):
             raise ValueError(f"no such service: {', '.join(sorted(unknown))}")
+        self.member = member
+        self.member_host = member_host
+        self.listen = listen  # None: this host alone, everything on 127.0.0.1
+        self.tls = tls and (member.tls is not None if member is not None else True)
+        self.join_bundle = None if join_bundle is None else Path(join_bundle)
+        self.host_id = host_id or socket.gethostname()
         self.counts = {Role.CONDUCTOR: conductors, Role.STORE: int(store), Role.PREFILL: prefill, Role.DECODE: decode,
                        Role.GATEWAY: 1}  # fmt: skip
-        self.cpu_plan: dict[str, CpuShare] = plan_cpus(self.counts, available_cpus(), cpus)  # by instance id
+        if member is not None:  # the first host runs those
+            self.counts |= {Role.CONDUCTOR: 0, Role.GATEWAY: 0}
+        plan = plan_cpus(self.counts, available_cpus(), cpus)
+        self.cpu_plan: dict[str, CpuShare] = {  # by instance id
+            self.instance_id(role, i): plan[f"{role}-{i}"] for role in ROLES for i in range(self.counts[role])
+        }
         self.store_dir = Path(store_dir) if store_dir is not None else None
         self.metrics_port = metrics_port  # the first of the ports each service serves /metrics on; None: none
         self.gateway_port = gateway_port
         self.gateway_host = gateway_host
-        self.nats_host = nats_host  # the address nats-server listens on (another host's services must reach it)
+        self.nats_host = listen or nats_host  # the address nats-server listens on (another host's services must reach it)
         self.nats_servers = nats_servers  # more than one: a NATS cluster, every service given every server
         self.model = model
         self.dtype = dtype  # the explicit dtype every service gets, once start() has resolved "auto"
@@ -164,19 +210,28 @@ class LocalCluster:
         self._procs: dict[str, ServiceProcess] = {}
         self._spares: dict[str, ServiceProcess] = {}  # by role: warm spares, each until a worker adopts it
         self._spare_timers: list[threading.Timer] = []
-        self._nats: NatsCluster | None = None
+        self._nats: NatsCluster | JoinedNats | None = None
+        self._ca: ClusterCA | None = None  # the data plane's CA, on a first host that listens with TLS
+        self._data_plane_tls: TlsFiles | None = None  # this host's TLS files (a leaf, its key, the CA's certificate)
         self._watcher: HeartbeatWatcher | None = None
         self._supervisor: Supervisor | None = None  # forks every child; restarts them when supervising
         # 0700: the NATS credentials and nats-server's files, and what the services leave for their restarts
         self._runtime: tempfile.TemporaryDirectory | None = None
         self._reaper: Reaper | None = None  # removes what the cluster leaves if this process is killed
         self._nats_started_at = 0.0  # time.monotonic()
-        ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
+        ids = [self.instance_id(role, i) for role in ROLES for i in range(self.counts[role])]
         # (a spare's rare lines before it is adopted, say an error, may overflow the label column)
         self._console = Console(sys.stdout if log is _STDOUT else log,
                                 ids + ["kvserve", "nats-server"] + [f"nats-server-{i}" for i in range(nats_servers) if nats_servers > 1])
 
     # --- what the cluster looks like ------------------------------------------
+    def instance_id(self, role: str, index: int) -> str:
+        """The id of the ``index``-th instance of ``role`` started here: ``decode-0``, or on
+        a joining host ``decode-<host id>-0`` (ids are the cluster's, not the host's)."""
+        if self.member is None:
+            return f"{role}-{index}"
+        return f"{role}-{instance_tag(self.host_id)}-{index}"
+
     @property
     def instances(self) -> dict[str, Heartbeat]:
         """The last heartbeat of every instance heard from, by instance id (a snapshot)."""
@@ -212,7 +267,7 @@ class LocalCluster:
     @property
     def nats_pid(self) -> int | None:
         """nats-server's process id (the first one's, in a NATS cluster), while started."""
-        return None if self._nats is None else self._nats.servers[0].pid
+        return None if self._nats is None or not self._nats.servers else self._nats.servers[0].pid
 
     @property
     def nats_pids(self) -> list[int | None]:
@@ -249,9 +304,14 @@ class LocalCluster:
             self._runtime = tempfile.TemporaryDirectory(prefix="kvserve-cluster-")  # mode 0700
             if sys.platform.startswith("linux"):  # pidfds; elsewhere nothing kills the children either
                 self._reaper = Reaper(self.runtime_dir)
-            instances = {f"{role}-{i}": role for role in ROLES for i in range(self.counts[role])}
-            # each instance its own NATS user: a restart keeps its id, so its credentials too
-            self._nats = NatsCluster(self.nats_servers, self.nats_host, directory=self.runtime_dir, instances=instances)
+            instances = {self.instance_id(role, i): role for role in ROLES for i in range(self.counts[role])}
+            if self.member is not None:  # the first host's; each instance its role's user (join_bundle.py)
+                self._nats = JoinedNats(self.member, self.member_host, self.runtime_dir, instances)
+            else:  # each instance its own NATS user: a restart keeps its id, so its credentials too
+                joinable = JOINABLE_ROLES if self.listen is not None else ()
+                self._nats = NatsCluster(self.nats_servers, self.nats_host, directory=self.runtime_dir,
+                                         instances=instances, role_users=joinable)  # fmt: skip
+            self._data_plane_tls = self._make_tls()
             for server in self._nats.servers:
                 server.preexec_fn = die_with_launcher()
                 self._supervisor.call(server.start)
@@ -259,6 +319,10 @@ class LocalCluster:
                 self.echo(f"{server.name} listening on {server.public_url}", label="kvserve")
             self._nats_started_at = time.monotonic()
             self.nats_url = self._nats.url
+            if self.join_bundle is not None:
+                write_bundle(self.join_bundle, self._bundle())
+                self.echo(f"wrote the join bundle {self.join_bundle} (0600; it holds secrets: copy it like a key)",
+                          label="kvserve")  # fmt: skip
             if not self.counts.get(Role.PREFILL):
                 self.echo("no prefill worker: each decode worker prefills its own requests", label="kvserve")
             self._watcher = HeartbeatWatcher(
@@ -270,7 +334,7 @@ class LocalCluster:
             deadline = time.monotonic() + timeout
             for role in ROLES:
                 for i in range(self.counts[role]):
-                    self._supervisor.call(self._spawn, self._plan(role, f"{role}-{i}"))
+                    self._supervisor.call(self._spawn, self._plan(role, self.instance_id(role, i)))
             self._wait_ready(deadline, timeout)
             if self.supervise:
                 self._watch_all()
@@ -404,10 +468,39 @@ class LocalCluster:
         the order conductor, store, prefill workers, decode workers, gateway."""
         if self.metrics_port is None:
             return {}
-        ids = [f"{role}-{i}" for role in ROLES for i in range(self.counts[role])]
+        ids = [self.instance_id(role, i) for role in ROLES for i in range(self.counts[role])]
         return {instance_id: self.metrics_port + n for n, instance_id in enumerate(ids)}
 
     # --- internals ------------------------------------------------------------
+    def _make_tls(self) -> TlsFiles | None:
+        """Write this host's data-plane TLS files (a leaf, its key, the CA) into the runtime
+        directory; None where the data plane stays plain: one host, or ``tls`` off. The first
+        host makes the cluster's CA here (its key never leaves the runtime directory) and a
+        leaf for itself; a joining host takes the bundle's."""
+        if self.listen is None or not self.tls:
+            return None
+        if self.member is not None:
+            leaf = Leaf(self.member.tls.cert, self.member.tls.key, self.member.tls.ca)
+        else:
+            self._ca = ClusterCA.create()
+            leaf = self._ca.issue(self.host_id)
+        return leaf.write(self.runtime_dir / "data-plane-tls")
+
+    def _bundle(self) -> JoinBundle:
+        """What another host needs to join this cluster (kvserve/cli/join_bundle.py)."""
+        users = (*JOINABLE_ROLES, OBSERVER)
+        passwords = {user: load_credentials(self._nats.credentials_file(user)).password for user in users}
+        tls = None
+        if self._ca is not None:
+            leaf = self._ca.issue("joined-host")
+            tls = BundleTls(leaf.cert, leaf.key, leaf.ca)
+        spec = None if self.model is None or self.model == DEFAULT_MODEL_ID else str(self.model_path)
+        return JoinBundle(
+            version=VERSION, host=self.listen, host_id=self.host_id,
+            nats=BundleNats(ports=[server.port for server in self._nats.servers], passwords=passwords),
+            model=BundleModel(spec=spec, dtype=self.dtype, quantization=self.quantization), tls=tls,
+        )  # fmt: skip
+
     def _resolve_model(self) -> None:
         """Prepare the model once, here, and fix the dtype every worker must share."""
         try:
@@ -425,7 +518,7 @@ class LocalCluster:
             KVSERVE_NATS_URL=self._nats.public_url,  # no secret: that is in the instance's credentials file
             KVSERVE_NATS_CREDENTIALS=str(self._nats.credentials_file(instance_id)),  # its own user
             KVSERVE_INSTANCE_ID=instance_id,
-            KVSERVE_HOST_ID=socket.gethostname(),
+            KVSERVE_HOST_ID=self.host_id,
             KVSERVE_DTYPE=self.dtype,
             KVSERVE_QUANTIZATION=self.quantization,
             KVSERVE_DEVICE=self.device,
@@ -441,6 +534,12 @@ class LocalCluster:
         if role in (Role.PREFILL, Role.DECODE) and self._runtime is not None:
             # a restarted worker reuses its first run's calibration (libs/engine/cost_model.py)
             env["KVSERVE_CALIBRATION_FILE"] = str(Path(self._runtime.name) / f"{instance_id}.calibration.json")
+        if role in DATA_PLANE_ROLES and self.listen is not None:
+            env["KVSERVE_TRANSFER_HOST"] = self.listen  # where the other hosts' workers reach its data plane
+            if self._data_plane_tls is not None:
+                tls = self._data_plane_tls
+                env.update(KVSERVE_TRANSFER_TLS_CERT=tls.cert, KVSERVE_TRANSFER_TLS_KEY=tls.key,
+                           KVSERVE_TRANSFER_TLS_CA=tls.ca)  # fmt: skip
         if role == Role.STORE and self.store_dir is not None:
             env["KVSERVE_STORE_DIR"] = str(self.store_dir / instance_id)
         if not self.counts[Role.STORE]:
@@ -488,8 +587,8 @@ class LocalCluster:
             first, longest = self.restart_delays
             return Backoff(first=first, longest=longest)
 
-        # A restarted gateway listens where the announced URL says, even if port 0 was asked for.
-        self._procs[GATEWAY_ID].env["KVSERVE_GATEWAY_PORT"] = str(urlsplit(self.gateway_url).port)
+        if GATEWAY_ID in self._procs:  # a restarted gateway listens where the announced URL says, even if port 0 was asked for
+            self._procs[GATEWAY_ID].env["KVSERVE_GATEWAY_PORT"] = str(urlsplit(self.gateway_url).port)
         for inst in self._procs.values():
             self._supervisor.watch(
                 inst.instance_id,
@@ -555,8 +654,9 @@ class LocalCluster:
             if spare is not None and spare.exit_code() is None:
                 return
         model_of = next(inst for inst in self._procs.values() if inst.role == role)
-        env = dict(model_of.env) | {standby.STANDBY_ENV: "1", "KVSERVE_INSTANCE_ID": f"{role}-spare"}
-        spare = ServiceProcess(f"{role}-spare", role, self.modules[role], env)
+        spare_id = self.instance_id(role, 0).rsplit("-", 1)[0] + "-spare"  # decode-spare, decode-hostb-spare
+        env = dict(model_of.env) | {standby.STANDBY_ENV: "1", "KVSERVE_INSTANCE_ID": spare_id}
+        spare = ServiceProcess(spare_id, role, self.modules[role], env)
         prefix = self._console.prefix(spare.instance_id, role)
         spare.spawn(write=lambda line: self._console.echo(prefix + line), on_exit=self._on_process_exit)
         self._tell_reaper(watch=spare.pid)
@@ -613,8 +713,11 @@ class LocalCluster:
                 dead = next((inst for inst in self._procs.values() if inst.exit_code() is not None), None)
                 if dead is not None:
                     break
+                heard_all = self._procs.keys() <= self._heartbeats.keys()
+                if not self.counts[Role.GATEWAY] and heard_all:
+                    return  # a joining host: the first host's gateway serves
                 gateway = self._heartbeats.get(GATEWAY_ID)
-                if gateway is not None and gateway.address and self._procs.keys() <= self._heartbeats.keys():
+                if gateway is not None and gateway.address and heard_all:
                     self.gateway_url = _base_url(gateway.address)
                     return
                 remaining = deadline - time.monotonic()
@@ -629,7 +732,7 @@ class LocalCluster:
 
     def _not_ready(self, timeout: float) -> str:
         silent = [inst for i, inst in self._procs.items() if i not in self._heartbeats]
-        if not silent:
+        if not silent and GATEWAY_ID in self._procs:
             gateway = self._procs[GATEWAY_ID]
             return f"{GATEWAY_ID} did not report its address within {timeout:g}s" + gateway.last_lines()
         names = ", ".join(inst.instance_id for inst in silent)
@@ -644,6 +747,12 @@ class LocalCluster:
             return self._procs[instance_id]
         except KeyError:
             raise ClusterError(f"no instance {instance_id!r}; this cluster runs {', '.join(self._procs)}") from None
+
+
+def instance_tag(host_id: str) -> str:
+    """``host_id`` as it goes into an instance id, which must be one NATS subject token:
+    letters, digits, - and _ kept, the rest (a domain name's dots) as -."""
+    return "".join(c if c.isascii() and (c.isalnum() or c in "-_") else "-" for c in host_id).strip("-") or "host"
 
 
 def _base_url(address: str) -> str:

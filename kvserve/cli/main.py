@@ -8,14 +8,14 @@ from libs.protocol.errors import KVServeError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvserve.cli import bench, chat, model, nats_config, simulate, status, tenants, up
+    from kvserve.cli import bench, chat, join, model, nats_config, simulate, status, tenants, up
 
     parser = argparse.ArgumentParser(
         prog="kvserve",
         description="kvserve: a KVCache-centric, disaggregated LLM serving platform.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module in (chat, model, up, status, bench, simulate, nats_config, tenants):
+    for module in (chat, model, up, join, status, bench, simulate, nats_config, tenants):
         module.add_parser(sub)
     return parser
 

@@ -5,11 +5,13 @@ processes is LocalCluster's job.
 """
 
 import argparse
+import ipaddress
 import json
 import os
 import shlex
 import signal
 import sys
+from collections.abc import Callable
 
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.cpus import cpus_argument
@@ -56,7 +58,9 @@ examples:
   kvserve up --conductors 2               two conductor replicas: either may die
   kvserve up --host 0.0.0.0 --api-key s3cret
   kvserve up --model path/to/hf-folder --dtype float32
-  kvserve up --cpus prefill=0-5,decode=6,7  cores 0-5 to prefill, 6 and 7 to decode"""
+  kvserve up --cpus prefill=0-5,decode=6,7  cores 0-5 to prefill, 6 and 7 to decode
+  kvserve up --listen 10.0.0.1 --write-join-bundle join.json
+                                          other hosts join with: kvserve join 10.0.0.1 --bundle join.json ..."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,7 +76,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="prefill workers (default 1). 0: none; each decode worker prefills its own requests, the decode "
         "workers divide every core and the conductor sends them every request whatever its policy",
     )  # fmt: skip
-    parser.add_argument("--decode", type=positive_int, default=1, metavar="M", help="decode workers (default 1)")
+    parser.add_argument(
+        "--decode", type=count, default=1, metavar="M",
+        help="decode workers (default 1; 0 only with --listen, when decode hosts join)",
+    )  # fmt: skip
     parser.add_argument(
         "--conductors", type=positive_int, default=1, metavar="N",
         help="conductor replicas, active-active: each answers admissions and books the others', so one "
@@ -130,11 +137,44 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "loaded, waiting to replace the next worker of its role that dies: a restart in well under a second "
         "instead of ~4 s, for ~1 GB of memory each with the default model)",
     )  # fmt: skip
+    hosts = parser.add_argument_group("several hosts (README: Several machines)")
+    hosts.add_argument(
+        "--listen", metavar="ADDR",
+        help="this host's address on the network the hosts share: nats-server and the workers' data plane "
+        "listen there (not on 127.0.0.1), so other hosts can join with 'kvserve join'. An address, not 0.0.0.0: "
+        "the workers tell their peers where to reach them",
+    )  # fmt: skip
+    hosts.add_argument(
+        "--write-join-bundle", metavar="PATH", dest="join_bundle",
+        help="with --listen: write what another host needs to join (NATS credentials, the data plane's TLS "
+        "key and CA, the model's dtype) to PATH, 0600. Copy it to the other hosts like a key",
+    )  # fmt: skip
+    hosts.add_argument(
+        "--no-tls", dest="tls", action="store_false",
+        help="with --listen: move KV between hosts over plain TCP, for a network you trust (default: mutual "
+        "TLS from a CA this cluster makes; it cost 50-69%% of TCP's throughput at 4-64 MiB transfers on 2 cores, "
+        "bench/results/transfer.md). Within a host KV moves through shared memory either way",
+    )  # fmt: skip
+    hosts.add_argument(
+        "--host-id", metavar="ID",
+        help="this host's name in the cluster (default: its host name); hosts with one name would be taken "
+        "for one and try shared memory",
+    )  # fmt: skip
     add_model_options(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.decode == 0 and args.listen is None:
+        print("kvserve up: error: --decode 0 needs --listen: with no decode worker here, one must join", file=sys.stderr)
+        return 2
+    if args.join_bundle is not None and args.listen is None:
+        print("kvserve up: error: --write-join-bundle needs --listen: the address the other hosts reach this one at",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.listen is not None and (why := unusable_listen_address(args.listen)):
+        print(f"kvserve up: error: --listen {args.listen}: {why}", file=sys.stderr)
+        return 2
     if args.prefill == 0 and args.cpus and "prefill" in args.cpus:
         print("kvserve up: error: --cpus gives cores to prefill, but --prefill 0 runs no prefill worker",
               file=sys.stderr)  # fmt: skip
@@ -163,18 +203,22 @@ def run(args: argparse.Namespace) -> int:
         cpus=args.cpus,
         metrics_port=args.metrics_port,
         nats_servers=args.nats_servers,
+        listen=args.listen,
+        tls=args.tls,
+        join_bundle=args.join_bundle,
+        host_id=args.host_id,
     )
     return serve(cluster, timeout=args.timeout)
 
 
-def serve(cluster: LocalCluster, timeout: float) -> int:
-    """Start ``cluster`` (supervised: it restarts what dies), announce it, and hold it
-    up: 0 after Ctrl-C or SIGTERM, 1 if its supervisor fails. A cluster that cannot
-    start raises ClusterError."""
+def serve(cluster: LocalCluster, timeout: float, announce: Callable[[LocalCluster], str] | None = None) -> int:
+    """Start ``cluster`` (supervised: it restarts what dies), announce it (``announce``:
+    what to print once it is ready; default `banner`), and hold it up: 0 after Ctrl-C or
+    SIGTERM, 1 if its supervisor fails. A cluster that cannot start raises ClusterError."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cluster.start(timeout=timeout)
-        cluster.echo(banner(cluster))
+        cluster.echo((announce or banner)(cluster))
         try:
             cluster.join()  # until Ctrl-C or SIGTERM
         except ClusterError as e:
@@ -213,14 +257,33 @@ def banner(cluster: LocalCluster) -> str:
     metrics = f"metrics: {url.removesuffix('/v1')}/metrics" + (
         "; per service: " + ", ".join(f"{i} :{port}" for i, port in ports.items()) if ports else "") + "\n"
     cores = "; ".join(f"{i} {share.describe()}" for i, share in cluster.cpu_plan.items() if share.cpus is not None)
+    hosts = ""
+    if cluster.listen is not None:
+        data_plane = "mutual TLS" if cluster.tls else "plain TCP (--no-tls)"
+        hosts = f"other hosts join at {cluster.listen} (data plane between hosts: {data_plane})"
+        if cluster.join_bundle is not None:
+            hosts += f":\n  kvserve join {cluster.listen} --bundle {cluster.join_bundle} --decode 1"
+        hosts += "\n"
     return (
         f"\nkvserve is up: {url}\n"
         f"model: {cluster.model_id} ({cluster.dtype}, weights {cluster.quantization}, {cluster.device})\n"
         f"cores: {cores}\n"
         f"{metrics}"
+        f"{hosts}"
         f"try it:\n  {curl}\n{key_note}"
         f"Ctrl-C stops the cluster.\n"
     )
+
+
+def unusable_listen_address(address: str) -> str | None:
+    """Why ``address`` cannot be this host's address for the others; None when it can."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return None  # a host name: the others resolve it
+    if ip.is_unspecified:
+        return "every interface is no address the other hosts can be told: give this host's own"
+    return None
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -71,9 +71,10 @@ class NatsServer:
 
     def __init__(self, host: str = "127.0.0.1", log_file: Path | None = None, directory: Path | None = None,
                  instances: dict[str, str] | None = None, routes: Routes | None = None, name: str = "nats-server",
-                 auth_of: "NatsServer | None" = None) -> None:  # fmt: skip
+                 auth_of: "NatsServer | None" = None, role_users: tuple[str, ...] = ()) -> None:  # fmt: skip
         """``instances``: ``{instance id: role}``, each with a user of its own (and no role has
-        one); None: a user per role. ``routes``: a server of a cluster (`NatsCluster`);
+        one but those in ``role_users``: for the instances of other hosts, whose ids it cannot
+        know); None: a user per role. ``routes``: a server of a cluster (`NatsCluster`);
         ``auth_of``: the server whose users and credentials files it shares."""
         self.host = host
         self.log_file = log_file
@@ -84,6 +85,8 @@ class NatsServer:
         self.port: int | None = None
         self.route_port: int | None = None  # where it takes the other servers' routes (in a cluster)
         self.identities: list[Identity] = role_identities() if instances is None else instance_identities(instances)
+        if instances is not None:
+            self.identities += [Identity(role) for role in role_users]
         self._passwords = random_passwords(self.identities)  # the same across restarts
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None  # the ports file, per run
@@ -217,7 +220,8 @@ class NatsCluster:
     a client connects to one and moves to another when it dies."""
 
     def __init__(self, size: int = 1, host: str = "127.0.0.1", log_file: Path | None = None,
-                 directory: Path | None = None, instances: dict[str, str] | None = None) -> None:  # fmt: skip
+                 directory: Path | None = None, instances: dict[str, str] | None = None,
+                 role_users: tuple[str, ...] = ()) -> None:  # fmt: skip
         if size < 1:
             raise ValueError(f"a NATS cluster needs at least one server, got {size}")
         self.servers: list[NatsServer] = []
@@ -226,7 +230,7 @@ class NatsCluster:
             routes = None if size == 1 else Routes(password, lambda i=i: self._route_ports(i))
             name = "nats-server" if size == 1 else f"nats-server-{i}"
             self.servers.append(NatsServer(host, log_file, directory, instances, routes, name,
-                                           self.servers[0] if i else None))  # fmt: skip
+                                           self.servers[0] if i else None, role_users))  # fmt: skip
 
     def _route_ports(self, index: int) -> list[int]:
         return [s.route_port for i, s in enumerate(self.servers) if i != index and s.route_port is not None]

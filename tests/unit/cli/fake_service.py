@@ -23,7 +23,8 @@ from libs.common.service import Service, run_service
 from libs.common.settings import ServiceSettings, env_int, env_str
 from libs.protocol.schema import Heartbeat
 
-REPORTED = ("MODEL", "DTYPE", "QUANTIZATION", "DEVICE", "HOST_ID", "API_KEY", "GATEWAY_HOST", "GATEWAY_PORT", "NUM_BLOCKS", "USE_STORE")
+REPORTED = ("MODEL", "DTYPE", "QUANTIZATION", "DEVICE", "HOST_ID", "API_KEY", "GATEWAY_HOST", "GATEWAY_PORT", "NUM_BLOCKS",
+            "USE_STORE", "NATS_URL", "TRANSFER_HOST", "TRANSFER_TLS_CERT")  # fmt: skip
 
 
 class FakeService(Service):
@@ -70,7 +71,7 @@ def main() -> None:
     if instance_id in env_str("FAKE_CRASH", "").split(",") + crashing:
         print(f"{instance_id}: fake crash", file=sys.stderr)
         raise SystemExit(3)
-    run_service(FakeService(ServiceSettings.from_env(instance_id.rsplit("-", 1)[0])))
+    run_service(FakeService(ServiceSettings.from_env(instance_id.split("-", 1)[0])))  # decode-0, decode-hostb-0
 
 
 if __name__ == "__main__":

@@ -108,7 +108,8 @@ def test_up_options():
     args = build_parser().parse_args(["up", "--prefill", "2", "--decode", "3", "--no-store", "--api-key", "k"])
     assert (args.prefill, args.decode, args.store, args.api_key) == (2, 3, False, "k")
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["up", "--decode", "0"])
+        build_parser().parse_args(["up", "--decode", "-1"])
+    assert up.run(build_parser().parse_args(["up", "--decode", "0"])) == 2  # only with --listen: decode hosts join
 
 
 def test_a_crashing_service_fails_start_with_its_name_and_log(model_dir):

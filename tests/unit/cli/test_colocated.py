@@ -34,13 +34,16 @@ def test_cores_for_a_role_with_no_worker_are_an_error():
         plan_cpus(counts(0, 1), range(2), {"prefill": (0,), "decode": (1,)})
 
 
-def test_up_takes_prefill_0_but_never_decode_0(capsys):
+def test_up_takes_prefill_0_but_decode_0_only_where_decode_hosts_join(capsys, monkeypatch):
     assert build_parser().parse_args(["up", "--prefill", "0"]).prefill == 0
-    for bad in (["--prefill", "-1"], ["--decode", "0"]):
-        with pytest.raises(SystemExit) as exit_:
-            build_parser().parse_args(["up", *bad])
-        assert exit_.value.code == 2
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["up", "--prefill", "-1"])
+    assert exit_.value.code == 2
     assert "must be at least 0, got -1" in capsys.readouterr().err
+    monkeypatch.setattr("kvserve.cli.up.LocalCluster", lambda **kwargs: pytest.fail("a cluster was built"))
+    args = build_parser().parse_args(["up", "--decode", "0"])
+    assert up.run(args) == 2
+    assert "--decode 0 needs --listen" in capsys.readouterr().err
 
 
 def test_up_refuses_cores_for_prefill_with_prefill_0_before_starting_anything(capsys, monkeypatch):
