@@ -58,8 +58,8 @@ from libs.protocol.errors import KVServeError
 from libs.protocol.models import DEFAULT_MODEL_ID
 from libs.protocol.schema import Heartbeat
 from libs.protocol.vocabulary import Role
-from libs.transfer.tcp.certificates import ClusterCA, Leaf
-from libs.transfer.tcp.tls import TlsFiles
+from libs.common.certificates import ClusterCA, Leaf
+from libs.common.tls import TlsFiles, mutual_context
 
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # also the start order
 GATEWAY_ID = "gateway-0"
@@ -212,7 +212,8 @@ class LocalCluster:
         self._spare_timers: list[threading.Timer] = []
         self._nats: NatsCluster | JoinedNats | None = None
         self._ca: ClusterCA | None = None  # the data plane's CA, on a first host that listens with TLS
-        self._data_plane_tls: TlsFiles | None = None  # this host's TLS files (a leaf, its key, the CA's certificate)
+        # this host's TLS files (a leaf, its key, the CA's certificate): for the data plane and NATS between hosts
+        self._tls_files: TlsFiles | None = None
         self._watcher: HeartbeatWatcher | None = None
         self._supervisor: Supervisor | None = None  # forks every child; restarts them when supervising
         # 0700: the NATS credentials and nats-server's files, and what the services leave for their restarts
@@ -305,13 +306,13 @@ class LocalCluster:
             if sys.platform.startswith("linux"):  # pidfds; elsewhere nothing kills the children either
                 self._reaper = Reaper(self.runtime_dir)
             instances = {self.instance_id(role, i): role for role in ROLES for i in range(self.counts[role])}
+            self._tls_files = self._make_tls()
             if self.member is not None:  # the first host's; each instance its role's user (join_bundle.py)
                 self._nats = JoinedNats(self.member, self.member_host, self.runtime_dir, instances)
             else:  # each instance its own NATS user: a restart keeps its id, so its credentials too
                 joinable = JOINABLE_ROLES if self.listen is not None else ()
                 self._nats = NatsCluster(self.nats_servers, self.nats_host, directory=self.runtime_dir,
-                                         instances=instances, role_users=joinable)  # fmt: skip
-            self._data_plane_tls = self._make_tls()
+                                         instances=instances, role_users=joinable, tls=self._tls_files)  # fmt: skip
             for server in self._nats.servers:
                 server.preexec_fn = die_with_launcher()
                 self._supervisor.call(server.start)
@@ -326,7 +327,8 @@ class LocalCluster:
             if not self.counts.get(Role.PREFILL):
                 self.echo("no prefill worker: each decode worker prefills its own requests", label="kvserve")
             self._watcher = HeartbeatWatcher(
-                self._nats.url_for("observer"), self._on_heartbeat, on_disconnect=self._supervisor.wake
+                self._nats.url_for("observer"), self._on_heartbeat, on_disconnect=self._supervisor.wake,
+                tls=None if self._tls_files is None else mutual_context(self._tls_files, server=False),
             )
             self._watcher.start()
             if not self._watcher.subscribed.wait(10.0) or self._watcher.error is not None:
@@ -473,18 +475,19 @@ class LocalCluster:
 
     # --- internals ------------------------------------------------------------
     def _make_tls(self) -> TlsFiles | None:
-        """Write this host's data-plane TLS files (a leaf, its key, the CA) into the runtime
-        directory; None where the data plane stays plain: one host, or ``tls`` off. The first
-        host makes the cluster's CA here (its key never leaves the runtime directory) and a
-        leaf for itself; a joining host takes the bundle's."""
+        """Write this host's TLS files (a leaf, its key, the CA) into the runtime directory,
+        for NATS and the data plane; None where both stay plain: one host, or ``tls`` off.
+        The first host makes the cluster's CA here (its key never leaves the runtime
+        directory) and a leaf for itself naming its address (nats-server's routes check
+        it); a joining host takes the bundle's."""
         if self.listen is None or not self.tls:
             return None
         if self.member is not None:
             leaf = Leaf(self.member.tls.cert, self.member.tls.key, self.member.tls.ca)
         else:
             self._ca = ClusterCA.create()
-            leaf = self._ca.issue(self.host_id)
-        return leaf.write(self.runtime_dir / "data-plane-tls")
+            leaf = self._ca.issue(self.host_id, addresses=[self.listen])
+        return leaf.write(self.runtime_dir / "tls")
 
     def _bundle(self) -> JoinBundle:
         """What another host needs to join this cluster (kvserve/cli/join_bundle.py)."""
@@ -534,10 +537,11 @@ class LocalCluster:
         if role in (Role.PREFILL, Role.DECODE) and self._runtime is not None:
             # a restarted worker reuses its first run's calibration (libs/engine/cost_model.py)
             env["KVSERVE_CALIBRATION_FILE"] = str(Path(self._runtime.name) / f"{instance_id}.calibration.json")
+        if (tls := self._tls_files) is not None:
+            env.update(KVSERVE_NATS_TLS_CERT=tls.cert, KVSERVE_NATS_TLS_KEY=tls.key, KVSERVE_NATS_TLS_CA=tls.ca)
         if role in DATA_PLANE_ROLES and self.listen is not None:
             env["KVSERVE_TRANSFER_HOST"] = self.listen  # where the other hosts' workers reach its data plane
-            if self._data_plane_tls is not None:
-                tls = self._data_plane_tls
+            if tls is not None:
                 env.update(KVSERVE_TRANSFER_TLS_CERT=tls.cert, KVSERVE_TRANSFER_TLS_KEY=tls.key,
                            KVSERVE_TRANSFER_TLS_CA=tls.ca)  # fmt: skip
         if role == Role.STORE and self.store_dir is not None:

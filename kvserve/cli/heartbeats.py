@@ -2,6 +2,7 @@
 hands every Heartbeat on the bus to a callback (LocalCluster keeps the latest)."""
 
 import asyncio
+import ssl
 import threading
 from collections.abc import Callable
 
@@ -21,9 +22,11 @@ class HeartbeatWatcher(threading.Thread):
         url: str,
         on_heartbeat: Callable[[Heartbeat], None],
         on_disconnect: Callable[[], None] | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         super().__init__(name="kvserve-heartbeats", daemon=True)
         self._url = url
+        self._tls = tls  # nats-server requires TLS (a cluster of several hosts)
         self._on_heartbeat = on_heartbeat
         self._on_disconnect = on_disconnect  # nats-server went away (the supervisor checks on it)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -45,6 +48,7 @@ class HeartbeatWatcher(threading.Thread):
                 reconnect_time_wait=0.5,
                 error_cb=_quiet,  # the services' own logs say when NATS is gone
                 disconnected_cb=self._disconnected,
+                **({"tls": self._tls} if self._tls is not None else {}),
             )
         except Exception as e:
             self.error = e

@@ -20,10 +20,10 @@ of the kvserve cluster another host runs with
   kvserve up --listen ADDR --write-join-bundle join.json
 
 Copy join.json here first, like a key (scp; keep it 0600): it holds the cluster's NATS
-credentials for joining workers and the data plane's TLS key. The workers register with
-the first host's conductor and serve its gateway's requests. KV moves to and from other
-hosts over TCP, with mutual TLS from the bundle's CA (unless the first host runs with
---no-tls), and within this host through shared memory. They run as under `kvserve up`:
+credentials for joining workers and a TLS key of the cluster's CA. The workers register
+with the first host's conductor and serve its gateway's requests. NATS and the KV moving
+to and from other hosts (over TCP) speak mutual TLS from the bundle's CA (unless the first
+host runs with --no-tls); within this host KV moves through shared memory. They run as under `kvserve up`:
 each pinned to its share of this host's cores, started again when it dies, a warm spare
 per role; Ctrl-C stops them (each gets {STOP_GRACE_SECONDS:g} s to drain). The dtype and weight
 precision are the first host's (the bundle says which): the KV every worker shares is in
@@ -118,11 +118,11 @@ def address_towards(host: str) -> str:
 
 def joined(cluster: LocalCluster, bundle: JoinBundle, host: str) -> str:
     """What to print once this host's workers have reported to the cluster."""
-    data_plane = "mutual TLS" if cluster.tls else "plain TCP"
+    between = "mutual TLS" if cluster.tls else "in clear"
     return (
         f"\nthis host ({cluster.host_id}, {cluster.listen}) joined the cluster at {host}: "
         f"{', '.join(cluster.instance_ids)}\n"
         f"model: {cluster.model_id} ({cluster.dtype}, weights {cluster.quantization}, {cluster.device}); "
-        f"KV between hosts: {data_plane}\n"
+        f"NATS and KV between hosts: {between}\n"
         "requests go to the first host's gateway; Ctrl-C stops this host's workers.\n"
     )

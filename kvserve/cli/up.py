@@ -146,14 +146,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     hosts.add_argument(
         "--write-join-bundle", metavar="PATH", dest="join_bundle",
-        help="with --listen: write what another host needs to join (NATS credentials, the data plane's TLS "
-        "key and CA, the model's dtype) to PATH, 0600. Copy it to the other hosts like a key",
+        help="with --listen: write what another host needs to join (NATS credentials, a TLS certificate and "
+        "key of the cluster's CA, the model's dtype) to PATH, 0600. Copy it to the other hosts like a key",
     )  # fmt: skip
     hosts.add_argument(
         "--no-tls", dest="tls", action="store_false",
-        help="with --listen: move KV between hosts over plain TCP, for a network you trust (default: mutual "
-        "TLS from a CA this cluster makes; it cost 50-69%% of TCP's throughput at 4-64 MiB transfers on 2 cores, "
-        "bench/results/transfer.md). Within a host KV moves through shared memory either way",
+        help="with --listen: NATS and KV between hosts in clear, for a network you trust (default: mutual TLS "
+        "1.3 on both, from a CA this cluster makes; on the data plane it cost 50-69%% of TCP's throughput at "
+        "4-64 MiB transfers on 2 cores, bench/results/transfer.md). Within a host KV moves through shared memory "
+        "either way",
     )  # fmt: skip
     hosts.add_argument(
         "--host-id", metavar="ID",
@@ -259,8 +260,8 @@ def banner(cluster: LocalCluster) -> str:
     cores = "; ".join(f"{i} {share.describe()}" for i, share in cluster.cpu_plan.items() if share.cpus is not None)
     hosts = ""
     if cluster.listen is not None:
-        data_plane = "mutual TLS" if cluster.tls else "plain TCP (--no-tls)"
-        hosts = f"other hosts join at {cluster.listen} (data plane between hosts: {data_plane})"
+        between = "mutual TLS" if cluster.tls else "in clear (--no-tls)"
+        hosts = f"other hosts join at {cluster.listen} (NATS and KV between hosts: {between})"
         if cluster.join_bundle is not None:
             hosts += f":\n  kvserve join {cluster.listen} --bundle {cluster.join_bundle} --decode 1"
         hosts += "\n"

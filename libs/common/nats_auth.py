@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from libs.common.tls import TlsFiles
 from libs.protocol import subjects as s
 from libs.protocol.ids import InstanceId
 from libs.protocol.vocabulary import Role
@@ -250,20 +251,42 @@ def derived_route_password(secret: str) -> str:
     return derived_passwords(secret, [Identity(ROUTE_USER)])[ROUTE_USER]
 
 
-def cluster_config(users_file: str, listen: str, password: str, routes: Iterable[str]) -> str:
+def cluster_config(users_file: str, listen: str, password: str, routes: Iterable[str], tls: TlsFiles | None = None) -> str:
     """A cluster member's configuration: the users' file (``users_file``, beside it),
     included, and the cluster block: where it takes routes (``listen``, host:port) and
     the route URLs of the members (``routes``, host:port; its own is ignored by
-    nats-server), each authenticating as the route user."""
+    nats-server), each authenticating as the route user; with ``tls``, mutual TLS on its
+    clients' connections and its routes (`tls_config`)."""
     urls = [json.dumps(f"nats://{ROUTE_USER}:{password}@{route}") for route in routes]
     return (
-        f'include "{users_file}"\n'
-        "cluster {\n"
+        tls_config(users_file, tls)
+        + "cluster {\n"
         f'  name: "{CLUSTER_NAME}"\n'
         f'  listen: "{listen}"\n'
         f'  authorization {{ user: "{ROUTE_USER}", password: {json.dumps(password)} }}\n'
         f"  routes: [{', '.join(urls)}]\n"
-        "}\n"
+        + (_tls_block(tls, "  ") if tls is not None else "")
+        + "}\n"
+    )
+
+
+def tls_config(users_file: str, tls: TlsFiles | None) -> str:
+    """A server's configuration: the users' file (``users_file``, beside it), included, and
+    with ``tls`` mutual TLS on every client connection: a client must present a certificate
+    the CA signed (services do, `tls_context`), or nats-server refuses it before it can log in."""
+    return f'include "{users_file}"\n' + (_tls_block(tls, "") if tls is not None else "")
+
+
+def _tls_block(tls: TlsFiles, indent: str) -> str:
+    return (
+        f"{indent}tls {{\n"
+        f"{indent}  cert_file: {json.dumps(tls.cert)}\n"
+        f"{indent}  key_file: {json.dumps(tls.key)}\n"
+        f"{indent}  ca_file: {json.dumps(tls.ca)}\n"
+        f"{indent}  verify: true\n"
+        f"{indent}  min_version: \"1.3\"\n"
+        f"{indent}  timeout: 5\n"
+        f"{indent}}}\n"
     )
 
 

@@ -32,9 +32,11 @@ from libs.common.nats_auth import (
     instance_identities,
     random_passwords,
     role_identities,
+    tls_config,
     write_auth_files,
     write_private,
 )
+from libs.common.tls import TlsFiles
 
 
 class NatsServerError(RuntimeError):
@@ -71,17 +73,20 @@ class NatsServer:
 
     def __init__(self, host: str = "127.0.0.1", log_file: Path | None = None, directory: Path | None = None,
                  instances: dict[str, str] | None = None, routes: Routes | None = None, name: str = "nats-server",
-                 auth_of: "NatsServer | None" = None, role_users: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 auth_of: "NatsServer | None" = None, role_users: tuple[str, ...] = (),
+                 tls: TlsFiles | None = None) -> None:  # fmt: skip
         """``instances``: ``{instance id: role}``, each with a user of its own (and no role has
         one but those in ``role_users``: for the instances of other hosts, whose ids it cannot
         know); None: a user per role. ``routes``: a server of a cluster (`NatsCluster`);
-        ``auth_of``: the server whose users and credentials files it shares."""
+        ``auth_of``: the server whose users and credentials files it shares. ``tls``: its
+        certificate, key and CA: clients and routes must then speak mutual TLS."""
         self.host = host
         self.log_file = log_file
         self.directory = directory  # where its directories go (default: the system's temporary directory)
         self.name = name
         self.routes = routes
         self.auth_of = auth_of
+        self.tls = tls
         self.port: int | None = None
         self.route_port: int | None = None  # where it takes the other servers' routes (in a cluster)
         self.identities: list[Identity] = role_identities() if instances is None else instance_identities(instances)
@@ -129,9 +134,10 @@ class NatsServer:
         if self._auth is None:
             raise NatsServerError(f"{self.name}: the server it shares users with is not started")
         config = self._auth.server_config
-        if self.routes is not None:  # beside the users' file, which it includes
+        if self.routes is not None or self.tls is not None:  # beside the users' file, which it includes
             config = config.with_name(f"{self.name}.conf")
-            write_private(config, self._cluster_config())
+            write_private(config, self._cluster_config() if self.routes is not None
+                          else tls_config(self._auth.server_config.name, self.tls))  # fmt: skip
         self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-", dir=self.directory)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self._proc = subprocess.Popen(
@@ -166,7 +172,7 @@ class NatsServer:
         routes (the same port again on a restart) and the other servers' route URLs."""
         peers = [f"{self.host}:{port}" for port in self.routes.peers()]
         return cluster_config(self._auth.server_config.name, f"{self.host}:{self.route_port or -1}", self.routes.password,
-                              peers)  # fmt: skip
+                              peers, self.tls)  # fmt: skip
 
     @property
     def pid(self) -> int | None:
@@ -221,7 +227,7 @@ class NatsCluster:
 
     def __init__(self, size: int = 1, host: str = "127.0.0.1", log_file: Path | None = None,
                  directory: Path | None = None, instances: dict[str, str] | None = None,
-                 role_users: tuple[str, ...] = ()) -> None:  # fmt: skip
+                 role_users: tuple[str, ...] = (), tls: TlsFiles | None = None) -> None:  # fmt: skip
         if size < 1:
             raise ValueError(f"a NATS cluster needs at least one server, got {size}")
         self.servers: list[NatsServer] = []
@@ -230,7 +236,7 @@ class NatsCluster:
             routes = None if size == 1 else Routes(password, lambda i=i: self._route_ports(i))
             name = "nats-server" if size == 1 else f"nats-server-{i}"
             self.servers.append(NatsServer(host, log_file, directory, instances, routes, name,
-                                           self.servers[0] if i else None, role_users))  # fmt: skip
+                                           self.servers[0] if i else None, role_users, tls))  # fmt: skip
 
     def _route_ports(self, index: int) -> list[int]:
         return [s.route_port for i, s in enumerate(self.servers) if i != index and s.route_port is not None]

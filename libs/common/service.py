@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from libs.common import heap, metrics_server, nats_auth
 from libs.common.metrics import Metrics
 from libs.common.settings import ServiceSettings
+from libs.common.tls import mutual_context
 from libs.protocol import schema, subjects
 from libs.protocol.ids import InstanceId
 from libs.protocol.models import model_name
@@ -163,6 +164,8 @@ class Service:
         credentials = {}
         if self.settings.nats_credentials is not None:
             credentials = nats_auth.load_credentials(self.settings.nats_credentials).connect_options()
+        if self.settings.nats_tls is not None:  # nats-server between hosts: mutual TLS from the cluster CA
+            credentials["tls"] = mutual_context(self.settings.nats_tls, server=False)
         connect = asyncio.ensure_future(
             nats.connect(
                 nats_auth.server_urls(self.settings.nats_url),  # one, or every server of a NATS cluster

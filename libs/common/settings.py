@@ -16,6 +16,7 @@ from typing import Any, Self, TypeVar
 
 from libs.common.cpu_share import available_cpus, format_cpu_list, parse_cpu_list
 from libs.common.nats_auth import NatsAuthError, load_credentials
+from libs.common.tls import TlsFiles
 from libs.protocol.ids import InstanceId
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -81,6 +82,9 @@ def service_env(role: str) -> dict[str, Any]:
             load_credentials(credentials)  # fail now, with the reason, rather than at every reconnect
         except NatsAuthError as e:
             raise ValueError(f"KVSERVE_NATS_CREDENTIALS: {e}") from None
+    tls_files = [env_str(f"NATS_TLS_{part}", "") for part in ("CERT", "KEY", "CA")]
+    if len({bool(path) for path in tls_files}) > 1:
+        raise ValueError("KVSERVE_NATS_TLS_CERT, _KEY and _CA go together: all three for TLS to NATS, none for none")
     heap_trim_s = env_float("HEAP_TRIM_S", 60.0)
     if not heap_trim_s >= 0:
         raise ValueError(f"KVSERVE_HEAP_TRIM_S must be 0 or more seconds, got {heap_trim_s}")
@@ -91,6 +95,7 @@ def service_env(role: str) -> dict[str, Any]:
         host_id=env_str("HOST_ID", socket.gethostname()),
         heartbeat_interval=env_float("HEARTBEAT_INTERVAL", 1.0),
         nats_credentials=credentials,
+        nats_tls=TlsFiles(*tls_files) if tls_files[0] else None,
         log_level=env_str("LOG_LEVEL", "INFO"),
         model_spec=env_str("MODEL", "") or None,
         metrics_host=env_str("METRICS_HOST", "127.0.0.1"),
@@ -123,6 +128,8 @@ class ServiceSettings:
     host_id: str
     heartbeat_interval: float = 1.0
     nats_credentials: str | None = None  # a 0600 JSON file: {"user", "password"} or {"token"}
+    # mutual TLS to nats-server (KVSERVE_NATS_TLS_CERT, _KEY, _CA: PEM files, all or none; libs/common/tls.py)
+    nats_tls: TlsFiles | None = None
     log_level: str = "INFO"
     model_spec: str | None = None  # KVSERVE_MODEL as set: the model_name label of the service's metrics
     metrics_host: str = "127.0.0.1"  # where /metrics and /healthz are served (KVSERVE_METRICS_HOST) ...

@@ -26,7 +26,7 @@ from libs.transfer.ranges import RangeSet
 from libs.transfer.registry import TRANSPORTS
 from libs.transfer.segment import SHM_DIR, SharedSegment
 from libs.transfer.shm import ShmTransport, copy_spans
-from libs.transfer.tcp.tls import TlsFiles
+from libs.common.tls import TlsFiles
 from libs.transfer.tickets import OpenTicket, TicketBook, claim, ticket_id
 from libs.transfer.transfer_metrics import TransferMetrics
 from libs.transfer.transport import Transport

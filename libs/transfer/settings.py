@@ -6,7 +6,7 @@ from typing import Self
 
 from libs.common.settings import env_float, env_int, env_str
 from libs.transfer.registry import TRANSPORTS
-from libs.transfer.tcp.tls import TlsFiles
+from libs.common.tls import TlsFiles
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from libs.transfer.transfer_metrics import TransferMetrics
 from libs.transfer.writers import Writer
 
 if TYPE_CHECKING:  # the tcp package imports this module
-    from libs.transfer.tcp.tls import TlsFiles
+    from libs.common.tls import TlsFiles
 
 
 class Host(Protocol):

@@ -2,12 +2,14 @@
 services (fake_service.py) and a real nats-server, both "hosts" on this one (the test of
 two real hosts, in network namespaces, is tests/reliability/test_two_hosts.py)."""
 
+import asyncio
 import io
 import json
 import logging
 import ssl
 
 import msgspec
+import nats
 import pytest
 
 from kvserve.cli import join, up
@@ -23,8 +25,9 @@ from kvserve.cli.join_bundle import (
     write_bundle,
 )
 from kvserve.cli.main import build_parser
+from libs.common.certificates import ClusterCA, Leaf
 from libs.common.nats_auth import load_credentials
-from libs.transfer.tcp.certificates import ClusterCA, Leaf
+from libs.common.tls import mutual_context
 from libs.transfer.tcp.tls import DataPlaneTls
 from tests.unit.cli.harness import FAKE, ROOT, make_cluster
 from tests.unit.cli.test_cluster import settings_of
@@ -34,7 +37,7 @@ from tests.unit.cli.test_cluster import settings_of
 def first_and_joined(model_dir, tmp_path_factory):
     bundle = tmp_path_factory.mktemp("join") / "join.json"
     first = make_cluster(model_dir, io.StringIO(), prefill=1, decode=0, listen="127.0.0.1", join_bundle=bundle,
-                         host_id="host-a")  # fmt: skip
+                         host_id="host-a", nats_servers=3)  # fmt: skip (three: their routes speak TLS too)
     first.start(timeout=60)
     joined = None
     try:
@@ -81,10 +84,11 @@ def test_the_bundle_is_private_and_holds_role_users_and_a_leaf_of_the_clusters_c
     assert bundle_path.stat().st_mode & 0o777 == 0o600
     bundle = read_bundle(bundle_path)
     assert (bundle.host, bundle.host_id, bundle.model.dtype) == ("127.0.0.1", "host-a", "float32")
+    assert len(bundle.nats.ports) == 3  # a joined worker fails over between the servers as the first host's do
     assert set(bundle.nats.passwords) == {"prefill", "decode", "store", "observer"}  # no admin, no conductor, no gateway
     assert bundle.nats_urls() == first._nats.public_url
     # the leaf and the first host's own are signed by one CA: a TLS session between them works
-    own = first._data_plane_tls
+    own = first._tls_files
     assert open(own.ca).read() == bundle.tls.ca
     tls_dir = bundle_path.parent / "leaf"
     member = DataPlaneTls(Leaf(bundle.tls.cert, bundle.tls.key, bundle.tls.ca).write(tls_dir))
@@ -95,6 +99,35 @@ def test_the_bundle_is_private_and_holds_role_users_and_a_leaf_of_the_clusters_c
     _, joined, _ = first_and_joined
     creds = load_credentials(joined._nats.credentials_file("decode-rack2-node7-1"))
     assert (creds.user, creds.password) == ("decode", bundle.nats.passwords["decode"])
+
+
+def test_nats_between_hosts_takes_only_clients_with_a_certificate_of_the_clusters_ca(first_and_joined, tmp_path):
+    _, _, bundle_path = first_and_joined
+    bundle = read_bundle(bundle_path)
+    member = mutual_context(Leaf(bundle.tls.cert, bundle.tls.key, bundle.tls.ca).write(tmp_path / "member"), False)
+    stranger = ClusterCA.create("rogue").issue("x")  # signed by another CA
+    rogue = mutual_context(Leaf(stranger.cert, stranger.key, bundle.tls.ca).write(tmp_path / "rogue"), False)
+    nameless = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # trusts the CA, presents no certificate
+    nameless.check_hostname = False
+    nameless.load_verify_locations(cadata=bundle.tls.ca)
+
+    async def connects(tls: ssl.SSLContext | None) -> bool:
+        async def quiet(e: Exception) -> None:
+            pass
+
+        options = {"tls": tls} if tls is not None else {}
+        try:
+            nc = await nats.connect(bundle.nats_urls().split(","), user="observer", password=bundle.nats.passwords["observer"],
+                                    allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=5,
+                                    error_cb=quiet, **options)  # fmt: skip
+        except Exception:
+            return False
+        await nc.flush(timeout=5)  # TLS 1.3: a refused client certificate shows after the handshake
+        await nc.close()
+        return True
+
+    assert asyncio.run(connects(member))
+    assert [asyncio.run(connects(tls)) for tls in (None, nameless, rogue)] == [False, False, False]
 
 
 def test_a_bundle_without_tls_joins_over_plain_tcp_and_a_bad_bundle_is_refused_with_the_reason(tmp_path, caplog):

@@ -106,7 +106,7 @@ def test_tls_settings_go_together_and_default_to_plain_tcp():
 
 
 def test_unreadable_tls_files_fail_when_the_engine_is_built(segments, tmp_path):
-    from libs.transfer.tcp.tls import TlsFiles
+    from libs.common.tls import TlsFiles
 
     missing = TlsFiles(*(str(tmp_path / name) for name in ("c.pem", "c.key", "ca.pem")))
     with pytest.raises(ValueError, match="cannot load"):

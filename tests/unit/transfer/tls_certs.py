@@ -3,8 +3,8 @@
 
 from pathlib import Path
 
-from libs.transfer.tcp.certificates import ClusterCA, Leaf
-from libs.transfer.tcp.tls import TlsFiles
+from libs.common.certificates import ClusterCA, Leaf
+from libs.common.tls import TlsFiles
 
 
 class TestCA:

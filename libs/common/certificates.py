@@ -1,11 +1,13 @@
-"""A cluster's own certificate authority for data-plane TLS (libs/transfer/tcp/tls.py):
+"""A cluster's own certificate authority for TLS between its hosts (libs/common/tls.py):
 `ClusterCA.create` makes one, `issue` signs a leaf any of the cluster's processes may
-present, as server and as client. Keys are EC P-256; a leaf names no host, since peers
-are reached by address and trusted for the CA's signature (tls.py).
+present, as server and as client. Keys are EC P-256. Our own peers check no host name
+(tls.py), but nats-server checks a route's: a first host's leaf names its address.
 """
 
 import datetime
+import ipaddress
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from libs.transfer.tcp.tls import TlsFiles
+from libs.common.tls import TlsFiles
 
 VALID_DAYS = 3650  # a cluster's CA lives as long as its first host runs it; a new `kvserve up` makes a new one
 
@@ -66,8 +68,9 @@ class ClusterCA:
         )  # fmt: skip
         return cls(_cert_pem(cert), _key_pem(key))
 
-    def issue(self, name: str) -> Leaf:
-        """A leaf for ``name`` (its common name only), good for both ends of a connection."""
+    def issue(self, name: str, addresses: Sequence[str] = ()) -> Leaf:
+        """A leaf for ``name``, good for both ends of a connection, naming ``addresses`` (IP
+        addresses or host names) as its subject's alternative names."""
         ca_key = serialization.load_pem_private_key(self.key.encode(), password=None)
         ca_cert = x509.load_pem_x509_certificate(self.cert.encode())
         key = ec.generate_private_key(ec.SECP256R1())
@@ -87,9 +90,18 @@ class ClusterCA:
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
                            critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()), critical=False)
-            .sign(ca_key, hashes.SHA256())
         )  # fmt: skip
+        if addresses:
+            cert = cert.add_extension(x509.SubjectAlternativeName([_general_name(a) for a in addresses]), critical=False)
+        cert = cert.sign(ca_key, hashes.SHA256())
         return Leaf(_cert_pem(cert), _key_pem(key), self.cert)
+
+
+def _general_name(address: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(address))
+    except ValueError:
+        return x509.DNSName(address)
 
 
 def _cert_pem(cert: x509.Certificate) -> str:
