@@ -1,8 +1,8 @@
-"""A second "host" on this machine: a network namespace joined to this one by a veth pair.
+"""Other "hosts" on this machine: network namespaces on a bridge in this one.
 
 Needs root (CI runs as root); `available()` says why not where it cannot be made.
-The addresses are the namespaces' own (10.250.N.1 here, 10.250.N.2 there): traffic
-between them never leaves the machine.
+The addresses are the namespaces' own (10.250.N.1 here, 10.250.N.2 and up there):
+traffic between them never leaves the machine.
 """
 
 import os
@@ -27,44 +27,57 @@ def available() -> str | None:
 
 
 @dataclass
-class SecondHost:
-    """``netns`` is the other host; ``local_address`` is this host's end of the link,
-    ``remote_address`` the other's. ``cut()`` and ``restore()`` take the link down and up."""
+class Network:
+    """Hosts on one link: a bridge in this network namespace (this host, ``address``) and
+    one namespace per other host (``hosts[i]``, at ``addresses[i]``), each joined to the
+    bridge by a veth pair, so every host reaches every other directly. ``cut(i)`` and
+    ``restore(i)`` take host i's link down and up."""
 
-    netns: str
-    local_link: str
-    local_address: str
-    remote_address: str
+    bridge: str
+    address: str
+    hosts: list[str]  # the namespaces
+    addresses: list[str]
+    links: list[str]  # each host's end of its veth pair on this side, on the bridge
 
     @classmethod
-    def create(cls) -> "SecondHost":
+    def create(cls, num_hosts: int) -> "Network":
         tag = secrets.token_hex(3)
-        subnet = 200 + secrets.randbelow(50)
-        host = cls(f"kvt-{tag}", f"kvt-{tag}-a", f"10.250.{subnet}.1", f"10.250.{subnet}.2")
-        peer_link = f"kvt-{tag}-b"
+        subnet = f"10.250.{200 + secrets.randbelow(50)}"
+        net = cls(f"kvt-{tag}", f"{subnet}.1", [f"kvt-{tag}-{i}" for i in range(num_hosts)],
+                  [f"{subnet}.{i + 2}" for i in range(num_hosts)], [f"kvt-{tag}-{i}a" for i in range(num_hosts)])  # fmt: skip
+        commands = [
+            ["ip", "link", "add", net.bridge, "type", "bridge"],
+            ["ip", "addr", "add", f"{net.address}/24", "dev", net.bridge],
+            ["ip", "link", "set", net.bridge, "up"],
+        ]
+        for host, address, link in zip(net.hosts, net.addresses, net.links):
+            peer = link[:-1] + "b"
+            commands += [
+                ["ip", "netns", "add", host],
+                ["ip", "link", "add", link, "type", "veth", "peer", "name", peer],
+                ["ip", "link", "set", peer, "netns", host],
+                ["ip", "link", "set", link, "master", net.bridge],
+                ["ip", "-n", host, "addr", "add", f"{address}/24", "dev", peer],
+                ["ip", "link", "set", link, "up"],
+                ["ip", "-n", host, "link", "set", peer, "up"],
+                ["ip", "-n", host, "link", "set", "lo", "up"],
+            ]
         try:
-            for command in (
-                ["ip", "netns", "add", host.netns],
-                ["ip", "link", "add", host.local_link, "type", "veth", "peer", "name", peer_link],
-                ["ip", "link", "set", peer_link, "netns", host.netns],
-                ["ip", "addr", "add", f"{host.local_address}/24", "dev", host.local_link],
-                ["ip", "-n", host.netns, "addr", "add", f"{host.remote_address}/24", "dev", peer_link],
-                ["ip", "link", "set", host.local_link, "up"],
-                ["ip", "-n", host.netns, "link", "set", peer_link, "up"],
-                ["ip", "-n", host.netns, "link", "set", "lo", "up"],
-            ):
+            for command in commands:
                 subprocess.run(command, check=True, capture_output=True, text=True)
         except BaseException:
-            host.remove()
+            net.remove()
             raise
-        return host
+        return net
 
-    def cut(self) -> None:
-        subprocess.run(["ip", "link", "set", self.local_link, "down"], check=True, capture_output=True)
+    def cut(self, i: int) -> None:
+        subprocess.run(["ip", "link", "set", self.links[i], "down"], check=True, capture_output=True)
 
-    def restore(self) -> None:
-        subprocess.run(["ip", "link", "set", self.local_link, "up"], check=True, capture_output=True)
+    def restore(self, i: int) -> None:
+        subprocess.run(["ip", "link", "set", self.links[i], "up"], check=True, capture_output=True)
 
     def remove(self) -> None:
-        subprocess.run(["ip", "link", "del", self.local_link], capture_output=True)  # takes its peer with it
-        subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
+        for link, host in zip(self.links, self.hosts):
+            subprocess.run(["ip", "link", "del", link], capture_output=True)  # takes its peer with it
+            subprocess.run(["ip", "netns", "del", host], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)

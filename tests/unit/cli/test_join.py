@@ -1,6 +1,6 @@
 """Several hosts: `kvserve up --listen --write-join-bundle` and `kvserve join`, on stand-in
 services (fake_service.py) and a real nats-server, both "hosts" on this one (the test of
-two real hosts, in network namespaces, is tests/reliability/test_two_hosts.py)."""
+three real hosts, in network namespaces, is tests/reliability/test_several_hosts.py)."""
 
 import asyncio
 import io
