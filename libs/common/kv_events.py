@@ -3,7 +3,8 @@
 Publisher side: `KVEventLog` numbers every change (1, 2, ... within an epoch
 that is random per process start), keeps the holder's contents by tier so it
 can answer a snapshot consistent with that numbering, and hands out batches;
-`KVEventPublisher` flushes those batches on NATS and answers snapshot requests.
+`KVEventPublisher` flushes those batches on NATS, answers snapshot requests and sends
+a checkpoint (a snapshot) now and then for the KV history (libs/common/kv_history.py).
 Consumer side: `KVEventTracker` applies each publisher's events in order and,
 on a gap (a lost batch, a restart, a silent tail seen in a heartbeat), asks
 for a snapshot, buffers what arrives meanwhile, and catches up from it.
@@ -28,6 +29,7 @@ TIERS = (KVTier.DEVICE, KVTier.DRAM, KVTier.DISK)  # fastest first
 _ADDS = (KVEventKind.STORED, KVEventKind.PROMOTED, KVEventKind.DEMOTED)  # kinds after which the blocks are in `tier`
 MAX_BATCH_EVENTS = 256
 FLUSH_DELAY = 0.005  # seconds a flush waits for more events to join the batch
+CHECKPOINT_S = 30.0  # how often a publisher sends its whole contents to the KV history (kv_history.py)
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,8 @@ class KVEventPublisher:
         await self.service.subscribe(subject, KVSnapshotRequest, self._on_snapshot)
         task = self.service.spawn(self._flush_loop())
         stack.callback(task.cancel)
+        checkpoints = self.service.spawn(self._checkpoint_loop())
+        stack.callback(checkpoints.cancel)
         self._wake.set()  # whatever was recorded before start
 
     def _signal(self) -> None:
@@ -132,6 +136,18 @@ class KVEventPublisher:
                     await self.service.publish(subject, batch)
                 except Exception as e:  # the consumer sees the gap and asks for a snapshot
                     log.warning("KV events %d..%d not sent: %s", batch.events[0].seq, batch.events[-1].seq, e)
+
+    async def _checkpoint_loop(self) -> None:
+        """Its whole contents every CHECKPOINT_S seconds, the first at once, for JetStream to
+        keep for a conductor that starts (libs/common/kv_history.py). Sent even when nothing
+        changed: a checkpoint that ages out means a publisher gone."""
+        subject = subjects.kv_checkpoint(self.events.instance_id)
+        while True:
+            try:
+                await self.service.publish(subject, self.events.snapshot())
+            except Exception as e:  # a starting conductor then asks for a snapshot instead
+                log.warning("KV checkpoint not sent: %s", e)
+            await asyncio.sleep(CHECKPOINT_S)
 
     async def _on_snapshot(self, request: KVSnapshotRequest, msg: Msg) -> KVSnapshotReply:
         return self.events.snapshot()

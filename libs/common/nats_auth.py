@@ -63,6 +63,8 @@ ROUTE_USER = "route"  # the user the servers of one cluster connect their routes
 CLUSTER_PORT = 6222  # nats-server's usual route port
 CREDENTIALS = "credentials.json"  # under the auth directory, in a folder per user
 MIN_SECRET_LENGTH = 16
+JETSTREAM_MEMORY_BYTES = 512 << 20  # the KV history's streams, in memory (libs/common/kv_history.py bounds each)
+JETSTREAM_FILE_BYTES = 64 << 20  # none of kvserve's streams is on disk
 
 
 class NatsAuthError(ValueError):
@@ -141,14 +143,14 @@ def permissions(identity: Identity) -> Permissions:
         )  # fmt: skip
     elif role == Role.CONDUCTOR:
         grants = dict(
-            publish=(s.KV_SNAPSHOT_ALL, s.CONDUCTOR_ADMITTED),
+            publish=(s.KV_SNAPSHOT_ALL, s.CONDUCTOR_ADMITTED, *s.kv_history_api()),
             subscribe=(s.HEARTBEAT_ALL, s.KV_EVENTS_ALL, s.CONDUCTOR_PROGRESS, s.CONDUCTOR_ADMIT,
                        own(s.conductor_view, s.CONDUCTOR_VIEW_ALL), s.CONDUCTOR_ADMITTED),
         )  # fmt: skip
     elif role == Role.PREFILL:  # prefill and decode workers alone publish tokens, each under its own name
         grants = dict(
             publish=(own(s.tokens_from, s.TOKENS_ALL), s.DECODE_RESERVE_ALL, s.DECODE_ADMIT_ALL, s.DECODE_RELEASE_ALL,
-                     s.STORE_OPS_ALL, own(s.kv_events, s.KV_EVENTS_ALL)),
+                     s.STORE_OPS_ALL, own(s.kv_events, s.KV_EVENTS_ALL), own(s.kv_checkpoint, s.KV_CHECKPOINT_ALL)),
             subscribe=(own(s.prefill_submit, s.PREFILL_SUBMIT_ALL), s.CANCEL, s.heartbeats(Role.DECODE),
                        s.heartbeats(Role.STORE), own(s.kv_snapshot, s.KV_SNAPSHOT_ALL)),
         )  # fmt: skip
@@ -161,7 +163,7 @@ def permissions(identity: Identity) -> Permissions:
         )  # fmt: skip
     elif role == Role.STORE:
         grants = dict(
-            publish=(own(s.kv_events, s.KV_EVENTS_ALL),),
+            publish=(own(s.kv_events, s.KV_EVENTS_ALL), own(s.kv_checkpoint, s.KV_CHECKPOINT_ALL)),
             subscribe=(own(s.store_ops, s.STORE_OPS_ALL), own(s.kv_snapshot, s.KV_SNAPSHOT_ALL)),
         )
     else:
@@ -253,20 +255,38 @@ def derived_route_password(secret: str) -> str:
 
 def cluster_config(users_file: str, listen: str, password: str, routes: Iterable[str], tls: TlsFiles | None = None) -> str:
     """A cluster member's configuration: the users' file (``users_file``, beside it),
-    included, and the cluster block: where it takes routes (``listen``, host:port) and
-    the route URLs of the members (``routes``, host:port; its own is ignored by
-    nats-server), each authenticating as the route user; with ``tls``, mutual TLS on its
+    included, and the cluster block (`cluster_block`); with ``tls``, mutual TLS on its
     clients' connections and its routes (`tls_config`)."""
+    return tls_config(users_file, tls) + cluster_block(listen, password, routes, tls)
+
+
+def cluster_block(listen: str, password: str, routes: Iterable[str], tls: TlsFiles | None = None) -> str:
+    """Where a cluster member takes routes (``listen``, host:port) and the route URLs of the
+    members (``routes``, host:port; its own is ignored by nats-server), each authenticating
+    as the route user; with ``tls``, the routes speak mutual TLS."""
     urls = [json.dumps(f"nats://{ROUTE_USER}:{password}@{route}") for route in routes]
     return (
-        tls_config(users_file, tls)
-        + "cluster {\n"
+        "cluster {\n"
         f'  name: "{CLUSTER_NAME}"\n'
         f'  listen: "{listen}"\n'
         f'  authorization {{ user: "{ROUTE_USER}", password: {json.dumps(password)} }}\n'
         f"  routes: [{', '.join(urls)}]\n"
         + (_tls_block(tls, "  ") if tls is not None else "")
         + "}\n"
+    )
+
+
+def jetstream_config(server_name: str, store_dir: str) -> str:
+    """JetStream on, for the KV history a starting conductor catches up from
+    (libs/common/kv_history.py): in memory, bounded; ``store_dir`` keeps only its
+    bookkeeping. ``server_name`` must differ between the servers of a cluster."""
+    return (
+        f"server_name: {json.dumps(server_name)}\n"
+        "jetstream {\n"
+        f"  store_dir: {json.dumps(store_dir)}\n"
+        f"  max_memory_store: {JETSTREAM_MEMORY_BYTES}\n"
+        f"  max_file_store: {JETSTREAM_FILE_BYTES}\n"
+        "}\n"
     )
 
 

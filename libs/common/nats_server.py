@@ -17,6 +17,7 @@ import json
 import os
 import secrets
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -28,8 +29,9 @@ from pathlib import Path
 from libs.common.nats_auth import (
     AuthFiles,
     Identity,
-    cluster_config,
+    cluster_block,
     instance_identities,
+    jetstream_config,
     random_passwords,
     role_identities,
     tls_config,
@@ -133,11 +135,14 @@ class NatsServer:
             self._auth = write_auth_files(self._auth_dir.name, self.identities, self._passwords)
         if self._auth is None:
             raise NatsServerError(f"{self.name}: the server it shares users with is not started")
-        config = self._auth.server_config
-        if self.routes is not None or self.tls is not None:  # beside the users' file, which it includes
-            config = config.with_name(f"{self.name}.conf")
-            write_private(config, self._cluster_config() if self.routes is not None
-                          else tls_config(self._auth.server_config.name, self.tls))  # fmt: skip
+        # its own configuration, beside the users' file, which it includes
+        config = self._auth.server_config.with_name(f"{self.name}.conf")
+        jetstream_dir = self._auth.directory / "jetstream" / self.name  # the same across restarts
+        text = tls_config(self._auth.server_config.name, self.tls) + jetstream_config(self.name, str(jetstream_dir))
+        if self.routes is not None:
+            peers = [f"{self.host}:{port}" for port in self.routes.peers()]
+            text += cluster_block(f"{self.host}:{self.route_port or -1}", self.routes.password, peers, self.tls)
+        write_private(config, text)
         self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-", dir=self.directory)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
         self._proc = subprocess.Popen(
@@ -166,13 +171,6 @@ class NatsServer:
             time.sleep(0.02)  # polling the ports file, which nats-server writes once it listens
         self._end_run()  # the credentials stay until stop(): a restart must not move them
         raise NatsServerError(f"nats-server did not report its port within {timeout}s")
-
-    def _cluster_config(self) -> str:
-        """The users' configuration, included, and the cluster block: where this server takes
-        routes (the same port again on a restart) and the other servers' route URLs."""
-        peers = [f"{self.host}:{port}" for port in self.routes.peers()]
-        return cluster_config(self._auth.server_config.name, f"{self.host}:{self.route_port or -1}", self.routes.password,
-                              peers, self.tls)  # fmt: skip
 
     @property
     def pid(self) -> int | None:
@@ -237,12 +235,17 @@ class NatsCluster:
             name = "nats-server" if size == 1 else f"nats-server-{i}"
             self.servers.append(NatsServer(host, log_file, directory, instances, routes, name,
                                            self.servers[0] if i else None, role_users, tls))  # fmt: skip
+        if size > 1:
+            # Every server is given every other's route from the start, however they are
+            # started: JetStream's cluster will not start on a server with no route configured.
+            for server in self.servers:
+                server.route_port = _free_port(host)
 
     def _route_ports(self, index: int) -> list[int]:
         return [s.route_port for i, s in enumerate(self.servers) if i != index and s.route_port is not None]
 
     def start(self, timeout: float = 15.0) -> "NatsCluster":
-        for server in self.servers:  # each routes to those started before it; gossip does the rest
+        for server in self.servers:
             server.start(timeout)
         return self
 
@@ -268,3 +271,11 @@ class NatsCluster:
     @property
     def pids(self) -> list[int | None]:
         return [server.pid for server in self.servers]
+
+
+def _free_port(host: str) -> int:
+    """A port no one listens on at ``host`` now (the OS's pick; taken again by nats-server
+    a moment later: another process could take it first, and nats-server would then fail)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]

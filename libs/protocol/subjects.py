@@ -68,6 +68,29 @@ def kv_snapshot(instance_id: InstanceId) -> str:
     return f"{PREFIX}.kv.snapshot.{_token(instance_id)}"
 
 
+def kv_checkpoint(instance_id: InstanceId) -> str:
+    """A publisher's whole contents, now and then (KVSnapshotReply), kept in JetStream for a
+    conductor that starts (libs/common/kv_history.py)."""
+    return f"{PREFIX}.kv.checkpoint.{_token(instance_id)}"
+
+
+KV_CHECKPOINT_ALL = f"{PREFIX}.kv.checkpoint.*"
+# The JetStream streams that keep them: the last checkpoint of each publisher, and the events since.
+KV_CHECKPOINTS_STREAM = "KVSERVE_KV_CHECKPOINTS"
+KV_EVENTS_STREAM = "KVSERVE_KV_EVENTS"
+
+
+def kv_history_api() -> tuple[str, ...]:
+    """The JetStream API subjects a conductor uses on those two streams: make them (or check
+    them), and read them through a consumer of its own that it deletes when done."""
+    api = []
+    for stream in (KV_CHECKPOINTS_STREAM, KV_EVENTS_STREAM):
+        api += [f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}",
+                f"$JS.API.CONSUMER.CREATE.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.>",
+                f"$JS.API.CONSUMER.MSG.NEXT.{stream}.*", f"$JS.API.CONSUMER.DELETE.{stream}.*"]  # fmt: skip
+    return tuple(api)
+
+
 # --- prefill workers ----------------------------------------------------------
 def prefill_submit(instance_id: InstanceId) -> str:
     """Gateway -> one prefill worker: a request to prefill (request/reply ack)."""

@@ -1,5 +1,5 @@
 """The conductor service: keeps the cluster view from heartbeats and the global
-KV index from KV events, answers admission requests with a (prefill, decode)
+KV index from KV events (at start, from the KV history: `catch_up.py`), answers admission requests with a (prefill, decode)
 pair or an early rejection, and settles its predictions from the gateways'
 progress reports. Replicas run active-active: each books its peers' admissions
 (`replicas.py`). Every decision is `scheduler.py`'s; this is the NATS side.
@@ -36,6 +36,7 @@ from libs.protocol.schema import (
 from libs.protocol.vocabulary import Role
 from services.conductor.admission_policy import build_policy
 from services.conductor.admitter import Admitter
+from services.conductor.catch_up import CatchUp
 from services.conductor.cluster import ClusterView, Instance
 from services.conductor.conductor_metrics import ConductorMetrics
 from services.conductor.explain import DecisionLog
@@ -64,6 +65,8 @@ class Conductor(Service):
         self._snapshots: set[str] = set()  # instances whose snapshot is being fetched
         self.replicas = Replicas(self.instance_id, self.scheduler)  # active-active: peers' admissions booked here
         self.conductor_metrics = ConductorMetrics(self.metrics, self.scheduler, self.index, self.tracker)
+        self.catch_up = CatchUp(self.tracker, self._fetch_snapshot, is_alive=lambda i: self.view.get(i) is not None,
+                                settle_s=3 * settings.instance_timeout)  # fmt: skip
 
     async def start(self, stack: AsyncExitStack) -> None:
         c = self.settings
@@ -76,6 +79,8 @@ class Conductor(Service):
         await self.subscribe(subjects.conductor_view(self.instance_id), ConductorViewRequest, self.on_view)
         expiry = self.spawn(self._expire_loop(), essential=True)
         stack.callback(expiry.cancel)
+        history = self.spawn(self.catch_up.run(self.nc))  # the KV history, while the rest goes on
+        stack.callback(history.cancel)
 
     # --- the cluster and its KV ------------------------------------------------------
     async def on_heartbeat(self, heartbeat: Heartbeat, msg: Msg) -> None:
@@ -83,12 +88,13 @@ class Conductor(Service):
         instance = self.view.observe(heartbeat)
         if heartbeat.cost is not None and (known is None or known.heartbeat.cost != heartbeat.cost):
             self.log.info("%s cost model: %s", heartbeat.instance_id, instance.cost.describe())
+        if self.catch_up.catching_up:
+            return  # the KV history may hold what its heartbeat says this conductor has not seen
         if self.tracker.on_heartbeat(heartbeat.instance_id, heartbeat.kv_epoch, heartbeat.kv_seq):
             self._fetch_snapshot(heartbeat.instance_id)
 
     async def on_kv_events(self, batch: KVEventBatch, msg: Msg) -> None:
-        if self.tracker.on_batch(batch):
-            self._fetch_snapshot(batch.instance_id)
+        self.catch_up.on_batch(batch)
 
     def _fetch_snapshot(self, instance_id: InstanceId) -> None:
         if instance_id not in self._snapshots:

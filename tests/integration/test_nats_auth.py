@@ -224,7 +224,10 @@ async def test_the_secrets_are_in_private_files_and_never_on_the_command_line(se
     assert all(password in server.config_file.read_text() for password in passwords)
     with open(f"/proc/{server.pid}/cmdline", "rb") as f:
         command_line = f.read().decode()
-    assert str(server.config_file) in command_line  # the path only
+    own = server.config_file.with_name(f"{server.name}.conf")  # its own configuration, which includes the users'
+    assert str(own) in command_line  # the path only
+    assert f'include "{server.config_file.name}"' in own.read_text()
+    assert stat.S_IMODE(own.stat().st_mode) == 0o600
     assert not any(password in command_line for password in passwords)
 
 
