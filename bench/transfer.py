@@ -45,10 +45,10 @@ sys.path.insert(0, str(ROOT))
 from bench.transfer_costs import fixed_costs  # noqa: E402
 from bench.transfer_handoff import HandoffBench, kv_bytes  # noqa: E402
 from bench.transfer_report import machine_load, report, write_report  # noqa: E402
+from libs.common.certificates import ClusterCA  # noqa: E402
 from libs.protocol.schema import WriteTicket  # noqa: E402
 from libs.transfer import SharedSegment, Span, TransferEngine  # noqa: E402
 from libs.transfer.segment import SHM_DIR, new_segment_name  # noqa: E402
-from libs.common.certificates import ClusterCA  # noqa: E402
 
 PEER = ROOT / "bench" / "transfer_peer.py"
 NETNS_ENV = "KVSERVE_BENCH_NETNS"

@@ -68,9 +68,9 @@ def serve(buffer: memoryview, zero, commands: dict) -> None:
 def run_kvserve(size: int, tls_files: list[str] | None = None) -> None:
     import msgspec
 
+    from libs.common.tls import TlsFiles
     from libs.transfer import SharedSegment, TransferEngine
     from libs.transfer.segment import new_segment_name
-    from libs.common.tls import TlsFiles
 
     tls = TlsFiles(*tls_files) if tls_files else None
     engine = TransferEngine("peer-host", listen="127.0.0.1:0", transport="tcp", tls=tls)  # tcp: listening from the start

@@ -50,16 +50,16 @@ from kvserve.cli.supervisor import (
     remove_segments_of,
 )
 from libs.common import standby
+from libs.common.certificates import ClusterCA, Leaf
 from libs.common.cpu_share import available_cpus
 from libs.common.nats_auth import OBSERVER, load_credentials
 from libs.common.nats_server import NatsCluster, NatsServer
 from libs.common.settings import without_secrets
+from libs.common.tls import TlsFiles, mutual_context
 from libs.protocol.errors import KVServeError
 from libs.protocol.models import DEFAULT_MODEL_ID
 from libs.protocol.schema import Heartbeat
 from libs.protocol.vocabulary import Role
-from libs.common.certificates import ClusterCA, Leaf
-from libs.common.tls import TlsFiles, mutual_context
 
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # also the start order
 GATEWAY_ID = "gateway-0"

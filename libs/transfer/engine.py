@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from libs.common.metrics import Metrics
+from libs.common.tls import TlsFiles
 from libs.protocol.schema import WriteTicket
 from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.descriptors import Descriptor, Span, TransferError
@@ -26,7 +27,6 @@ from libs.transfer.ranges import RangeSet
 from libs.transfer.registry import TRANSPORTS
 from libs.transfer.segment import SHM_DIR, SharedSegment
 from libs.transfer.shm import ShmTransport, copy_spans
-from libs.common.tls import TlsFiles
 from libs.transfer.tickets import OpenTicket, TicketBook, claim, ticket_id
 from libs.transfer.transfer_metrics import TransferMetrics
 from libs.transfer.transport import Transport

@@ -5,8 +5,8 @@ from dataclasses import dataclass
 from typing import Self
 
 from libs.common.settings import env_float, env_int, env_str
-from libs.transfer.registry import TRANSPORTS
 from libs.common.tls import TlsFiles
+from libs.transfer.registry import TRANSPORTS
 
 
 @dataclass(frozen=True)
