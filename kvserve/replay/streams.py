@@ -9,7 +9,7 @@ and the longest silence between two bytes. Nothing here judges the outcome.
 import asyncio
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -80,6 +80,17 @@ async def run_streams(
         await asyncio.gather(*(_one(session, load, p, o, first_tokens) for p, o in zip(load.prompts, outcomes)))
         watcher.cancel()
     return outcomes
+
+
+async def streams_with_a_fault(load: ChatLoad, fault: Callable[[], object], after: int,
+                               timeout_s: float = 120.0) -> list[StreamOutcome]:  # fmt: skip
+    """Stream every prompt at once; once ``after`` streams have their first token, call
+    ``fault()`` (in a thread: a kill may wait for its process), then wait for them all."""
+    started = asyncio.Event()
+    streams = asyncio.create_task(run_streams(load, started, started_after=after))
+    await asyncio.wait_for(started.wait(), timeout=timeout_s)
+    await asyncio.to_thread(fault)
+    return await streams
 
 
 async def _one(

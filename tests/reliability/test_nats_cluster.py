@@ -14,7 +14,7 @@ import time
 import pytest
 
 from kvserve.cli.cluster import LocalCluster
-from kvserve.replay.streams import ChatLoad, run_streams, tally
+from kvserve.replay.streams import ChatLoad, streams_with_a_fault, tally
 from tests.integration.conftest import CLUSTER_ENV, STARTED
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -57,14 +57,8 @@ def test_killing_one_nats_server_under_load_loses_no_request(nats_cluster):
     old_pid = cluster.nats_pids[victim]
     load = ChatLoad(cluster.gateway_url, MODEL, PROMPTS, max_tokens=MAX_TOKENS)
 
-    async def scenario():
-        started = asyncio.Event()
-        streams = asyncio.create_task(run_streams(load, started, started_after=NUM_STREAMS // 2))
-        await asyncio.wait_for(started.wait(), timeout=120)
-        os.kill(old_pid, signal.SIGKILL)
-        return await streams
-
-    result = tally(asyncio.run(scenario()))
+    outcomes = asyncio.run(streams_with_a_fault(load, lambda: os.kill(old_pid, signal.SIGKILL), NUM_STREAMS // 2))
+    result = tally(outcomes)
     assert result.completed == NUM_STREAMS, f"nats-server-{victim}: {result.line()}"
     assert cluster.nats_pids[victim] == old_pid, "the streams waited for the killed server's restart"
     cluster.wait_for(lambda hbs: cluster.nats_pids[victim] not in (None, old_pid), timeout=RESTART_DELAY_S + 30)

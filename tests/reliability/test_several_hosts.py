@@ -34,7 +34,7 @@ import pytest
 
 from kvserve.cli.cluster import LocalCluster
 from kvserve.cli.supervisor import die_with_launcher
-from kvserve.replay.streams import ChatLoad, run_streams, tally
+from kvserve.replay.streams import ChatLoad, run_streams, streams_with_a_fault, tally
 from tests.integration.conftest import CLUSTER_ENV, STARTED, metric_value, wait_until
 from tests.integration.test_one_request import reference
 from tests.reliability import netns
@@ -212,14 +212,8 @@ def test_killing_a_nats_server_under_load_loses_no_stream_on_any_host(three_host
     old_pid = cluster.nats_pids[1]
     load = ChatLoad(cluster.gateway_url, MODEL, PROMPTS, max_tokens=MAX_TOKENS, timeout_s=CLIENT_LIMIT_S)
 
-    async def scenario():
-        started = asyncio.Event()
-        streams = asyncio.create_task(run_streams(load, started, started_after=NUM_STREAMS // 2))
-        await asyncio.wait_for(started.wait(), timeout=120)
-        os.kill(old_pid, signal.SIGKILL)
-        return await streams
-
-    result = tally(asyncio.run(scenario()))
+    outcomes = asyncio.run(streams_with_a_fault(load, lambda: os.kill(old_pid, signal.SIGKILL), NUM_STREAMS // 2))
+    result = tally(outcomes)
     assert result.completed == NUM_STREAMS, result.line()
     assert cluster.nats_pids[1] == old_pid, "the streams waited for the killed server's restart"
 
@@ -228,14 +222,8 @@ def test_cutting_a_hosts_link_mid_stream_ends_every_stream_and_restoring_it_brin
     cluster, net, _, _ = three_hosts
     load = ChatLoad(cluster.gateway_url, MODEL, PROMPTS, max_tokens=MAX_TOKENS, timeout_s=CLIENT_LIMIT_S)
 
-    async def scenario():
-        started = asyncio.Event()
-        streams = asyncio.create_task(run_streams(load, started, started_after=NUM_STREAMS // 2))
-        await asyncio.wait_for(started.wait(), timeout=120)
-        net.cut(1)  # host C: its prefill and decode workers drop off mid-stream
-        return await streams
-
-    outcomes = asyncio.run(scenario())
+    # host C: its prefill and decode workers drop off mid-stream
+    outcomes = asyncio.run(streams_with_a_fault(load, lambda: net.cut(1), NUM_STREAMS // 2))
     for outcome in outcomes:
         assert outcome.done or outcome.errored_cleanly, f"stream {outcome.index} did not end: {outcome}"
         assert outcome.completed or outcome.error is not None, outcome
