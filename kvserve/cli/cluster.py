@@ -324,7 +324,7 @@ class LocalCluster:
                 write_bundle(self.join_bundle, self._bundle())
                 self.echo(f"wrote the join bundle {self.join_bundle} (0600; it holds secrets: copy it like a key)",
                           label="kvserve")  # fmt: skip
-            if not self.counts.get(Role.PREFILL):
+            if not self.counts.get(Role.PREFILL) and self.member is None:  # a joining host: the others have them
                 self.echo("no prefill worker: each decode worker prefills its own requests", label="kvserve")
             self._watcher = HeartbeatWatcher(
                 self._nats.url_for("observer"), self._on_heartbeat, on_disconnect=self._supervisor.wake,
@@ -332,7 +332,12 @@ class LocalCluster:
             )
             self._watcher.start()
             if not self._watcher.subscribed.wait(10.0) or self._watcher.error is not None:
-                raise ClusterError(f"cannot watch heartbeats on nats-server: {self._watcher.error or 'timed out'}")
+                why = self._watcher.error or "timed out"
+                if self.member is not None:  # the first host's, as the bundle and HOST say
+                    raise ClusterError(f"cannot reach the first host's nats-server at {self._nats.public_url} ({why}): "
+                                       "check HOST, that its kvserve up is running, and that the bundle is the one "
+                                       "it wrote this run")  # fmt: skip
+                raise ClusterError(f"cannot watch heartbeats on nats-server: {why}")
             deadline = time.monotonic() + timeout
             for role in ROLES:
                 for i in range(self.counts[role]):

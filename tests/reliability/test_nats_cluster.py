@@ -2,7 +2,7 @@
 another, every service given every server's URL. Killing one under load loses no
 request: its clients move to another server, the streams go on (resent or moved),
 and the supervisor starts the dead one again, which rejoins the cluster.
-Bounded: 24 streams of at most 48 tokens, every wait has a deadline.
+Bounded: 16 streams of at most 32 tokens, every wait has a deadline.
 """
 
 import asyncio
@@ -18,8 +18,8 @@ from kvserve.replay.streams import ChatLoad, streams_with_a_fault, tally
 from tests.integration.conftest import CLUSTER_ENV, STARTED
 
 MODEL = "SmolLM2-135M-Instruct"
-NUM_STREAMS = 24
-MAX_TOKENS = 48
+NUM_STREAMS = 16
+MAX_TOKENS = 32
 RESTART_DELAY_S = 15.0
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(NUM_STREAMS)]
 

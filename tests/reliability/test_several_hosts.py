@@ -11,7 +11,7 @@ command line. Cutting B's link in the middle of a hand-off must end the request 
 the lease (a migration or a clear error, then [DONE]), never a hang, and restoring it must
 restore service; killing a nats-server under load must lose no stream; cutting C's link
 mid-stream under load must end every stream with [DONE] (C's moved to B or ended with a
-clear error), and restoring it must bring C back. Bounded: at most 12 streams of 32
+clear error), and restoring it must bring C back. Bounded: at most 8 streams of 24
 tokens at once, every wait with a deadline. Skipped, with the reason, where network
 namespaces cannot be made.
 """
@@ -50,7 +50,7 @@ FAULT_ENV = {
     "KVSERVE_TRANSFER_TIMEOUT": "4",
     "KVSERVE_FAILPOINTS": f"{DECODE_B}:transfer.stall_first_receive",
 }
-NUM_STREAMS, MAX_TOKENS = 12, 32
+NUM_STREAMS, MAX_TOKENS = 8, 24
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(NUM_STREAMS)]
 
 
