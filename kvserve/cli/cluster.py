@@ -596,7 +596,8 @@ class LocalCluster:
             first, longest = self.restart_delays
             return Backoff(first=first, longest=longest)
 
-        if GATEWAY_ID in self._procs:  # a restarted gateway listens where the announced URL says, even if port 0 was asked for
+        # A restarted gateway listens where the announced URL says, even if port 0 was asked for.
+        if GATEWAY_ID in self._procs:  # (a joining host runs none)
             self._procs[GATEWAY_ID].env["KVSERVE_GATEWAY_PORT"] = str(urlsplit(self.gateway_url).port)
         for inst in self._procs.values():
             self._supervisor.watch(

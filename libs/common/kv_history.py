@@ -82,13 +82,14 @@ async def replay(
     stats = ReplayStats()
     started = time.monotonic()
 
-    oldest: list[datetime.datetime] = []  # when the oldest checkpoint read was stored
+    oldest: datetime.datetime | None = None  # when the oldest checkpoint read was stored
 
     def checkpoint(msg: Msg) -> None:
+        nonlocal oldest
         on_checkpoint(decode(msg.data, KVSnapshotReply))
         stats.checkpoints += 1
         stamp = msg.metadata.timestamp
-        oldest[:] = [min(oldest[0], stamp)] if oldest else [stamp]
+        oldest = stamp if oldest is None else min(oldest, stamp)
 
     def batch(msg: Msg) -> None:
         on_batch(decode(msg.data, KVEventBatch))
@@ -100,8 +101,8 @@ async def replay(
     # sends its events after the checkpoint that counts them): not read. A publisher with no
     # checkpoint there lost its first ones anyway (a gap, so a snapshot).
     since = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
-    if oldest:
-        since = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=oldest[0] - START_SLACK)
+    if oldest is not None:
+        since = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_TIME, opt_start_time=oldest - START_SLACK)
     await _read(js, subjects.KV_EVENTS_STREAM, subjects.KV_EVENTS_ALL, since, batch, stats)
     stats.seconds = time.monotonic() - started
     return stats

@@ -1,8 +1,8 @@
 """The conductor service: keeps the cluster view from heartbeats and the global
-KV index from KV events (at start, from the KV history: `catch_up.py`), answers admission requests with a (prefill, decode)
-pair or an early rejection, and settles its predictions from the gateways'
-progress reports. Replicas run active-active: each books its peers' admissions
-(`replicas.py`). Every decision is `scheduler.py`'s; this is the NATS side.
+KV index from KV events (at start, from the KV history: `catch_up.py`), answers
+admission requests with a (prefill, decode) pair or an early rejection, and settles
+its predictions from the gateways' progress reports. Replicas run active-active:
+each books its peers' admissions (`replicas.py`). Every decision is `scheduler.py`'s; this is the NATS side.
 """
 
 import asyncio
