@@ -34,6 +34,7 @@ import nats  # noqa: E402
 
 from libs.common.kv_events import KVEventLog, KVEventTracker  # noqa: E402
 from libs.common.nats_auth import inbox_prefix, load_credentials  # noqa: E402
+from libs.common.nats_flush import flush
 from libs.common.nats_server import NatsServer  # noqa: E402
 from libs.protocol import schema, subjects  # noqa: E402
 from libs.protocol.schema import KVSnapshotReply, KVSnapshotRequest  # noqa: E402
@@ -63,13 +64,13 @@ async def run_instances(url: str, credentials: str, instances: int, blocks: int)
         await nc.publish(subjects.kv_events(log.instance_id), schema.encode(log.take_batch()))
         logs.append(log)
         if i % 64 == 63:
-            await nc.flush()
+            await flush(nc)
 
         async def answer(msg, log=log) -> None:
             await msg.respond(schema.encode(log.snapshot()))
 
         await nc.subscribe(subjects.kv_snapshot(log.instance_id), cb=answer)
-    await nc.flush()
+    await flush(nc)
     print("ready", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     await nc.close()

@@ -10,6 +10,7 @@ import nats
 from nats.aio.msg import Msg
 
 from libs.common import nats_auth
+from libs.common.nats_flush import flush
 from libs.protocol import schema, subjects
 from libs.protocol.schema import BadMessageError, Heartbeat
 
@@ -56,7 +57,7 @@ class HeartbeatWatcher(threading.Thread):
             return
         try:
             await nc.subscribe(subjects.HEARTBEAT_ALL, cb=self._on_message)
-            await nc.flush()  # the server has the subscription before any service starts
+            await flush(nc)  # the server has the subscription before any service starts
             self.subscribed.set()
             await self._done.wait()
         finally:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import nats
 
+from libs.common.nats_flush import flush
 from libs.common.settings import ModelSettings
 from libs.common.store_client import StoreClient
 from libs.protocol import schema, subjects
@@ -201,7 +202,7 @@ class Caller:
                     on_disk.difference_update(event.block_hashes)
 
         await self.nc.subscribe(subjects.kv_events(instance_id), cb=on_events)
-        await self.nc.flush()  # subscribed at the server before the caller goes on
+        await flush(self.nc)  # subscribed at the server before the caller goes on
         return on_disk
 
 

@@ -20,6 +20,7 @@ import yaml
 
 from kvserve.cli.main import main as kvserve
 from libs.common.nats_auth import CLUSTER_PORT, load_credentials, server_urls
+from libs.common.nats_flush import flush
 from libs.common.nats_server import find_nats_server
 from libs.common.settings import service_env
 from tests.integration.conftest import wait_until
@@ -257,10 +258,10 @@ async def _crosses(publisher_port: int, subscriber_port: int, user) -> bytes:
     pub_nc = await nats.connect(f"nats://127.0.0.1:{publisher_port}", **options)
     try:
         sub = await sub_nc.subscribe("kvserve.test.routed")
-        await sub_nc.flush()
+        await flush(sub_nc)
         for _ in range(150):  # up to 15 s for the routes and the subscription's interest to spread
             await pub_nc.publish("kvserve.test.routed", b"routed")
-            await pub_nc.flush()
+            await flush(pub_nc)
             try:
                 return (await sub.next_msg(timeout=0.1)).data
             except nats.errors.TimeoutError:

@@ -17,6 +17,7 @@ import nats
 import pytest
 
 from libs.common import nats_auth
+from libs.common.nats_flush import flush
 from libs.common.nats_server import NatsServer
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings
@@ -444,7 +445,7 @@ async def test_a_nats_cluster_routes_messages_and_keeps_route_and_user_secrets_o
         pub_nc = await nats.connect(servers[0].public_url, user="gateway", password=gateway["password"])
         try:
             sub = await sub_nc.subscribe(subjects.CONDUCTOR_ADMIT)
-            await sub_nc.flush()
+            await flush(sub_nc)
 
             deadline = asyncio.get_running_loop().time() + WAIT
             while True:  # published again until the routes are up: a deadline, no guess

@@ -5,6 +5,7 @@ import urllib.request
 
 import pytest
 
+from libs.common.nats_flush import flush
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine
@@ -142,7 +143,7 @@ def test_undecodable_nats_messages_are_logged_and_dropped(cluster, openai_client
         nc = await nats.connect(cluster.nats_url)
         for subject in targets:
             await nc.publish(subject, b"\x93garbage")
-        await nc.flush()
+        await flush(nc)
         await nc.close()
 
     asyncio.run(send_garbage())

@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from libs.common import tenants as tenants_file
+from libs.common.nats_flush import flush
 from libs.common.tenants import Tenant, Tenants
 from libs.protocol import schema, subjects
 from libs.protocol.hashing import ROOT
@@ -112,7 +113,7 @@ async def test_prefill_on_the_decode_worker_goes_to_its_prefill_subject(start_ga
             await nc.publish(subjects.tokens(req.request_id, "decode-b"), schema.encode(c))  # it prefilled itself
 
     await nc.subscribe(subjects.decode_prefill("decode-b"), cb=on_local_prefill)
-    await nc.flush()
+    await flush(nc)
     client = openai_client(await start_gateway())
     raw = await client.chat.completions.with_raw_response.create(model="tiny-llama", messages=MESSAGES, max_tokens=16)
     assert raw.parse().choices[0].message.content == "Hello world"

@@ -12,6 +12,7 @@ import pytest
 
 from libs.common.kv_events import KVEventLog, KVEventTracker
 from libs.common.nats_auth import inbox_prefix, load_credentials
+from libs.common.nats_flush import flush
 from libs.common.nats_server import NatsServer
 from libs.protocol import schema, subjects
 from libs.protocol.vocabulary import KVEventKind, KVTier
@@ -75,7 +76,7 @@ def test_a_starting_conductor_learns_every_instance_from_the_history_without_ask
         await send_events(store, s)  # no checkpoint yet: its events from the first
         await send_checkpoint(prefill, p)  # the newer checkpoint of prefill-0 replaces the older (one per subject)
         for client in (prefill, store):
-            await client.flush()
+            await flush(client)
 
         restarted = Conductor()
         s.record(KVEventKind.STORED, KVTier.DISK, h("z"))
@@ -113,7 +114,7 @@ def test_only_an_instance_the_history_cannot_account_for_is_asked_and_one_gone_i
         g.record(KVEventKind.STORED, KVTier.DRAM, h("stale"))
         await send_checkpoint(gone, g)  # a publisher that has since died: no heartbeat comes from it
         for client in (early, late, gone):
-            await client.flush()
+            await flush(client)
             await client.close()
         conductor = Conductor(alive={"prefill-0", "prefill-1"})
         with caplog.at_level(logging.INFO, logger="kvserve.conductor.catch_up"):

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
+from libs.common.nats_flush import flush
 from libs.protocol import schema, subjects
 from libs.protocol.schema import Ack, AdmitReply, AdmitRequest, Cancel, Heartbeat, PrefillRequest, TokenChunk
 from services.gateway.app import Gateway
@@ -70,7 +71,7 @@ class FakeCluster:
         for p in [i for i, role in self.alive.items() if role == "prefill"]:
             await self.nc.subscribe(subjects.prefill_submit(p), cb=on_submit)
         await self.nc.subscribe(subjects.CANCEL, cb=on_cancel)
-        await self.nc.flush()
+        await flush(self.nc)
         self._stopped = asyncio.Event()
         self._beats = asyncio.create_task(repeat_until(self._stopped, BEAT, self._heartbeats))
 

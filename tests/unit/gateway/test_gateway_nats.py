@@ -9,6 +9,7 @@ import aiohttp
 import openai
 import pytest
 
+from libs.common.nats_flush import flush
 from libs.protocol import schema, subjects
 from libs.protocol.schema import (
     Ack,
@@ -83,7 +84,7 @@ class FakeCluster:
             await self.nc.subscribe(subjects.CONDUCTOR_ADMIT, queue=subjects.CONDUCTOR_QUEUE, cb=on_admit)
         await self.nc.subscribe(subjects.prefill_submit("prefill-a"), cb=on_submit)
         await self.nc.subscribe(subjects.CANCEL, cb=on_cancel)
-        await self.nc.flush()
+        await flush(self.nc)
 
     async def next_cancel(self) -> Cancel:
         return await asyncio.wait_for(self.cancels.get(), WAIT)

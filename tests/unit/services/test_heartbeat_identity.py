@@ -7,6 +7,7 @@ from contextlib import AsyncExitStack
 import nats
 import pytest
 
+from libs.common.nats_flush import flush
 from libs.common.nats_server import NatsServer
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings
@@ -33,7 +34,7 @@ class Listener(Service):
 
     async def start(self, stack: AsyncExitStack) -> None:
         await self.subscribe_heartbeats("decode", self.on_heartbeat)
-        await self.nc.flush()
+        await flush(self.nc)
         self.listening.set()
 
     async def on_heartbeat(self, beat: Heartbeat, msg) -> None:

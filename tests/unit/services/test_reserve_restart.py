@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import nats
 import pytest
 
+from libs.common.nats_flush import flush
 from libs.common.nats_server import NatsServer
 from libs.common.peers import PeerDirectory
 from libs.common.service import Service
@@ -68,13 +69,13 @@ async def test_a_lease_lost_in_a_dying_worker_is_asked_again_of_its_restart(nats
             await msg.respond(schema.encode(ErrorReply(code=ErrorCode.NO_CAPACITY, message=f"new process: {request.request_id}")))
 
         await old_nc.subscribe(subjects.decode_reserve("decode-0"), cb=dying)
-        await old_nc.flush()
+        await flush(old_nc)
         handoff = make_handoff(prefill_nc, decoders)
         asking = asyncio.create_task(handoff.reserve(REQUEST, "decode-0", 3))
         await asyncio.wait_for(swallowed.wait(), WAIT)
         await old_nc.close()  # the process is gone; its restart subscribes, then beats
         await new_nc.subscribe(subjects.decode_reserve("decode-0"), cb=restarted)
-        await new_nc.flush()
+        await flush(new_nc)
         decoders.observe(beat(started_at=2.0))
         with pytest.raises(HandoffError) as lost:
             await asyncio.wait_for(asking, WAIT)
@@ -111,7 +112,7 @@ async def test_a_request_to_a_worker_that_goes_silent_fails_without_waiting_for_
 
         subject = subjects.decode_reserve("decode-0") if what == "reserve" else subjects.decode_admit("decode-0")
         await decode_nc.subscribe(subject, cb=dying)
-        await decode_nc.flush()
+        await flush(decode_nc)
         asking = asyncio.create_task(ask(make_handoff(prefill_nc, decoders), what))
         await asyncio.wait_for(swallowed.wait(), WAIT)
         now[0] += 2.5  # two and a half heartbeats without one

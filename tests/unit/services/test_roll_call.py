@@ -7,6 +7,7 @@ import asyncio
 import nats
 import pytest
 
+from libs.common.nats_flush import flush
 from libs.common.nats_server import NatsServer
 from libs.common.service import Service
 from libs.common.settings import ServiceSettings
@@ -31,7 +32,7 @@ async def watch(url: str) -> tuple[nats.NATS, asyncio.Queue]:
         beats.put_nowait(schema.decode(msg.data, Heartbeat))
 
     await nc.subscribe(subjects.HEARTBEAT_ALL, cb=on_beat)
-    await nc.flush()
+    await flush(nc)
     return nc, beats
 
 
@@ -67,7 +68,7 @@ async def test_a_service_calls_the_roll_when_it_starts(nats_server):
         calls.put_nowait(schema.decode(msg.data, schema.RollCall))
 
     await nc.subscribe(subjects.ROLL_CALL, cb=on_call)
-    await nc.flush()
+    await flush(nc)
     service = Service(ServiceSettings(role="prefill", nats_url=nats_server.url, instance_id="prefill-r", host_id="h",
                                       heartbeat_interval=NEVER))  # fmt: skip
     running = asyncio.create_task(service.run())
