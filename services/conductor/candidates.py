@@ -90,9 +90,12 @@ class RoleCandidates:
     def busy(self) -> list[Instance]:
         """The live busy instances; those found idle since are filed in the heaps."""
         out = []
+        get, role, key = self.view.get, self.role, self.key  # read for every busy instance: bound once
         for instance_id in list(self._busy):
-            instance = self._live(instance_id)
-            idle = None if instance is None else self.key(instance)
+            instance = get(instance_id)
+            if instance is not None and instance.heartbeat.role != role:
+                instance = None
+            idle = None if instance is None else key(instance)
             if instance is not None and idle is None:
                 out.append(instance)
                 continue
@@ -153,19 +156,21 @@ class RoleCandidates:
             floor = {}
         # a bucket with no best idle instance has no idle instance outside ``skip``, holder or not
         lowest = min(floor.values(), default=float("inf")) if monotone else -1
-        best: dict[tuple[Hashable, int], tuple[tuple, Instance]] = {}
+        best: dict[tuple[Hashable, int], tuple[tuple, Instance]] = {}  # (bucket, length) -> its best idle holder
+        filed, busy_ids, floor_of = self._filed, self._busy, floor.get  # read for every holder: bound once
         for n, ids in holders:
             if n <= lowest:
                 break  # every bucket's best idle instance holds as much
             for instance_id in ids:
-                if instance_id in skip or instance_id in self._busy:
+                key = filed.get(instance_id)
+                if key is None or instance_id in busy_ids or instance_id in skip:
                     continue
-                key = self._filed.get(instance_id)
-                if key is None or n <= floor.get(key[0], -1):
+                bucket, order = key
+                if n <= floor_of(bucket, -1):
                     continue
-                group = (key[0], n)
-                if (group not in best or key[1] < best[group][0]) and (instance := self._live(instance_id)):
-                    best[group] = (key[1], instance)
+                known = best.get((bucket, n))
+                if (known is None or order < known[0]) and (instance := self._live(instance_id)):
+                    best[(bucket, n)] = (order, instance)
         found_busy = [self._live(i) for i in list(self._busy)[len(busy):]]  # by best_idle, after busy() ran
         for instance in [*tops.values(), *(instance for _, instance in best.values()), *found_busy]:
             if instance is not None and instance.instance_id not in skip:

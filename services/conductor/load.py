@@ -337,6 +337,13 @@ class DecodeLoad:
         coming = self.coming()
         return count + coming[0], context + coming[1]
 
+    def at_least(self, batch_size: int, context_tokens: int) -> tuple[int, int]:
+        """No more than `total` with a heartbeat's batch (``batch_size``, ``context_tokens``)
+        where it says more, read without the clock: the records' prompts and those on
+        their way, the tokens generated since left out."""
+        return (max(self._decoding, batch_size) + self._sequences - self._decoding,
+                max(self._decoding_prompts, context_tokens) + self._prompts - self._decoding_prompts)  # fmt: skip
+
     def coming(self) -> tuple[int, int]:
         """(sequences, prompt tokens) on their way to the batch (in prefill)."""
         return self._sequences - self._decoding, self._prompts - self._decoding_prompts

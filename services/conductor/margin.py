@@ -57,6 +57,10 @@ class RatioWindow:
         self.additive = additive  # observed - predicted instead of observed / predicted
         self.max_age_s, self.clock = max_age_s, clock
         self._sorted: list[float] = []
+        # read far more often than written: the value, until a ratio comes or goes, and
+        # the time before which no ratio is old enough to be forgotten
+        self._value: float | None = None
+        self._fresh_until = float("inf")
 
     def __len__(self) -> int:
         self._expire()
@@ -70,16 +74,21 @@ class RatioWindow:
             self._drop_oldest()
         self.ratios.append((self.clock() if self.clock else 0.0, ratio))
         insort(self._sorted, ratio)
+        self._value = None
+        self._set_fresh_until()
 
     def value(self) -> float:
         """The quantile of the window, within [low, high]; while it is empty, 1 (0 for
         differences)."""
         self._expire()
+        if self._value is not None:
+            return self._value
         ordered = self._sorted
         if not ordered:
             return 0.0 if self.additive else 1.0
         q = ordered[min(len(ordered) - 1, int(self.quantile * len(ordered)))]
-        return min(self.high, max(self.low, q))
+        self._value = min(self.high, max(self.low, q))
+        return self._value
 
     def changes_at(self) -> float | None:
         """When its oldest ratio is forgotten (its value may change then with no new
@@ -90,13 +99,21 @@ class RatioWindow:
 
     def _drop_oldest(self) -> None:
         del self._sorted[bisect_left(self._sorted, self.ratios.popleft()[1])]
+        self._value = None
+
+    def _set_fresh_until(self) -> None:
+        self._fresh_until = self.ratios[0][0] + self.max_age_s if self.clock is not None and self.ratios else float("inf")
 
     def _expire(self) -> None:
-        if self.clock is None or not self.ratios:
+        if self._fresh_until == float("inf"):
             return
-        oldest = self.clock() - self.max_age_s
+        now = self.clock()
+        if now <= self._fresh_until:  # the oldest ratio is not yet older than max_age_s
+            return
+        oldest = now - self.max_age_s
         while self.ratios and self.ratios[0][0] < oldest:
             self._drop_oldest()
+        self._set_fresh_until()
 
 
 class Margins:
@@ -149,6 +166,20 @@ class Margins:
     def decode_speed(self, instance_id: InstanceId) -> float:
         """Measured/modelled step time, the median over recent requests decoded on ``instance_id``."""
         return _pick(self._decode_speed.get(instance_id), self.decode_speed_all, MIN_SPEED_SAMPLES)
+
+    def decode_speeds(self) -> Callable[[InstanceId], float]:
+        """`decode_speed` for many instances at one moment: the cluster's, which most of
+        them take, read once."""
+        cluster = _pick(None, self.decode_speed_all, MIN_SPEED_SAMPLES)
+        own = self._decode_speed
+
+        def speed(instance_id: InstanceId) -> float:
+            window = own.get(instance_id)
+            if window is None or len(window.ratios) < MIN_SPEED_SAMPLES:  # fewer still once the old are forgotten
+                return cluster
+            return window.value() if len(window) >= MIN_SPEED_SAMPLES else cluster
+
+        return speed
 
     def observe_prefill(self, instance_id: InstanceId, measured: float, predicted: float) -> None:
         self._speed.setdefault(instance_id, self._speed_window()).observe(measured, predicted)

@@ -45,11 +45,17 @@ class Overload:
         self.config = config or OverloadConfig()
         self._admitted: deque[tuple[float, int, float]] = deque()  # (when, prompt tokens, prefill seconds)
         self._decisions: deque[tuple[int, bool]] = deque(maxlen=DECISIONS)  # (band, refused)
+        # their counts, kept as they come and go: (decisions, refusals), per band and over all
+        self._counts = [[0, 0] for _ in BAND_NAMES]
+        self._all = [0, 0]
         self._since: float | None = None  # the first admission seen
 
     def observe(self, now: float, num_prompt_tokens: int, work_s: float, admitted: bool) -> None:
         band = band_of(num_prompt_tokens)
+        if len(self._decisions) == DECISIONS:
+            self._count(*self._decisions[0], -1)
         self._decisions.append((band, not admitted))
+        self._count(band, not admitted, 1)
         if admitted:
             self._admitted.append((now, num_prompt_tokens, work_s))
             if self._since is None:
@@ -68,23 +74,19 @@ class Overload:
         span = WINDOW_S if self._since is None else min(WINDOW_S, max(MIN_SPAN_S, now - self._since))
         return min(MAX_SHARE, work / span / max(1, num_instances))
 
+    def _count(self, band: int, refused: bool, sign: int) -> None:
+        for counts in (self._counts[band], self._all):
+            counts[0] += sign
+            counts[1] += sign * refused
+
     def guarded(self, band: int) -> bool:
         """Whether ``band`` has been refused too often, against every band, to be held back further."""
-        decisions = self._decisions
-        if not decisions:
+        decided, refused = self._counts[band]
+        if not decided:
             return False
-        mine = [refused for b, refused in decisions if b == band]
-        if not mine:
-            return False
-        rate = sum(mine) / len(mine)
-        overall = sum(refused for _, refused in decisions) / len(decisions)
-        return rate > max(MIN_GUARD_RATE, self.config.max_refusal_ratio * overall)
+        overall = self._all[1] / self._all[0]
+        return refused / decided > max(MIN_GUARD_RATE, self.config.max_refusal_ratio * overall)
 
     def refusal_rates(self) -> dict[str, float]:
         """Recent refusal rate per band (the console and tests read it)."""
-        out = {}
-        for band, name in enumerate(BAND_NAMES):
-            mine = [refused for b, refused in self._decisions if b == band]
-            if mine:
-                out[name] = sum(mine) / len(mine)
-        return out
+        return {name: refused / decided for (decided, refused), name in zip(self._counts, BAND_NAMES) if decided}

@@ -343,6 +343,35 @@ class AdmitContext:
         step = d.cost.decode_step_time(count + self.num_sequences, context + self.added_context())
         return step * self.margins.decode_speed(d.instance_id)
 
+    def least_tbt(self, decodes: list[Instance]) -> Instance:
+        """The instance of ``decodes`` with the least `decode_tbt` (ties: the smallest id),
+        reading the batches of only those that a lower bound does not rule out.
+
+        The bound is the batch's step time without the tokens generated since its
+        requests started (the records' prompts, the heartbeat's and those on their way
+        are known without reading the clock), times the same speed: a step costs no
+        less for more sequences or context (non-negative coefficients), so no instance
+        whose bound exceeds the least TBT found can be the one. Where most instances
+        are idle, the best idle one's TBT rules out nearly every busy one."""
+        n, added = self.num_sequences, self.added_context()
+        speed = self.margins.decode_speeds()
+        floors = []
+        for d in decodes:
+            hb = d.heartbeat
+            count, context = d.decode.at_least(hb.batch_size, hb.context_tokens)
+            instance_id = hb.instance_id
+            floors.append((d.cost.decode_step_time(count + n, context + added) * speed(instance_id), instance_id, d))
+        floors.sort(key=lambda f: (f[0], f[1]))
+        best: tuple[float, str] | None = None
+        chosen = decodes[0]
+        for floor, instance_id, d in floors:
+            if best is not None and floor > best[0]:
+                break  # this one and every later one: a TBT above the least found
+            key = (self.decode_tbt(d), instance_id)
+            if best is None or key < best:
+                best, chosen = key, d
+        return chosen
+
     def decode_now(self, d: Instance) -> DecodeEstimate:
         """Against the batch decoding now (what plain early rejection sees)."""
         return self.decode_estimate(d, self.batch_now(d))

@@ -141,7 +141,7 @@ class CacheAwareRouter:
             key = (ctx.prefill_cost(p), p.load, p.instance_id)
             if best_key is None or key < best_key:
                 best, best_key = p, key
-        decode = min(ctx.decode_candidates(), key=lambda d: (ctx.decode_tbt(d), d.instance_id))
+        decode = ctx.least_tbt(ctx.decode_candidates())
         return Route(ctx.prefill_estimate(best), ctx.decode_all(decode))
 
     def route_local(self, ctx: AdmitContext) -> Route:

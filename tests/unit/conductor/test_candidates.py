@@ -160,3 +160,52 @@ def test_random_clusters_route_alike_with_and_without_pruning():
                     scheduler.finished(f"r{k - 6}", 8)
             chosen.append(picks)
         assert chosen[0] == chosen[1]
+
+
+def test_the_least_tbt_is_found_reading_only_the_batches_a_bound_does_not_rule_out():
+    """`AdmitContext.least_tbt` picks what the least `decode_tbt` (then id) picks, on
+    decode instances with batches, requests on their way and speeds of their own, and
+    reads the exact TBT of few of them where most are idle."""
+    rng = random.Random(11)
+    for trial in range(30):
+        beats = [beat(f"d{i}", "decode", batch_size=rng.choice([0, 0, 0, 1, 3, 8]),
+                      context_tokens=rng.choice([0, 200, 4000]),
+                      cost=coefficients(decode_per_context_token=rng.choice([0.0, 1e-6])))
+                 for i in range(16)]  # fmt: skip
+        beats.append(beat("p0", "prefill"))
+        view, index, clock = cluster(*beats)
+        scheduler = Admitter(build_policy("cache_aware"), view, index, config())
+        for k in range(rng.randint(0, 6)):  # requests booked on some decode instances, some of them decoding
+            scheduler.admit(request(f"b{k}", tokens=rng.choice([40, 900])))
+            if rng.random() < 0.5:
+                scheduler.first_token(f"b{k}")
+        for i in range(16):
+            for _ in range(rng.choice([0, 0, 6])):  # an instance with a speed of its own
+                scheduler.margins.observe_tbt(f"d{i}", observed=rng.choice([0.3, 1.0, 4.0]), predicted=1.0)
+        clock.now += 0.5
+        ctx = scheduler.context(request("r", tokens=rng.choice([20, 500, 3000]), num_sequences=rng.choice([1, 2])))
+        decodes = view.alive("decode")
+        expected = min(decodes, key=lambda d: (ctx.decode_tbt(d), d.instance_id))
+        assert ctx.least_tbt(decodes) is expected
+    # a batch whose generated tokens its bound leaves out, beside a slow idle instance whose
+    # bound (its TBT) is a little under that batch's TBT: the idle one is read and picked
+    cost = coefficients(decode_per_context_token=1e-5)
+    view, index, clock = cluster(beat("a", "decode", cost=cost), beat("b", "decode", cost=cost))
+    scheduler = Admitter(build_policy("cache_aware"), view, index, config())
+    view.get("a").decode.add("x", prompt_tokens=40, start=0.0, tokens=0, expected=100_000)
+    view.get("a").decode.started("x", 0.0)
+    for _ in range(5):
+        scheduler.margins.observe_tbt("a", observed=1.0, predicted=1.0)
+        scheduler.margins.observe_tbt("b", observed=1.25, predicted=1.0)
+    clock.now = 2.5  # "a" has generated some 200 tokens since
+    ctx = scheduler.context(request(tokens=20))
+    a, b = view.get("a"), view.get("b")
+    assert ctx.decode_tbt(b) < ctx.decode_tbt(a) and ctx.least_tbt([a, b]) is b
+    # one cost model, one speed: the busy instance is never read beside an idle one
+    idle = [beat(f"d{i}", "decode") for i in range(8)] + [beat("busy", "decode", batch_size=4)]
+    view, index, _ = cluster(*idle)
+    ctx = Admitter(build_policy("cache_aware"), view, index, config()).context(request())
+    read = []
+    exact = ctx.decode_tbt
+    ctx.decode_tbt = lambda d: read.append(d.instance_id) or exact(d)
+    assert ctx.least_tbt(view.alive("decode")).instance_id == "d0" and "busy" not in read

@@ -39,6 +39,25 @@ def test_a_window_forgets_ratios_older_than_its_age():
     assert (len(w), w.value()) == (2, 10.0)
     clock.now = 61.0  # the first ratio is too old
     assert (len(w), w.value()) == (1, 2.0)
+    assert w.value() == 2.0  # read again, unchanged
+    clock.now = 91.0  # and then the second
+    assert (w.value(), len(w)) == (1.0, 0)
+    w.observe(observed=3.0, predicted=1.0)
+    assert (len(w), w.value()) == (1, 3.0)
+
+
+def test_the_speeds_read_at_once_are_each_instances_own_or_the_clusters():
+    clock = Clock()
+    margins = Margins(clock=clock)
+    for i in range(30):  # 'fast' has speeds of its own; 'new' two samples only; 'never' none
+        margins.observe_tbt("fast" if i % 3 else "new" if i < 6 else "other", observed=0.5 if i % 3 else 2.0,
+                            predicted=1.0)  # fmt: skip
+    speeds = margins.decode_speeds()
+    for instance_id in ("fast", "new", "other", "never"):
+        assert speeds(instance_id) == margins.decode_speed(instance_id)
+    assert speeds("fast") == 0.5 and speeds("never") == margins.decode_speed_all.value()
+    clock.now = 10_000.0  # every sample forgotten: the default for all
+    assert margins.decode_speeds()("fast") == 1.0 == margins.decode_speed("fast")
 
 
 def test_ttft_slack_is_per_prompt_size_band_with_every_bands_as_the_fallback():

@@ -1,11 +1,13 @@
 """Overload: a long prompt's TTFT counts the shorter prompts that will go first, and a
 guard stops that preference before a band is starved."""
 
+import random
+
 import pytest
 
 from services.conductor.admission_policy import build_policy
 from services.conductor.admitter import Admitter
-from services.conductor.overload import MAX_SHARE, MIN_SPAN_S, WINDOW_S, Overload, OverloadConfig
+from services.conductor.overload import DECISIONS, MAX_SHARE, MIN_SPAN_S, WINDOW_S, Overload, OverloadConfig
 from tests.unit.conductor.helpers import beat, cluster, config, request
 
 
@@ -91,3 +93,20 @@ def test_under_a_stream_of_short_prompts_a_long_one_is_refused_for_the_time_they
     refused = s.admit(request("long2", tokens=1500, blocks=[]))
     assert (refused.admitted, refused.reason) == (False, "ttft_slo"), refused
     assert "shorter prompts" in refused.error_message
+
+
+def test_the_refusal_rates_cover_only_the_most_recent_decisions():
+    """The counts kept as decisions come and go equal the rates over the window they
+    are taken over, once older decisions fall out of it."""
+    rng = random.Random(4)
+    o, seen = Overload(), []
+    for i in range(3 * DECISIONS):
+        tokens, admitted = rng.choice([50, 300, 700, 1500]), rng.random() < (0.9 if i < DECISIONS else 0.4)
+        o.observe(0.0, tokens, 1.0, admitted)
+        seen.append((tokens, not admitted))
+    recent = seen[-DECISIONS:]
+    for band, edge in enumerate([50, 300, 700, 1500]):
+        mine = [refused for tokens, refused in recent if tokens == edge]
+        assert o.refusal_rates()[["<128", "128-511", "512-1023", ">=1024"][band]] == pytest.approx(sum(mine) / len(mine))
+        overall = sum(refused for _, refused in recent) / len(recent)
+        assert o.guarded(band) == (sum(mine) / len(mine) > max(0.10, 3.0 * overall))
