@@ -111,8 +111,8 @@ def test_a_decode_kill_under_load_leaves_admissions_learned_corrections_within_t
     try:
         async def scenario():
             started = asyncio.Event()
-            load = ChatLoad(cluster.gateway_url, MODEL, PROMPTS[:24], max_tokens=MAX_TOKENS)
-            streams = asyncio.create_task(run_streams(load, started, started_after=12))
+            load = ChatLoad(cluster.gateway_url, MODEL, PROMPTS[:16], max_tokens=MAX_TOKENS)
+            streams = asyncio.create_task(run_streams(load, started, started_after=8))
             await asyncio.wait_for(started.wait(), timeout=120)
             await asyncio.to_thread(cluster.kill, "decode-0")
             return await streams
