@@ -75,7 +75,9 @@ CONSTRAINED = {"response_format": {"type": "json_schema",
                                    "json_schema": {"name": "story", "schema": STORY_SCHEMA, "strict": True}}}
 
 
-@pytest.mark.parametrize("controls", [{}, PENALTIES, CONSTRAINED], ids=["plain", "penalties", "grammar"])
+# a plain request moved off a killed decode worker, its text unchanged, is checked under load in
+# tests/reliability/test_restarts.py (the only decode worker killed under 40 streams)
+@pytest.mark.parametrize("controls", [PENALTIES, CONSTRAINED], ids=["penalties", "grammar"])
 def test_a_decode_worker_killed_mid_stream_hands_the_request_on_and_the_text_is_unchanged(smollm, controls):
     max_tokens = 160 if controls is CONSTRAINED else 64
     cluster = start_cluster(prefill=1, decode=2)
