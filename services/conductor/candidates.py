@@ -90,12 +90,9 @@ class RoleCandidates:
     def busy(self) -> list[Instance]:
         """The live busy instances; those found idle since are filed in the heaps."""
         out = []
-        get, role, key = self.view.get, self.role, self.key  # read for every busy instance: bound once
         for instance_id in list(self._busy):
-            instance = get(instance_id)
-            if instance is not None and instance.heartbeat.role != role:
-                instance = None
-            idle = None if instance is None else key(instance)
+            instance = self._live(instance_id)
+            idle = None if instance is None else self.key(instance)
             if instance is not None and idle is None:
                 out.append(instance)
                 continue

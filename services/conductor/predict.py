@@ -361,7 +361,7 @@ class AdmitContext:
             count, context = d.decode.at_least(hb.batch_size, hb.context_tokens)
             instance_id = hb.instance_id
             floors.append((d.cost.decode_step_time(count + n, context + added) * speed(instance_id), instance_id, d))
-        floors.sort(key=lambda f: (f[0], f[1]))
+        floors.sort()  # by bound, then id (ids are unique: instances are never compared)
         best: tuple[float, str] | None = None
         chosen = decodes[0]
         for floor, instance_id, d in floors:
