@@ -1,15 +1,19 @@
 """One simulation of the full trace at a given cluster size, timed, as one JSON line:
 the simulator's wall and CPU time, the CPU time of each `Admitter.admit` (p50, p99,
 max, total), the cache hit rate by the tier the reused tokens came from, and a
-fingerprint of every routing decision (equal between two checkouts that route alike).
+fingerprint of every routing decision (equal between two checkouts that route alike),
+and the garbage collector's full (generation-2) passes during the run: how many, the
+longest. As the live conductor freezes its start-up heap (libs/common/heap.py), the
+simulation is built and then frozen before it runs; ``--no-freeze`` leaves it unfrozen.
 
-    .venv/bin/python bench/conductor_scale.py --prefill 1024 --decode 1024 [--store-blocks 0] [--code DIR]
+    .venv/bin/python bench/conductor_scale.py --prefill 1024 --decode 1024 [--store-blocks 0] [--code DIR] [--no-freeze]
 
 ``--code DIR`` imports the conductor from another checkout (a baseline to compare
 with); `bench/conductor.py --sections scale` runs this for each size and checkout.
 """
 
 import argparse
+import gc
 import hashlib
 import json
 import sys
@@ -37,6 +41,7 @@ def main() -> None:
     parser.add_argument("--store-blocks", type=int, default=50_000)
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--code", type=Path, default=root, help="the checkout whose conductor runs (default: this one)")
+    parser.add_argument("--no-freeze", action="store_true", help="leave the built simulation in the GC's passes")
     args = parser.parse_args()
     sys.path.insert(0, str(args.code.resolve()))
 
@@ -57,9 +62,21 @@ def main() -> None:
         return decision
 
     sim.scheduler.admit = timed_admit
+    if not args.no_freeze:
+        gc.collect()
+        gc.freeze()
+    full_passes: list[float] = []  # seconds each generation-2 pass took
+
+    def on_gc(phase: str, info: dict) -> None:
+        if info["generation"] == 2:
+            full_passes.append(time.perf_counter() * (1 if phase == "stop" else -1))
+
+    gc.callbacks.append(on_gc)
     wall, cpu = time.perf_counter(), time.process_time()
     result = sim.run()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    gc.callbacks.remove(on_gc)
+    full_ms = [(stop + start) * 1e3 for start, stop in zip(full_passes[::2], full_passes[1::2])]
     summary = summarize(result)
     us = np.array(cpu_ns) / 1e3
     print(json.dumps({
@@ -68,6 +85,7 @@ def main() -> None:
         "admit_p50_us": float(np.percentile(us, 50)), "admit_p99_us": float(np.percentile(us, 99)),
         "admit_max_us": float(us.max()), "hit": summary.cache_hit_rate, "hit_by_tier": summary.hit_by_tier,
         "slo_attainment": summary.slo_attainment, "ttft_p99_s": summary.ttft_p99, "decisions": digest(result.requests),
+        "frozen": not args.no_freeze, "gc_full_passes": len(full_ms), "gc_full_max_ms": max(full_ms, default=0.0),
     }))  # fmt: skip
 
 

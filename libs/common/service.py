@@ -79,6 +79,7 @@ class Service:
             await self.subscribe(subjects.metrics(self.instance_id), schema.MetricsRequest, self._on_metrics)
             await self.start(stack)
             stack.push_async_callback(self.stop)
+            heap.freeze()  # what start-up built lives as long as the process: out of the GC's passes
             # started: answer roll calls, then call one, so peers already running are seen now
             await self.subscribe(subjects.ROLL_CALL, schema.RollCall, self._on_roll_call)
             await self.publish(subjects.ROLL_CALL, schema.RollCall(instance_id=self.instance_id))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 
+from libs.common import heap
 from libs.common.kv_events import KVEventTracker
 from libs.common.kv_history import ReplayStats, ensure_streams, replay
 from libs.protocol.ids import InstanceId
@@ -96,6 +97,7 @@ class CatchUp:
         held, self._held = self._held, []
         for batch in held:
             self.on_batch(batch)
+        heap.freeze()  # the index the history built, out of the GC's full passes (libs/common/heap.py)
 
 
 def _why(e: BaseException) -> str:

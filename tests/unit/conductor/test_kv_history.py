@@ -5,6 +5,7 @@ index comes out equal to what they hold, and only what the history cannot accoun
 is asked for a snapshot."""
 
 import asyncio
+import gc
 import logging
 
 import nats
@@ -95,6 +96,13 @@ def test_a_starting_conductor_learns_every_instance_from_the_history_without_ask
     assert restarted.index.contents("prefill-0") == {KVTier.DEVICE: set(h("b", "c"))} == _held(p)
     assert restarted.index.contents("store-0") == {KVTier.DRAM: set(h("x", "y")), KVTier.DISK: set(h("z"))} == _held(s)
     assert not restarted.catch_up.catching_up
+    assert not _collected(restarted.index)  # what the history built is frozen, out of the GC's full passes
+    gc.unfreeze()
+
+
+def _collected(obj: object) -> bool:
+    """Whether the cyclic GC's passes walk ``obj`` (False once ``gc.freeze()`` has moved it)."""
+    return any(o is obj for o in gc.get_objects())
 
 
 def test_only_an_instance_the_history_cannot_account_for_is_asked_and_one_gone_is_forgotten(server, caplog):
