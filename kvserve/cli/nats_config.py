@@ -36,6 +36,10 @@ subjects each role needs, and one credentials file per user:
 with -c cluster.conf, which includes nats.conf and routes to the others as a route
 user whose password is derived from the same secret; give every service every
 server's URL (KVSERVE_NATS_URL, comma-separated) or one name that reaches them all.
+cluster.conf also turns JetStream on (its state under --jetstream-dir; give each server
+its own name with --server_name): the KV history a starting conductor catches up from
+(kept in memory, at most 512 MiB per server, each stream on three servers), instead of
+asking every instance for a snapshot at once.
 
 A role's user may use the subjects of every instance of the role: it is for instances
 whose ids are drawn at start (docker compose --scale, a Kubernetes Deployment). An
@@ -51,6 +55,9 @@ examples:
   export KVSERVE_NATS_SECRET=$(openssl rand -hex 32)
   kvserve nats-config /etc/kvserve/auth --instance store:store-0
   kvserve nats-config /etc/kvserve/auth --routes nats-0:6222,nats-1:6222,nats-2:6222"""
+
+
+JETSTREAM_DIR = "/data/jetstream"  # in the nats-server container (compose, Kubernetes)
 
 
 class NatsConfigError(KVServeError):
@@ -72,6 +79,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="also write cluster.conf, for the servers of a NATS cluster at these route addresses")
     parser.add_argument("--cluster-listen", default=f"0.0.0.0:{CLUSTER_PORT}", metavar="HOST:PORT",
                         help="with --routes: where each server takes routes (default %(default)s)")  # fmt: skip
+    parser.add_argument("--jetstream-dir", default=JETSTREAM_DIR, metavar="PATH",
+                        help="with --routes: where each server keeps its JetStream state (default %(default)s; "
+                        "an empty string leaves JetStream off)")  # fmt: skip
     parser.set_defaults(run=run)
 
 
@@ -86,8 +96,9 @@ def run(args: argparse.Namespace) -> int:
         cluster = None
         if args.routes is not None:
             cluster = files.directory / CLUSTER_CONFIG
-            write_private(cluster, cluster_config(SERVER_CONFIG.name, args.cluster_listen,
-                                                  derived_route_password(secret), args.routes))  # fmt: skip
+            text = cluster_config(SERVER_CONFIG.name, args.cluster_listen, derived_route_password(secret), args.routes,
+                                  jetstream_dir=args.jetstream_dir or None)  # fmt: skip
+            write_private(cluster, text)
     except NatsAuthError as e:
         raise NatsConfigError(str(e)) from None
     except OSError as e:

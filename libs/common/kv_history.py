@@ -1,7 +1,9 @@
 """KV history in JetStream: what a conductor that starts (or restarts) reads to learn
 every publisher's KV contents, instead of asking each one for a snapshot at once.
 
-Two streams, in memory and bounded (`ensure_streams`; a conductor makes them):
+Two streams, in memory and bounded (`ensure_streams`; a conductor makes them), each
+replicated on three servers where NATS is a cluster of three or more (`replicas_for`), so
+the history outlives any one nats-server:
 - ``KVSERVE_KV_CHECKPOINTS`` keeps the last checkpoint of each publisher: its whole
   contents as of one of its event numbers (a `KVSnapshotReply`), which `KVEventPublisher`
   publishes every `CHECKPOINT_S` seconds; one a publisher stopped sending ages out.
@@ -23,6 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, DiscardPolicy, StorageType, StreamConfig
@@ -41,8 +44,17 @@ FETCH_BATCH = 512
 FETCH_TIMEOUT_S = 2.0
 
 
-def stream_configs() -> list[StreamConfig]:
-    common = dict(storage=StorageType.MEMORY, discard=DiscardPolicy.OLD, num_replicas=1)
+REPLICAS = 3  # JetStream's usual replication: a majority of 3 survives one server lost
+
+
+def replicas_for(nc: Client) -> int:
+    """How many servers keep each stream: ``REPLICAS`` where the client knows of that many
+    nats-servers (those it was given and those the cluster told it of), else 1."""
+    return REPLICAS if len(nc.servers) >= REPLICAS else 1
+
+
+def stream_configs(replicas: int = 1) -> list[StreamConfig]:
+    common = dict(storage=StorageType.MEMORY, discard=DiscardPolicy.OLD, num_replicas=replicas)
     return [
         StreamConfig(name=subjects.KV_CHECKPOINTS_STREAM, subjects=[subjects.KV_CHECKPOINT_ALL],
                      max_msgs_per_subject=1, max_age=CHECKPOINTS_MAX_AGE_S, max_bytes=CHECKPOINTS_MAX_BYTES, **common),
@@ -51,10 +63,11 @@ def stream_configs() -> list[StreamConfig]:
     ]  # fmt: skip
 
 
-async def ensure_streams(js: JetStreamContext) -> None:
-    """Make the two streams, or bring an existing one to this configuration. Raises what
-    JetStream raises when it cannot (not enabled on this NATS, not ready yet)."""
-    for config in stream_configs():
+async def ensure_streams(js: JetStreamContext, replicas: int = 1) -> None:
+    """Make the two streams, or bring an existing one to this configuration (its replicas
+    included). Raises what JetStream raises when it cannot (not enabled on this NATS, not
+    ready yet, fewer servers than ``replicas``)."""
+    for config in stream_configs(replicas):
         try:
             await js.stream_info(config.name)
         except NotFoundError:

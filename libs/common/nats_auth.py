@@ -253,11 +253,14 @@ def derived_route_password(secret: str) -> str:
     return derived_passwords(secret, [Identity(ROUTE_USER)])[ROUTE_USER]
 
 
-def cluster_config(users_file: str, listen: str, password: str, routes: Iterable[str], tls: TlsFiles | None = None) -> str:
+def cluster_config(users_file: str, listen: str, password: str, routes: Iterable[str], tls: TlsFiles | None = None,
+                   jetstream_dir: str | None = None) -> str:  # fmt: skip
     """A cluster member's configuration: the users' file (``users_file``, beside it),
     included, and the cluster block (`cluster_block`); with ``tls``, mutual TLS on its
-    clients' connections and its routes (`tls_config`)."""
-    return tls_config(users_file, tls) + cluster_block(listen, password, routes, tls)
+    clients' connections and its routes (`tls_config`); with ``jetstream_dir``, JetStream
+    (`jetstream_block`; each server is then given its name with ``--server_name``)."""
+    return (tls_config(users_file, tls) + cluster_block(listen, password, routes, tls)
+            + (jetstream_block(jetstream_dir) if jetstream_dir else ""))  # fmt: skip
 
 
 def cluster_block(listen: str, password: str, routes: Iterable[str], tls: TlsFiles | None = None) -> str:
@@ -280,8 +283,12 @@ def jetstream_config(server_name: str, store_dir: str) -> str:
     """JetStream on, for the KV history a starting conductor catches up from
     (libs/common/kv_history.py): in memory, bounded; ``store_dir`` keeps only its
     bookkeeping. ``server_name`` must differ between the servers of a cluster."""
+    return f"server_name: {json.dumps(server_name)}\n" + jetstream_block(store_dir)
+
+
+def jetstream_block(store_dir: str) -> str:
+    """`jetstream_config` without the server's name (given on nats-server's command line)."""
     return (
-        f"server_name: {json.dumps(server_name)}\n"
         "jetstream {\n"
         f"  store_dir: {json.dumps(store_dir)}\n"
         f"  max_memory_store: {JETSTREAM_MEMORY_BYTES}\n"

@@ -18,7 +18,7 @@ from nats.aio.client import Client
 
 from libs.common import heap
 from libs.common.kv_events import KVEventTracker
-from libs.common.kv_history import ReplayStats, ensure_streams, replay
+from libs.common.kv_history import ReplayStats, ensure_streams, replay, replicas_for
 from libs.protocol.ids import InstanceId
 from libs.protocol.schema import KVEventBatch, KVSnapshotReply
 
@@ -56,7 +56,7 @@ class CatchUp:
         """Read the history (once) and then make sure its streams exist (until they do)."""
         js = nc.jetstream()
         try:
-            await asyncio.wait_for(ensure_streams(js), HISTORY_TIMEOUT_S)
+            await asyncio.wait_for(ensure_streams(js, replicas_for(nc)), HISTORY_TIMEOUT_S)
             self.stats = await asyncio.wait_for(replay(js, self._on_checkpoint, self._on_replayed), HISTORY_TIMEOUT_S)
         except Exception as e:  # none to read: no JetStream, not ready yet, too slow
             log.info("no KV history to catch up from (%s): instances are asked for snapshots", _why(e))
@@ -76,7 +76,7 @@ class CatchUp:
         for _ in range(MAX_RETRIES if self.stats is None else 0):
             await asyncio.sleep(RETRY_STREAMS_S)
             try:
-                await asyncio.wait_for(ensure_streams(js), HISTORY_TIMEOUT_S)
+                await asyncio.wait_for(ensure_streams(js, replicas_for(nc)), HISTORY_TIMEOUT_S)
             except Exception:
                 continue
             log.info("made the KV history's streams: a conductor that starts from now on catches up from them")

@@ -3,7 +3,8 @@ Docker engine needed): commands name real service modules, every KVSERVE_*
 variable set is one the code reads, ports and the NATS URLs line up, each service
 finds its own NATS credentials and no other's (the store, whose id is fixed, a user
 of its own), the three nats-servers route to one another (run for real here, from
-the files nats-config writes), and nothing stops `docker compose up --scale`."""
+the files nats-config writes, with JetStream keeping the KV history on all three), and
+nothing stops `docker compose up --scale`."""
 
 import asyncio
 import importlib.util
@@ -19,11 +20,14 @@ import pytest
 import yaml
 
 from kvserve.cli.main import main as kvserve
-from libs.common.nats_auth import CLUSTER_PORT, load_credentials, server_urls
+from kvserve.cli.nats_config import JETSTREAM_DIR
+from libs.common.kv_history import REPLICAS, ensure_streams, replicas_for
+from libs.common.nats_auth import CLUSTER_PORT, inbox_prefix, load_credentials, server_urls
 from libs.common.nats_flush import flush
 from libs.common.nats_server import find_nats_server
 from libs.common.settings import service_env
-from tests.integration.conftest import wait_until
+from libs.protocol.subjects import KV_CHECKPOINTS_STREAM
+from tests.integration.conftest import poll_until, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("conductor", "store", "prefill", "decode", "gateway")
@@ -185,6 +189,8 @@ def test_nats_config_writes_what_nats_server_and_each_service_read(compose, tmp_
     routes = re.findall(r"nats://route:[^@]+@([\w.-]+):(\d+)", config.read_text())
     assert routes == [(server, str(CLUSTER_PORT)) for server in nats_servers(services)]  # every server, where it listens
     assert f'listen: "0.0.0.0:{CLUSTER_PORT}"' in config.read_text()
+    assert f"store_dir: {json.dumps(JETSTREAM_DIR)}" in config.read_text()  # JetStream on, in each server's container
+    assert all("--server_name" in services[server]["command"] for server in nats_servers(services))  # names differ
     text = config.with_name("nats.conf").read_text()  # the users, which cluster.conf includes
     users = {u["user"]: u["password"] for u in json.loads(text[text.index("{") :])["authorization"]["users"]}
     store_env = environment(services["store"])
@@ -203,8 +209,9 @@ def _free_port() -> int:
 
 def test_the_three_nats_servers_route_to_one_another(compose, tmp_path, monkeypatch):
     """nats-config's job with the servers' names swapped for local route ports, each
-    server run with its own command (here on 127.0.0.1): a message published on one
-    server reaches a subscriber on another."""
+    server run with its own command (here on 127.0.0.1, its JetStream state in a folder
+    here): a message published on one server reaches a subscriber on another, and the
+    conductor's user makes the KV history's streams with three replicas."""
     services = compose["services"]
     servers = nats_servers(services)
     command = services["nats-config"]["command"]
@@ -217,7 +224,9 @@ def test_the_three_nats_servers_route_to_one_another(compose, tmp_path, monkeypa
     try:
         for server in servers:
             args = services[server]["command"]
-            config = tmp_path / Path(args[args.index("-c") + 1]).relative_to(command[2])
+            shared = tmp_path / Path(args[args.index("-c") + 1]).relative_to(command[2])
+            config = shared.with_name(f"{server}.conf")  # beside it, its JetStream state in a folder of its own here
+            config.write_text(shared.read_text().replace(JETSTREAM_DIR, str(tmp_path / "jetstream" / server)))
             ports_dir = tempfile.mkdtemp(dir=tmp_path)
             procs.append(subprocess.Popen(
                 [find_nats_server(), *[str(config) if a == args[args.index("-c") + 1] else a for a in args],
@@ -226,6 +235,9 @@ def test_the_three_nats_servers_route_to_one_another(compose, tmp_path, monkeypa
             client_ports[server] = _client_port(Path(ports_dir), procs[-1])
         admin = load_credentials(tmp_path / "admin" / "credentials.json")
         assert asyncio.run(_crosses(client_ports[servers[0]], client_ports[servers[-1]], admin)) == b"routed"
+        conductor = load_credentials(tmp_path / "conductor" / "credentials.json")
+        info = asyncio.run(_history_streams(list(client_ports.values()), conductor))
+        assert info.config.num_replicas == REPLICAS and len(info.cluster.replicas) == REPLICAS - 1
     finally:
         for proc in procs:
             proc.terminate()
@@ -246,6 +258,28 @@ def _client_port(ports_dir: Path, proc: subprocess.Popen) -> int:
 
     wait_until(listening, timeout=15)
     return found[0]
+
+
+async def _history_streams(ports: list[int], user):
+    """Make the KV history's streams as a conductor does (once JetStream's cluster has a
+    leader); the checkpoints stream's info."""
+    import nats
+
+    nc = await nats.connect([f"nats://127.0.0.1:{port}" for port in ports], **user.connect_options(),
+                            inbox_prefix=inbox_prefix("conductor", "conductor-0"))  # fmt: skip
+    js = nc.jetstream()
+
+    async def made():
+        try:
+            await ensure_streams(js, replicas_for(nc))
+            return await js.stream_info(KV_CHECKPOINTS_STREAM)
+        except Exception:  # no JetStream leader yet
+            return None
+
+    try:
+        return await poll_until(made, lambda info: info is not None, 60, "the KV history's streams made")
+    finally:
+        await nc.close()
 
 
 async def _crosses(publisher_port: int, subscriber_port: int, user) -> bytes:

@@ -7,18 +7,22 @@ is asked for a snapshot."""
 import asyncio
 import gc
 import logging
+import os
+import signal
 
 import nats
 import pytest
 
 from libs.common.kv_events import KVEventLog, KVEventTracker
+from libs.common.kv_history import REPLICAS, ensure_streams, replicas_for
 from libs.common.nats_auth import inbox_prefix, load_credentials
 from libs.common.nats_flush import flush
-from libs.common.nats_server import NatsServer
+from libs.common.nats_server import NatsCluster, NatsServer
 from libs.protocol import schema, subjects
 from libs.protocol.vocabulary import KVEventKind, KVTier
 from services.conductor.catch_up import CatchUp
 from services.conductor.index import KVIndex
+from tests.integration.conftest import poll_until
 
 INSTANCES = {"conductor-0": "conductor", "prefill-0": "prefill", "prefill-1": "prefill", "store-0": "store"}
 
@@ -29,10 +33,12 @@ def server():
         yield running
 
 
-async def connect(server: NatsServer, instance_id: str) -> nats.NATS:
+async def connect(server: NatsServer | NatsCluster, instance_id: str) -> nats.NATS:
+    """``instance_id``'s connection, given every server's URL (one, or each of a cluster's)."""
     options = load_credentials(server.credentials_file(instance_id)).connect_options()
-    return await nats.connect(f"nats://127.0.0.1:{server.port}", **options,
-                              inbox_prefix=inbox_prefix(INSTANCES[instance_id], instance_id))  # fmt: skip
+    servers = server.servers if isinstance(server, NatsCluster) else [server]
+    urls = [f"nats://127.0.0.1:{s.port}" for s in servers if s.exit_code() is None]  # those running
+    return await nats.connect(urls, **options, inbox_prefix=inbox_prefix(INSTANCES[instance_id], instance_id))
 
 
 class Conductor:
@@ -177,3 +183,60 @@ async def _streams_made(conductor: Conductor, nc: nats.NATS) -> bool:
     """Run a first conductor's catch-up: it makes the streams, then finds them empty."""
     await conductor.catch_up.run(nc)
     return conductor.catch_up.stats is not None and conductor.catch_up.stats.checkpoints == 0
+
+
+def test_in_a_nats_cluster_of_three_the_history_is_replicated_and_outlives_the_server_leading_it():
+    """Where NATS is three servers, a conductor makes the streams with three replicas, and
+    one starting after the server leading them is gone still catches up from them."""
+
+    async def scenario(cluster: NatsCluster):
+        nc = await connect(cluster, "conductor-0")
+        assert replicas_for(nc) == REPLICAS
+        js = nc.jetstream()
+
+        async def made():  # JetStream's cluster elects its leader a moment after the servers start
+            try:
+                await ensure_streams(js, replicas_for(nc))
+            except Exception:
+                return None
+            return await js.stream_info(subjects.KV_CHECKPOINTS_STREAM)
+
+        info = await poll_until(made, lambda i: i is not None and i.cluster.leader, 60, "streams made on the cluster")
+        assert info.config.num_replicas == REPLICAS and len(info.cluster.replicas) == REPLICAS - 1
+        prefill = await connect(cluster, "prefill-0")
+        p = KVEventLog("prefill-0", epoch=7)
+        p.record(KVEventKind.STORED, KVTier.DEVICE, h("a", "b"))
+        await send_checkpoint(prefill, p)
+        await flush(prefill)
+        stored = await poll_until(lambda: js.stream_info(subjects.KV_CHECKPOINTS_STREAM),
+                                  lambda i: i.state.messages == 1, 30, "the checkpoint stored")  # fmt: skip
+        await prefill.close()
+        await nc.close()
+        leader = next(s for s in cluster.servers if s.name == stored.cluster.leader)
+        os.kill(leader.pid, signal.SIGKILL)  # it crashes
+        while leader.exit_code() is None:
+            await asyncio.sleep(0.01)  # polling for the exit SIGKILL makes certain
+
+        nc = await connect(cluster, "conductor-0")  # the two servers left
+        js = nc.jetstream()
+
+        async def led():  # JetStream answers nothing about the streams until they have a new leader
+            try:
+                return await js.stream_info(subjects.KV_CHECKPOINTS_STREAM)
+            except Exception:
+                return None
+
+        await poll_until(led, lambda i: i is not None and i.cluster.leader, 60, "a new leader")
+        restarted = Conductor()
+        await restarted.catch_up.run(nc)
+        await nc.close()
+        return restarted, p, leader.name
+
+    cluster = NatsCluster(3, instances=INSTANCES).start()
+    try:
+        restarted, p, gone = asyncio.run(scenario(cluster))
+    finally:
+        cluster.stop()
+    assert restarted.catch_up.stats is not None and restarted.catch_up.stats.checkpoints == 1, gone
+    assert restarted.index.contents("prefill-0") == _held(p)
+    assert restarted.asked == []

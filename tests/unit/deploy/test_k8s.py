@@ -21,6 +21,7 @@ import yaml
 
 from kvserve.cli.cpus import SPINCOUNT
 from kvserve.cli.main import main as kvserve
+from libs.common.nats_auth import JETSTREAM_MEMORY_BYTES
 from libs.common.nats_server import find_nats_server
 from tests.integration.test_compose import code_reads
 
@@ -115,6 +116,14 @@ def environment(objects: list[dict], role: str, pod_name: str | None = None) -> 
 
 def cpus(quantity: str) -> float:
     return int(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def memory_bytes(quantity: str) -> int:
+    """A memory quantity in bytes (the binary suffixes these manifests use)."""
+    for suffix, shift in (("Ki", 10), ("Mi", 20), ("Gi", 30)):
+        if quantity.endswith(suffix):
+            return int(quantity[: -len(suffix)]) << shift
+    return int(quantity)
 
 
 def test_every_object_is_valid_kubernetes(rendered):
@@ -224,7 +233,8 @@ def test_every_service_reaches_nats_with_its_own_role_s_credentials_only(rendere
     service = find(objects, "Service", "nats")
     client = next(p for p in service["spec"]["ports"] if p["name"] == "client")
     assert port_of(server, client["targetPort"]) == 4222  # nats-server's default: nats.conf sets no port
-    secret_names = {v["name"]: v["secret"]["secretName"] for v in nats["spec"]["template"]["spec"]["volumes"]}
+    secret_names = {v["name"]: v["secret"]["secretName"] for v in nats["spec"]["template"]["spec"]["volumes"]
+                    if "secret" in v}  # fmt: skip
     config_path = Path(server["args"][server["args"].index("-c") + 1])
     (mount,) = [m for m in server["volumeMounts"] if config_path.is_relative_to(m["mountPath"])]
     config = secret_file(find(objects, "Secret", secret_names[mount["name"]]), "nats.conf")  # cluster.conf includes it
@@ -275,6 +285,11 @@ def test_prod_runs_three_nats_servers_routed_to_one_another_and_dev_one(rendered
     assert routes == [(f"{name}-{i}.{headless['metadata']['name']}", str(port["port"])) for i in range(3)]
     assert f'listen: "0.0.0.0:{port["port"]}"' in text
     assert f"--routes {ROUTES}" in (K8S / "base" / "kustomization.yaml").read_text()  # the command it tells
+    # JetStream, for the KV history: its state on a volume of the pod, its memory within the container's limit
+    (store_dir,) = re.findall(r'store_dir: "([^"]+)"', text)
+    assert any(Path(store_dir).is_relative_to(m["mountPath"]) and not m.get("readOnly") for m in server["volumeMounts"])
+    assert "--server_name" in server["args"]  # each server's own name, as JetStream's cluster needs
+    assert memory_bytes(server["resources"]["limits"]["memory"]) > JETSTREAM_MEMORY_BYTES + (128 << 20)
 
 
 def test_the_store_is_a_stateful_set_with_a_claim_per_shard_and_stable_ids(rendered):
