@@ -220,13 +220,16 @@ def test_in_a_nats_cluster_of_three_the_history_is_replicated_and_outlives_the_s
         nc = await connect(cluster, "conductor-0")  # the two servers left
         js = nc.jetstream()
 
-        async def led():  # JetStream answers nothing about the streams until they have a new leader
+        async def led():  # JetStream answers nothing about a stream until it has a new leader (and its meta group)
             try:
-                return await js.stream_info(subjects.KV_CHECKPOINTS_STREAM)
+                await ensure_streams(js, replicas_for(nc))
+                infos = [await js.stream_info(name) for name in (subjects.KV_CHECKPOINTS_STREAM,
+                                                                 subjects.KV_EVENTS_STREAM)]  # fmt: skip
             except Exception:
-                return None
+                return False
+            return all(info.cluster.leader for info in infos)
 
-        await poll_until(led, lambda i: i is not None and i.cluster.leader, 60, "a new leader")
+        await poll_until(led, bool, 60, "new leaders")
         restarted = Conductor()
         await restarted.catch_up.run(nc)
         await nc.close()
