@@ -4,7 +4,8 @@ For each size: our shm path against a torch ``copy_`` between two preallocated,
 touched tensors; our TCP path (1, 4 and 8 connections, 4 MiB slices) against a
 bare blocking socket (one connection, ``sendall`` / ``recv_into``); Mooncake's
 Transfer Engine over TCP where it installs; our TCP path with mutual TLS (1 and 4
-connections, a throwaway CA made with the openssl CLI) beside the same path in clear. Receivers live in other processes
+connections, a throwaway CA made with the openssl CLI) beside the same path in clear,
+and the bare socket with the same TLS (what Python's ssl module costs by itself). Receivers live in other processes
 (bench/transfer_peer.py); the shm path is also run with the receiver in this
 process. Then the KV hand-off of a 2,048-token prompt (bench/transfer_handoff.py).
 Repetitions alternate between the contenders so machine noise hits all of them;
@@ -46,6 +47,7 @@ from bench.transfer_costs import fixed_costs  # noqa: E402
 from bench.transfer_handoff import HandoffBench, kv_bytes  # noqa: E402
 from bench.transfer_report import machine_load, report, write_report  # noqa: E402
 from libs.common.certificates import ClusterCA  # noqa: E402
+from libs.common.tls import mutual_context  # noqa: E402
 from libs.protocol.schema import WriteTicket  # noqa: E402
 from libs.transfer import SharedSegment, Span, TransferEngine  # noqa: E402
 from libs.transfer.segment import SHM_DIR, new_segment_name  # noqa: E402
@@ -129,6 +131,8 @@ class WireBench:
         self.tls_peer = self._peer(stack, logdir, "kvserve-tls", max_size, receiver_tls.cert, receiver_tls.key,
                                    receiver_tls.ca)  # fmt: skip
         self.socket_peer = self._peer(stack, logdir, "socket", max_size)
+        self.socket_tls_peer = self._peer(stack, logdir, "socket-tls", max_size, receiver_tls.cert, receiver_tls.key,
+                                          receiver_tls.ca)  # fmt: skip
         self.source = self._segment(stack, "src", max_size)
         torch.manual_seed(0)
         self.source.tensor.random_(0, 256)
@@ -150,6 +154,10 @@ class WireBench:
         host, port = self.socket_peer.hello["address"].rsplit(":", 1)
         self.sock = stack.enter_context(socket.create_connection((host, int(port))))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        host, port = self.socket_tls_peer.hello["address"].rsplit(":", 1)
+        plain = socket.create_connection((host, int(port)))
+        plain.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.tls_sock = stack.enter_context(mutual_context(sender_tls, server=False).wrap_socket(plain))
         self.mooncake_late: list[int] = []  # sizes whose sync write returned before the bytes were there
         self.mooncake_rx = self.mooncake_tx = None
         if mooncake:
@@ -174,7 +182,8 @@ class WireBench:
         return engine
 
     def contenders(self) -> list[str]:
-        names = ["memcpy", "memcpy-1t", "shm", "shm-local", "socket", "tcp1", "tcp4", "tcp8", "tls1", "tls4"]
+        names = ["memcpy", "memcpy-1t", "shm", "shm-local", "socket", "socket-tls", "tcp1", "tcp4", "tcp8", "tls1",
+                 "tls4"]  # fmt: skip
         return names + (["mooncake", "mooncake-batch"] if self.mooncake_tx is not None else [])
 
     def source_hash(self, n: int) -> str:
@@ -196,13 +205,13 @@ class WireBench:
                 return time.perf_counter() - start
             finally:
                 torch.set_num_threads(threads)
-        if name == "socket":
-            view = self.source.view[:n]
+        if name in ("socket", "socket-tls"):
+            view, sock = self.source.view[:n], self.sock if name == "socket" else self.tls_sock
             start = time.perf_counter()
             for _ in range(k):
-                self.sock.sendall(LENGTH.pack(n))
-                self.sock.sendall(view)
-                if self.sock.recv(1) != b"\x01":
+                sock.sendall(LENGTH.pack(n))
+                sock.sendall(view)
+                if sock.recv(1) != b"\x01":
                     raise PeerError("the socket peer did not acknowledge")
             return time.perf_counter() - start
         if name.startswith("mooncake"):
@@ -242,7 +251,8 @@ class WireBench:
                 time.sleep(1.0)
                 arrived = self.mooncake_rx.ask("hash", 0, n)["hash"]
         else:
-            peer = {"socket": self.socket_peer, "tls1": self.tls_peer, "tls4": self.tls_peer}.get(name, self.peer)
+            peer = {"socket": self.socket_peer, "socket-tls": self.socket_tls_peer, "tls1": self.tls_peer,
+                    "tls4": self.tls_peer}.get(name, self.peer)  # fmt: skip
             if name == "shm-local":
                 self.local_destination.tensor[:n].zero_()
             else:

@@ -14,6 +14,8 @@ Modes:
 - ``kvserve-tls SIZE CERT KEY CA``: the same, with mutual TLS on its listener (PEM files).
 - ``socket SIZE``: a bare blocking-socket receiver on 127.0.0.1: frames of a u64
   length then that many bytes, ``recv_into`` a preallocated buffer, one ack byte each.
+- ``socket-tls SIZE CERT KEY CA``: the same socket wrapped in mutual TLS 1.3 (the
+  data plane's contexts, libs/common/tls.py): what Python's ssl module itself costs.
 - ``mooncake-rx SIZE``: Mooncake's Transfer Engine (P2PHANDSHAKE, tcp) with a
   registered SIZE-byte buffer. Its listeners bind every interface, so the bench
   only starts it inside a network namespace that holds nothing but ``lo``.
@@ -92,19 +94,24 @@ def run_kvserve(size: int, tls_files: list[str] | None = None) -> None:
         engine.close()  # closes (and, as owner, unlinks) the segment too
 
 
-def run_socket(size: int) -> None:
+def run_socket(size: int, tls_files: list[str] | None = None) -> None:
+    from libs.common.tls import TlsFiles, mutual_context
+
     buffer = bytearray(size)  # zero-filled by writing: every page touched
     view = memoryview(buffer)
     server = socket.create_server(("127.0.0.1", 0))
+    tls = mutual_context(TlsFiles(*tls_files), server=True) if tls_files else None
 
     def receive() -> None:
         while True:
             try:
                 conn, _ = server.accept()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if tls is not None:
+                    conn = tls.wrap_socket(conn, server_side=True)
             except OSError:
                 return
             with conn:
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 header = bytearray(LENGTH.size)
                 while recv_exact(conn, memoryview(header)):
                     (n,) = LENGTH.unpack(header)
@@ -194,6 +201,8 @@ def main() -> None:
         run_kvserve(size, sys.argv[3:6])
     elif mode == "socket":
         run_socket(size)
+    elif mode == "socket-tls":
+        run_socket(size, sys.argv[3:6])
     elif mode == "mooncake-rx":
         run_mooncake_rx(size)
     elif mode == "mooncake-tx":
