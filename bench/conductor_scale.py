@@ -65,18 +65,23 @@ def main() -> None:
     if not args.no_freeze:
         gc.collect()
         gc.freeze()
-    full_passes: list[float] = []  # seconds each generation-2 pass took
+    full_ms: list[float] = []  # how long each generation-2 pass took
+    started = 0.0
 
     def on_gc(phase: str, info: dict) -> None:
-        if info["generation"] == 2:
-            full_passes.append(time.perf_counter() * (1 if phase == "stop" else -1))
+        nonlocal started
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started = time.perf_counter()
+        else:
+            full_ms.append((time.perf_counter() - started) * 1e3)
 
     gc.callbacks.append(on_gc)
     wall, cpu = time.perf_counter(), time.process_time()
     result = sim.run()
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     gc.callbacks.remove(on_gc)
-    full_ms = [(stop + start) * 1e3 for start, stop in zip(full_passes[::2], full_passes[1::2])]
     summary = summarize(result)
     us = np.array(cpu_ns) / 1e3
     print(json.dumps({

@@ -57,13 +57,9 @@ def freeze() -> int:
     """Collect what is garbage now, then move every object left into the collector's
     permanent generation, which its passes skip; returns how many objects that holds.
     Blocking (a full pass: ~50-130 ms on a large heap): call it at start-up, not per request."""
-    global _unfreeze_at_exit
     gc.collect()
     gc.freeze()
-    if not _unfreeze_at_exit:  # at exit the collector gets them back, so finalization frees them as before
-        _unfreeze_at_exit = True
-        atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
 
 
-_unfreeze_at_exit = False
+atexit.register(gc.unfreeze)  # at exit the collector gets frozen objects back: finalization frees them as before

@@ -21,13 +21,13 @@ import yaml
 
 from kvserve.cli.main import main as kvserve
 from kvserve.cli.nats_config import JETSTREAM_DIR
-from libs.common.kv_history import REPLICAS, ensure_streams, replicas_for
+from libs.common.kv_history import REPLICAS
 from libs.common.nats_auth import CLUSTER_PORT, inbox_prefix, load_credentials, server_urls
 from libs.common.nats_flush import flush
 from libs.common.nats_server import find_nats_server
 from libs.common.settings import service_env
-from libs.protocol.subjects import KV_CHECKPOINTS_STREAM
-from tests.integration.conftest import poll_until, wait_until
+from tests.integration.conftest import wait_until
+from tests.unit.conductor.test_kv_history import streams_made
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("conductor", "store", "prefill", "decode", "gateway")
@@ -261,23 +261,13 @@ def _client_port(ports_dir: Path, proc: subprocess.Popen) -> int:
 
 
 async def _history_streams(ports: list[int], user):
-    """Make the KV history's streams as a conductor does (once JetStream's cluster has a
-    leader); the checkpoints stream's info."""
+    """Make the KV history's streams as a conductor does; the checkpoints stream's info."""
     import nats
 
     nc = await nats.connect([f"nats://127.0.0.1:{port}" for port in ports], **user.connect_options(),
                             inbox_prefix=inbox_prefix("conductor", "conductor-0"))  # fmt: skip
-    js = nc.jetstream()
-
-    async def made():
-        try:
-            await ensure_streams(js, replicas_for(nc))
-            return await js.stream_info(KV_CHECKPOINTS_STREAM)
-        except Exception:  # no JetStream leader yet
-            return None
-
     try:
-        return await poll_until(made, lambda info: info is not None, 60, "the KV history's streams made")
+        return await streams_made(nc)
     finally:
         await nc.close()
 

@@ -22,7 +22,8 @@ from libs.protocol import schema, subjects
 from libs.protocol.vocabulary import KVEventKind, KVTier
 from services.conductor.catch_up import CatchUp
 from services.conductor.index import KVIndex
-from tests.integration.conftest import poll_until
+from tests.integration.conftest import poll_until, wait_until_async
+from tests.unit.services.test_heap import collected
 
 INSTANCES = {"conductor-0": "conductor", "prefill-0": "prefill", "prefill-1": "prefill", "store-0": "store"}
 
@@ -102,13 +103,8 @@ def test_a_starting_conductor_learns_every_instance_from_the_history_without_ask
     assert restarted.index.contents("prefill-0") == {KVTier.DEVICE: set(h("b", "c"))} == _held(p)
     assert restarted.index.contents("store-0") == {KVTier.DRAM: set(h("x", "y")), KVTier.DISK: set(h("z"))} == _held(s)
     assert not restarted.catch_up.catching_up
-    assert not _collected(restarted.index)  # what the history built is frozen, out of the GC's full passes
+    assert not collected(restarted.index)  # what the history built is frozen, out of the GC's full passes
     gc.unfreeze()
-
-
-def _collected(obj: object) -> bool:
-    """Whether the cyclic GC's passes walk ``obj`` (False once ``gc.freeze()`` has moved it)."""
-    return any(o is obj for o in gc.get_objects())
 
 
 def test_only_an_instance_the_history_cannot_account_for_is_asked_and_one_gone_is_forgotten(server, caplog):
@@ -193,15 +189,7 @@ def test_in_a_nats_cluster_of_three_the_history_is_replicated_and_outlives_the_s
         nc = await connect(cluster, "conductor-0")
         assert replicas_for(nc) == REPLICAS
         js = nc.jetstream()
-
-        async def made():  # JetStream's cluster elects its leader a moment after the servers start
-            try:
-                await ensure_streams(js, replicas_for(nc))
-            except Exception:
-                return None
-            return await js.stream_info(subjects.KV_CHECKPOINTS_STREAM)
-
-        info = await poll_until(made, lambda i: i is not None and i.cluster.leader, 60, "streams made on the cluster")
+        info = await streams_made(nc)
         assert info.config.num_replicas == REPLICAS and len(info.cluster.replicas) == REPLICAS - 1
         prefill = await connect(cluster, "prefill-0")
         p = KVEventLog("prefill-0", epoch=7)
@@ -214,22 +202,10 @@ def test_in_a_nats_cluster_of_three_the_history_is_replicated_and_outlives_the_s
         await nc.close()
         leader = next(s for s in cluster.servers if s.name == stored.cluster.leader)
         os.kill(leader.pid, signal.SIGKILL)  # it crashes
-        while leader.exit_code() is None:
-            await asyncio.sleep(0.01)  # polling for the exit SIGKILL makes certain
+        await wait_until_async(lambda: leader.exit_code() is not None, 10, "the killed server's exit")
 
         nc = await connect(cluster, "conductor-0")  # the two servers left
-        js = nc.jetstream()
-
-        async def led():  # JetStream answers nothing about a stream until it has a new leader (and its meta group)
-            try:
-                await ensure_streams(js, replicas_for(nc))
-                infos = [await js.stream_info(name) for name in (subjects.KV_CHECKPOINTS_STREAM,
-                                                                 subjects.KV_EVENTS_STREAM)]  # fmt: skip
-            except Exception:
-                return False
-            return all(info.cluster.leader for info in infos)
-
-        await poll_until(led, bool, 60, "new leaders")
+        await streams_made(nc)  # once both streams have a new leader
         restarted = Conductor()
         await restarted.catch_up.run(nc)
         await nc.close()
@@ -243,3 +219,20 @@ def test_in_a_nats_cluster_of_three_the_history_is_replicated_and_outlives_the_s
     assert restarted.catch_up.stats is not None and restarted.catch_up.stats.checkpoints == 1, gone
     assert restarted.index.contents("prefill-0") == _held(p)
     assert restarted.asked == []
+
+
+async def streams_made(nc: nats.NATS, timeout: float = 60.0):
+    """Make the KV history's streams as a conductor does, once JetStream answers (a cluster
+    elects its leaders a moment after its servers start, and again after one dies): the
+    checkpoints stream's info, when both streams have a leader."""
+    js = nc.jetstream()
+
+    async def made():
+        try:
+            await ensure_streams(js, replicas_for(nc))
+            infos = [await js.stream_info(name) for name in (subjects.KV_CHECKPOINTS_STREAM, subjects.KV_EVENTS_STREAM)]
+        except Exception:  # no leader yet
+            return None
+        return infos[0] if all(info.cluster.leader for info in infos) else None
+
+    return await poll_until(made, lambda info: info is not None, timeout, "the KV history's streams made")
