@@ -3,6 +3,7 @@ side in one process, with the default model (int4 weights, bfloat16 activations 
 KV), and where prefill stands against this machine's GEMM roofline.
 
     .venv/bin/python bench/prefill_attention.py [--lengths 512,2048,8192] [--reps 3] [--out FILE]
+    .venv/bin/python bench/prefill_attention.py --accuracy 2048 [--out FILE]
 
 Each prompt length is prefilled in 256-token steps, as a prefill worker runs it
 (KVSERVE_MAX_CHUNK_TOKENS' default), and 2,048 also in one step; the two attention
@@ -10,6 +11,12 @@ paths alternate repetition by repetition so that a busy machine slows both alike
 The roofline: the model's FLOPs per prefilled token (its projections, and causal
 attention over the prompt's average context) over the FLOP/s torch.mm reaches on
 the model's own projection shapes, measured in the same run.
+
+``--accuracy N`` measures how far each path's logits stray instead: windows of N tokens
+of this repository's own English prose (README and docs) are prefilled in the worker's
+256-token steps by both bfloat16 paths and by the same weights in float32 (SDPA), and
+at every position each path's logits are compared with float32's: how often its top
+token differs, the mean and largest absolute difference, and the mean KL divergence.
 """
 
 import argparse
@@ -63,7 +70,11 @@ def main() -> int:
     ap.add_argument("--lengths", default="512,2048,8192")
     ap.add_argument("--reps", type=int, default=3, help="repetitions per row and path (median; past 4,096 tokens: one)")
     ap.add_argument("--out", type=Path, default=None, help="append the table to this file")
+    ap.add_argument("--accuracy", type=int, default=0, metavar="N",
+                    help="compare both paths' logits with float32's over windows of N tokens instead")
     args = ap.parse_args()
+    if args.accuracy:
+        return accuracy(args)
 
     import torch
 
@@ -73,6 +84,7 @@ def main() -> int:
     from libs.engine.model.sequence import Sequence
 
     torch.set_grad_enabled(False)
+    attention.NATIVE_MIN_CONTEXT = 1  # every span, short ones too: the engine's threshold is measured here
     loaded = load_model(None, dtype="bfloat16", progress=False)  # what `auto` picks on AVX512-BF16
     config = loaded.model.config
     if attention._load_prefill_kernel() is None:
@@ -132,6 +144,77 @@ def main() -> int:
                      f"{native / roof:.0%} | {reps} |")  # fmt: skip
     for n in lengths:
         lines.append(f"- FLOPs per prefilled token at {n}: {flops_per_token(config, n) / 1e6:.0f} M")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(text)
+    return 0
+
+
+def accuracy(args) -> int:
+    import torch
+
+    from libs.engine.model import attention
+    from libs.engine.model.engine import EngineConfig
+    from libs.engine.model.loader import build_engine, load_model
+    from libs.engine.model.sequence import Sequence
+
+    torch.set_grad_enabled(False)
+    attention.NATIVE_MIN_CONTEXT = 1
+    if attention._load_prefill_kernel() is None:
+        print("the native prefill kernel cannot be built here: nothing to compare")
+        return 1
+    n = args.accuracy
+    text = "\n\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    loaded = {dtype: load_model(None, dtype=dtype, progress=False) for dtype in ("float32", "bfloat16")}
+    ids = loaded["float32"].tokenizer.encode(text, add_special_tokens=False)
+    windows = [ids[start : start + n] for start in range(0, len(ids) - n + 1, n)]
+    print(f"{len(windows)} windows of {n} tokens ({len(ids)} tokens of prose)", flush=True)
+
+    def logits_of(dtype: str, path: str) -> list[torch.Tensor]:
+        attention.prefill_path = path
+        engine = build_engine(loaded[dtype], EngineConfig(num_blocks=n // 16 + 64, max_chunk_tokens=WORKER_CHUNK,
+                                                          enable_prefix_cache=False))  # fmt: skip
+        out = []
+        for i, window in enumerate(windows):
+            seq = Sequence.from_prompt(f"{dtype}-{path}-{i}", window)
+            out.append(steps.prefill_all_logits(engine, [seq])[0].float())
+            engine.cache.free(seq)
+        return out
+
+    reference = logits_of("float32", "sdpa")
+    rows = []
+    for path in ("sdpa", "native"):
+        got = logits_of("bfloat16", path)
+        flips = positions = 0
+        mean_abs = kl = 0.0
+        worst = 0.0
+        for ref, out in zip(reference, got):
+            diff = (out - ref).abs()
+            flips += int((out.argmax(-1) != ref.argmax(-1)).sum())
+            positions += ref.shape[0]
+            mean_abs += float(diff.mean(-1).sum())
+            worst = max(worst, float(diff.max()))
+            logp, logq = ref.log_softmax(-1), out.log_softmax(-1)
+            kl += float((logp.exp() * (logp - logq)).sum(-1).sum())
+        rows.append((path, flips, positions, mean_abs / positions, worst, kl / positions))
+        print(f"bfloat16 {path}: top token differs from float32's at {flips} of {positions} positions; "
+              f"mean |diff| {mean_abs / positions:.4f}, max {worst:.3f}, KL {kl / positions:.2e}", flush=True)
+    lines = [
+        "",
+        f"### Prefill attention's logits against float32 ({datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} UTC)",
+        "",
+        f"- command: `python {' '.join(sys.argv)}`",
+        f"- {len(windows)} windows of {n} tokens of the README and docs, prefilled in {WORKER_CHUNK}-token steps; "
+        "the reference: the same int4 weights with float32 activations and KV (SDPA)",
+        "",
+        "| bfloat16 path | top token differs | mean abs diff | max abs diff | mean KL (nats) |",
+        "|---|---|---|---|---|",
+    ]
+    for path, flips, positions, mean_abs, worst, kl in rows:
+        lines.append(f"| {path} | {flips} of {positions} ({flips / positions:.2%}) | {mean_abs:.4f} | {worst:.3f} | "
+                     f"{kl:.2e} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

@@ -21,13 +21,20 @@ from libs.engine.model import native
 from libs.engine.model.kv_pool import KVPool
 
 PREFILL_PATHS = ("native", "sdpa")
-# Which prefill attention runs where both can: gather + SDPA, or the native blocked
-# kernel (kernels/prefill_attention.c, bfloat16 with AVX512-BF16). SDPA by default: the
-# kernel's logits stray a little further from float32's than SDPA's (on the default model
-# and `kvserve chat`'s test prompt, max 1.11 against 0.94), enough to turn that prompt's
-# near-tie first token (float32: 25.33 against 25.24) into another answer. Faster, not yet
-# as exact. bench/prefill_attention.py flips this to measure both in one process.
-prefill_path = "sdpa"
+# Which prefill attention runs where both can: the native blocked kernel
+# (kernels/prefill_attention.c: bfloat16 on a CPU with AVX512-BF16; elsewhere it declines
+# and SDPA runs) or gather + SDPA. Native by default: measured 1.17-1.70x SDPA's prefill
+# tokens/s from 512 to 8,192 tokens, and as close to float32's logits over 36,864
+# positions of English prose (mean KL 2.35e-3 against SDPA's 2.36e-3; top token
+# different from float32's at 4.59% against 4.48% of positions: bench/results/engine.md).
+# KVSERVE_NATIVE_KERNELS=0 turns it off with the other kernels; bench/prefill_attention.py
+# flips this to measure both in one process.
+prefill_path = "native"
+# Spans attending to fewer tokens than this keep SDPA: there the kernel measured no faster
+# (0.94-1.04x at 64 tokens, 1.02x at 32; 1.05-1.12x at 128), and a short chat prompt's first token is then the one
+# the SDPA path always gave (the default model's answer to "What is the capital of
+# France?" is a near-tie that the two paths' roundings break differently).
+NATIVE_MIN_CONTEXT = 128
 
 
 @dataclass
@@ -78,7 +85,11 @@ def paged_attention(
     kernel = _native_prefill_kernel(q, pool)
     for span in batch.prefill_spans:
         rows = slice(span.query_start, span.query_start + span.query_len)
-        if kernel is not None and _native_prefill(kernel, layer, q[rows], pool, span, scale, out[rows]):
+        if (
+            kernel is not None
+            and span.context_len >= NATIVE_MIN_CONTEXT
+            and _native_prefill(kernel, layer, q[rows], pool, span, scale, out[rows])
+        ):
             continue
         out[rows] = _prefill_attention(layer, q[rows], k[rows], v[rows], pool, span, scale)
     return out

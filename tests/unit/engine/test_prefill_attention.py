@@ -28,6 +28,12 @@ def needs_kernel() -> None:
         pytest.skip("the kernel was built without AVX512-BF16 (this CPU lacks it)")
 
 
+@pytest.fixture(autouse=True)
+def every_span_native(monkeypatch):
+    """The kernel on every span, however short (the engine keeps SDPA for short ones)."""
+    monkeypatch.setattr(attention, "NATIVE_MIN_CONTEXT", 1)
+
+
 def attend(q, k, v, pool: KVPool, batch: AttentionBatch, path: str, monkeypatch) -> torch.Tensor:
     with monkeypatch.context() as m:
         m.setattr(attention, "prefill_path", path)
@@ -124,3 +130,19 @@ def test_engine_prefill_matches_sdpa_path(tiny_bf16, cached, chunk, monkeypatch)
     # bfloat16 activations: the two paths round some attention outputs differently by an
     # ulp, which three layers carry on; logits of about one unit agree to an ulp or two
     assert (native - reference).abs().max().item() < 0.02
+
+
+def test_short_spans_keep_sdpa(monkeypatch):
+    """Under the engine's threshold a span's attention is SDPA's, at it and above the kernel's."""
+    needs_kernel()
+    monkeypatch.setattr(attention, "NATIVE_MIN_CONTEXT", 128)
+    gen = torch.Generator().manual_seed(7)
+    pool = KVPool(KVLayout(LAYERS, BLOCK, 3, 64, torch.bfloat16), 48)
+    calls = []
+    kernel = attention._load_prefill_kernel()
+    monkeypatch.setattr(attention, "_load_prefill_kernel", lambda: lambda *a: calls.append(a[5]) or kernel(*a))
+    batch = packed_batch([(40, 40), (17, 127), (16, 128), (100, 300)], pool, gen)
+    q = torch.randn(173, 9, 64, generator=gen).to(torch.bfloat16)
+    k = torch.randn(173, 3, 64, generator=gen).to(torch.bfloat16)
+    attend(q, k, k.clone(), pool, batch, "native", monkeypatch)
+    assert calls == [128, 300]  # the context lengths the kernel was called for
