@@ -135,7 +135,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--no-standby", dest="standby", action="store_false",
         help="keep no warm spare worker per role (default: one prefill and one decode process with the model "
         "loaded, waiting to replace the next worker of its role that dies: a restart in well under a second "
-        "instead of ~4 s, for ~1 GB of memory each with the default model)",
+        "instead of ~4 s, for ~1 GB of memory each with the default model; the first ones load before the URL is "
+        "printed, ~9 s more of start-up, so that they do not slow the first requests)",
     )  # fmt: skip
     hosts = parser.add_argument_group("several hosts (README: Several machines)")
     hosts.add_argument(

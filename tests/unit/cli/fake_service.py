@@ -15,6 +15,7 @@ import asyncio
 import os
 import secrets
 import sys
+import time
 from contextlib import AsyncExitStack
 from pathlib import Path
 
@@ -63,7 +64,8 @@ async def _close_server(server: asyncio.Server) -> None:
 
 def main() -> None:
     if standby.requested():
-        standby.wait_for_assignment(lambda: None)
+        # a spare's load takes FAKE_PRELOAD_S, as a real one's model load takes seconds
+        standby.wait_for_assignment(lambda: time.sleep(float(env_str("FAKE_PRELOAD_S", "0"))))
     instance_id = env_str("INSTANCE_ID", "")
     print("settings " + " ".join(f"{name}={os.environ.get('KVSERVE_' + name, '-')}" for name in REPORTED))
     crash_file = env_str("FAKE_CRASH_FILE", "")

@@ -44,6 +44,16 @@ def restarted(cluster, instance_id: str, started_at: float, timeout: float = 30)
     cluster.wait_for(lambda beats: beats[instance_id].started_at > started_at, timeout=timeout)
 
 
+def test_start_returns_once_the_first_spares_have_loaded(model_dir):
+    """Their load would otherwise share the cores with the first requests."""
+    cluster = make_cluster(model_dir, None, supervise=True, env={"KVSERVE_FAKE_PRELOAD_S": "1.5"})
+    cluster.start(timeout=60)
+    try:
+        assert cluster.loaded_spares == {"prefill", "decode"}
+    finally:
+        cluster.stop()
+
+
 def test_backoff_doubles_to_its_cap_and_resets_after_a_healthy_run():
     backoff = Backoff(first=0.5, longest=10.0, healthy_after=30.0)
     assert [backoff.next_delay(ran_for=1.0) for _ in range(7)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
