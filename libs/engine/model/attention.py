@@ -30,10 +30,11 @@ PREFILL_PATHS = ("native", "sdpa")
 # KVSERVE_NATIVE_KERNELS=0 turns it off with the other kernels; bench/prefill_attention.py
 # flips this to measure both in one process.
 prefill_path = "native"
-# Spans attending to fewer tokens than this keep SDPA: there the kernel measured no faster
-# (0.94-1.04x at 64 tokens, 1.02x at 32; 1.05-1.12x at 128), and a short chat prompt's first token is then the one
-# the SDPA path always gave (the default model's answer to "What is the capital of
-# France?" is a near-tie that the two paths' roundings break differently).
+# Spans attending to fewer tokens than this keep SDPA: there the kernel measured no
+# faster (0.94-1.04x at 64 tokens, 1.02x at 32; 1.05-1.12x at 128), and a short chat
+# prompt's first token is then the one the SDPA path always gave (the default model's
+# answer to "What is the capital of France?" is a near-tie that the two paths' roundings
+# break differently).
 NATIVE_MIN_CONTEXT = 128
 
 

@@ -45,3 +45,22 @@ def test_calibration_on_an_engine_fits_positive_costs_and_leaves_the_pool_as_it_
     assert model.decode_step_time(8, 8 * 64) > 0 and c.transfer_per_block > 0
     assert engine.cache.block_pool is pool  # the real block manager is back
     assert (pool.num_free_blocks, pool.num_cached_blocks) == (96, 0)  # nothing held, nothing findable
+
+
+def test_calibration_loads_the_native_prefill_kernel_before_it_times_anything(tmp_path, monkeypatch):
+    """Its first use compiles it (where no cache has it): that must not be a timed point. The
+    warm-up's short prefill loads it (paged_attention asks for it before looking at spans)."""
+    from libs.engine import cost_model
+    from libs.engine.model import attention
+    from libs.engine.model.loader import load_model
+    from tests.conftest import make_tiny_checkpoint
+
+    folder = make_tiny_checkpoint(tmp_path / "tiny64", hidden_size=256, num_attention_heads=4, num_key_value_heads=2)
+    loaded = load_model(str(folder), dtype="bfloat16", quantization="none", progress=False)  # the kernel's dtype
+    attention._load_prefill_kernel.cache_clear()
+    loaded_when_timing = []
+    timed = cost_model._timed
+    monkeypatch.setattr(cost_model, "_timed", lambda *a: loaded_when_timing.append(
+        attention._load_prefill_kernel.cache_info().currsize) or timed(*a))  # fmt: skip
+    calibrate(build_engine(loaded, EngineConfig(block_size=16, num_blocks=96)), budget_s=30.0)
+    assert loaded_when_timing[0] == 1
