@@ -38,10 +38,22 @@ $(BROWSER_STAMP): $(STAMP)
 	    echo "apt-get could not install chromium: the console's browser test will skip"; \
 	fi
 
-test: $(STAMP) $(BROWSER_STAMP)
+# The tests that hold the GGUF loaders to llama.cpp (its converter, llama-quantize and
+# llama-server on the same files) need its tools, built once from the sources vendored in
+# the llama-cpp-python sdist (bench/llama_cpp.sh: ~6 min on 2 cores). Where that build is
+# not possible those tests skip, and this says why (tried again on the next `make test`).
+LLAMA_STAMP := .cache/llama.cpp/.built
+$(LLAMA_STAMP): $(STAMP)
+	@if PIP=$(BIN)/pip bash bench/llama_cpp.sh; then \
+	    touch $(LLAMA_STAMP); \
+	else \
+	    echo "could not build llama.cpp's tools (see above): the tests against llama.cpp will skip"; \
+	fi
+
+test: $(STAMP) $(BROWSER_STAMP) $(LLAMA_STAMP)
 	$(BIN)/python -m pytest
 
-# The llama.cpp peer, built once from the sources vendored in the llama-cpp-python sdist
+# The llama.cpp peer for the benchmarks (the same build)
 LLAMA_SERVER := .cache/llama.cpp/bin/llama-server
 BENCH_ARGS   ?=
 
