@@ -143,9 +143,15 @@ class ClusterView:
         silent = []
         if now - self._oldest_seen > self.timeout and self._deafness.since is None:  # some may be silent: look
             # (at most once a timeout or so)
-            silent = [inst for inst in self._instances.values() if now - inst.last_seen > self.timeout]
-            alive = [inst.last_seen for inst in self._instances.values() if now - inst.last_seen <= self.timeout]
-            self._oldest_seen = min(alive, default=float("inf"))
+            # one pass: it runs inside an admission, over every instance of every role
+            oldest, timeout = float("inf"), self.timeout
+            for inst in self._instances.values():
+                seen = inst.last_seen
+                if now - seen > timeout:
+                    silent.append(inst)
+                elif seen < oldest:
+                    oldest = seen
+            self._oldest_seen = oldest
         for inst in silent:
             self.last_disturbance = now
             del self._instances[inst.instance_id]
