@@ -144,12 +144,17 @@ def main() -> int:
                      f"{native / roof:.0%} | {reps} |")  # fmt: skip
     for n in lengths:
         lines.append(f"- FLOPs per prefilled token at {n}: {flops_per_token(config, n) / 1e6:.0f} M")
+    emit(lines, args.out)
+    return 0
+
+
+def emit(lines: list[str], out: Path | None) -> None:
+    """Print the report and append it to ``out``, if given."""
     text = "\n".join(lines) + "\n"
     print(text)
-    if args.out:
-        with open(args.out, "a") as f:
+    if out:
+        with open(out, "a") as f:
             f.write(text)
-    return 0
 
 
 def accuracy(args) -> int:
@@ -215,11 +220,7 @@ def accuracy(args) -> int:
     for path, flips, positions, mean_abs, worst, kl in rows:
         lines.append(f"| {path} | {flips} of {positions} ({flips / positions:.2%}) | {mean_abs:.4f} | {worst:.3f} | "
                      f"{kl:.2e} |")  # fmt: skip
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(text)
+    emit(lines, args.out)
     return 0
 
 
