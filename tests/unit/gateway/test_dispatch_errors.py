@@ -3,7 +3,6 @@ the conductor's silence is a 503 no_conductor, a worker's absence or silence a
 WorkerLostError (so the request can move), NATS failing otherwise a 503, and a
 reply that is no valid message an upstream error. Whom nobody heard is not cancelled."""
 
-import asyncio
 import types
 
 import nats.errors
@@ -107,6 +106,11 @@ async def test_an_unreachable_decode_worker_prefilling_the_request_is_no_decode(
     assert (raised.value.code, str(raised.value)) == ("no_decode", message)
 
 
+async def resolved(value):
+    """An awaitable that gives ``value`` (what nc.subscribe's coroutine gives)."""
+    return value
+
+
 class OneMessage(FakeSubscription):
     def __init__(self, data: bytes, publisher: str = "p0") -> None:
         self.data = data
@@ -132,7 +136,7 @@ async def test_a_hand_off_that_found_no_decode_worker_names_the_chosen_one_as_su
         peers.observe(Heartbeat(instance_id=instance_id, role=role, host_id="h", started_at=5.0))
     service = FakeService()
     lost = error_chunk("req", 0, ErrorCode(code), "decode worker d0 did not answer", "p0")
-    service.nc.subscribe = lambda subject: asyncio.sleep(0, OneMessage(schema.encode(lost)))
+    service.nc.subscribe = lambda subject: resolved(OneMessage(schema.encode(lost)))
     with pytest.raises(WorkerLostError) as e:
         async with RequestRun(service, PREPARED, token_timeout=1.0, watch=WorkerWatch(peers, 2.5)) as run:
             await run.next_chunks()
@@ -157,7 +161,7 @@ async def test_a_silent_worker_is_suspect_only_and_a_restarted_one_gone_until_it
     for instance_id, role in (("p0", "prefill"), ("d0", "decode")):
         peers.observe(Heartbeat(instance_id=instance_id, role=role, host_id="h", started_at=5.0))
     service = FakeService()
-    service.nc.subscribe = lambda subject: asyncio.sleep(0, NoMessage())
+    service.nc.subscribe = lambda subject: resolved(NoMessage())
     with pytest.raises(WorkerLostError) as e:
         async with RequestRun(service, PREPARED, token_timeout=30.0, watch=WorkerWatch(peers, 2.5)) as run:
             if restarted:
