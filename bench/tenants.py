@@ -17,6 +17,7 @@ with that setting (the same prompts, a cold cache): a variant against the defaul
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import platform
 import shlex
@@ -89,6 +90,8 @@ def main() -> int:
                     "e.g. KVSERVE_CONTENDED_CHUNK_TOKENS=0")  # fmt: skip
     ap.add_argument("--log", type=Path, default=None, help="keep the cluster's log here (default: not kept)")
     ap.add_argument("--out", type=Path, default=None, help="write the report here (default: print it)")
+    ap.add_argument("--runs", type=Path, default=None,
+                    help="write each phase's requests, one JSON file per phase and tenant, into this folder")
     args = ap.parse_args()
     slo = SLO()
     b_rate, a_rate = args.capacity * args.b_share, args.capacity * args.a_times
@@ -134,6 +137,10 @@ def main() -> int:
                                              label=f"{name} A", time_scale=a_scale, progress=False)))  # fmt: skip
                 done = await asyncio.gather(*(run for _, run in runs))
                 for (tenant, _), run in zip(runs, done):
+                    if args.runs is not None:
+                        args.runs.mkdir(parents=True, exist_ok=True)
+                        slug = name.replace(" ", "-").replace(",", "").replace("=", "-")
+                        (args.runs / f"{slug}-{tenant}.json").write_text(json.dumps(run.to_json()))
                     results.append((name, tenant, summarize(run, slo, BLOCK_TOKENS)))
                     refusals[f"{name} {tenant}"] = Counter(r.error_code or "?" for r in run.records
                                                            if r.status == "rejected")  # fmt: skip

@@ -199,13 +199,13 @@ class Admitter:
         )  # fmt: skip
         self.book(booking, ctx.now)
         if request.tenant is not None:
-            self.fair_share.add(request.request_id, request.tenant, request.tenant_weight, cost)
+            self.fair_share.add(request.request_id, request.tenant, request.tenant_weight, cost, ctx.now)
         return decision
 
     def _fair(self, request: AdmitRequest, decision: Decision, cost: float, ttft_target_s: float, slack_s: float,
               now: float) -> Decision:  # fmt: skip
         """``decision``, or a refusal when the queue is building and its tenant is the
-        furthest over its weighted share of the work in flight (fair_share.py)."""
+        furthest over its weighted share of the usage (fair_share.py)."""
         queue_s = (decision.predicted_ttft_s or 0.0) - decision.work_s  # the work ahead of it, not its own
         pressure = (queue_s + slack_s) / ttft_target_s  # slack: what the model misses
         ratio = self.fair_share.refuses(request.tenant, request.tenant_weight, cost, pressure, now)

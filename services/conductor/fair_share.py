@@ -1,14 +1,20 @@
 """Weighted fair shares among tenants under overload.
 
-Each tenant's share of the work in flight (admitted, not finished) is its weight
-over the weights of the active tenants: those with work in flight or a request
-seen in the last ``ACTIVE_S`` seconds (a light tenant whose requests finish fast
-is still there, and the room it needs is kept for it). A request's cost is its
-prompt tokens plus its expected output tokens (prefill work and a decode slot's
-tokens). Shares apply only under pressure — the queue ahead of the request (its
-predicted TTFT less its own prefill, plus the learned slack) takes more than
-``pressure`` of its TTFT target — and only to a tenant already over its share
-before the request, and the furthest over: its requests are refused (reason
+A tenant's usage is its work in flight (admitted, not finished) plus the work it
+was admitted lately, each admission's cost fading with a time constant of
+``USAGE_S``: what the tenant has taken of the cluster over the last seconds, not
+only at this instant. (In flight alone, a light tenant with one long prompt
+running counts as over its share against a flooder whose requests are being
+refused: its next short prompt was refused for fairness, and the flooder's were
+favored ahead of its long one.) Each active tenant's share of the usage is its
+weight over the weights of the active tenants: those with work in flight or a
+request seen in the last ``ACTIVE_S`` seconds (a light tenant whose requests
+finish fast is still there, and the room it needs is kept for it). A request's
+cost is its prompt tokens plus its expected output tokens (prefill work and a
+decode slot's tokens). Shares apply only under pressure — the queue ahead of the
+request (its predicted TTFT less its own prefill, plus the learned slack) takes
+more than ``pressure`` of its TTFT target — and only to a tenant already over its
+share before the request, and the furthest over: its requests are refused (reason
 ``fair_share``) while the others' are still judged by their SLOs alone, so the
 room left in the queue goes to the tenants under their share. A tenant alone (no
 other active) or within its share is never refused for it: work-conserving.
@@ -16,11 +22,13 @@ other active) or within its share is never refused for it: work-conserving.
 Each conductor replica counts the admissions it made itself. Pure bookkeeping.
 """
 
+import math
 from dataclasses import dataclass
 
 from libs.protocol.ids import RequestId
 
 ACTIVE_S = 10.0  # a tenant that sent a request this recently still has a share
+USAGE_S = 10.0  # an admission's cost counts against its tenant's share, fading with this time constant
 
 @dataclass(frozen=True)
 class FairShareConfig:
@@ -41,18 +49,21 @@ class FairShare:
         self._cost: dict[str, float] = {}  # in flight, by tenant
         self._weight: dict[str, float] = {}  # the latest weight each tenant in flight was admitted with
         self._seen: dict[str, tuple[float, float]] = {}  # tenant -> (when it last sent a request, its weight)
+        self._recent: dict[str, tuple[float, float]] = {}  # tenant -> (admitted cost, faded as of when)
 
     def arrived(self, tenant: str, weight: float, now: float) -> None:
         """A request of ``tenant`` arrived (admitted or not): it is active for ACTIVE_S."""
         self._seen[tenant] = (now, weight)
         if len(self._seen) > 1000:  # forget the long gone
             self._seen = {t: s for t, s in self._seen.items() if s[0] >= now - ACTIVE_S}
+            self._recent = {t: r for t, r in self._recent.items() if t in self._seen or t in self._cost}
 
-    def add(self, request_id: RequestId, tenant: str, weight: float, cost: float) -> None:
+    def add(self, request_id: RequestId, tenant: str, weight: float, cost: float, now: float = 0.0) -> None:
         self.remove(request_id)
         self._charges[request_id] = Charge(tenant, weight, cost)
         self._cost[tenant] = self._cost.get(tenant, 0.0) + cost
         self._weight[tenant] = weight
+        self._recent[tenant] = (self._faded(tenant, now) + cost, now)
 
     def remove(self, request_id: RequestId) -> None:
         charge = self._charges.pop(request_id, None)
@@ -67,15 +78,23 @@ class FairShare:
     def in_flight(self, tenant: str) -> float:
         return self._cost.get(tenant, 0.0)
 
+    def usage(self, tenant: str, now: float) -> float:
+        """Its work in flight plus its admissions' faded costs."""
+        return self._cost.get(tenant, 0.0) + self._faded(tenant, now)
+
+    def _faded(self, tenant: str, now: float) -> float:
+        cost, at = self._recent.get(tenant, (0.0, now))
+        return cost * math.exp(-max(0.0, now - at) / USAGE_S)
+
     def _weights(self, now: float, tenant: str, weight: float) -> dict[str, float]:
         """The weights of the active tenants, ``tenant`` included."""
         recent = {t: w for t, (at, w) in self._seen.items() if at >= now - ACTIVE_S}
         return {**recent, **self._weight, tenant: weight}
 
     def ratios(self, tenant: str, weight: float, cost: float, now: float = 0.0) -> dict[str, float]:
-        """Each active tenant's in-flight cost over its weighted share, were this request admitted."""
+        """Each active tenant's usage over its weighted share of all of theirs, were this request admitted."""
         weights = self._weights(now, tenant, weight)
-        costs = {t: self._cost.get(t, 0.0) for t in weights}
+        costs = {t: self.usage(t, now) for t in weights}
         costs[tenant] += cost
         total, total_weight = sum(costs.values()), sum(weights.values())
         if total <= 0:
@@ -84,7 +103,7 @@ class FairShare:
 
     def favors(self, tenant: str, weight: float, now: float = 0.0) -> bool:
         """Whether ``tenant``'s next request goes before the others' work: another active
-        tenant is further over its weighted share of the work in flight than it is."""
+        tenant is further over its weighted share of the usage than it is."""
         ratios = self.ratios(tenant, weight, 0.0, now)
         mine = ratios.pop(tenant)
         return bool(ratios) and mine < max(ratios.values())

@@ -10,25 +10,48 @@ import pytest
 from libs.engine.cost_model import CostModel, reference_coefficients
 from services.conductor.admission_policy import build_policy
 from services.conductor.admitter import Admitter
-from services.conductor.fair_share import ACTIVE_S, FairShare
+from services.conductor.fair_share import ACTIVE_S, USAGE_S, FairShare
 from services.conductor.simulator.report import meets_slo
 from services.conductor.simulator.scenarios import noisy_neighbour
 from services.conductor.simulator.simulation import SimConfig, simulate
 from tests.unit.conductor.helpers import beat, cluster, config, request
 
 
-def test_ratios_are_in_flight_cost_over_the_weighted_share():
+def test_ratios_are_usage_over_the_weighted_share():
     f = FairShare()
-    f.add("a1", "a", 1.0, 300)
-    f.add("b1", "b", 2.0, 100)
-    # with a request of 200 for b: a 300, b 300 of 600; shares 200 and 400
-    assert f.ratios("b", 2.0, 200) == {"a": pytest.approx(1.5), "b": pytest.approx(0.75)}
-    assert f.refuses("a", 1.0, 100, pressure=0.9) == pytest.approx(400 / (500 / 3))
-    assert f.refuses("b", 2.0, 100, pressure=0.9) is None  # under its share
-    assert f.refuses("a", 1.0, 100, pressure=0.4) is None  # no pressure: no shares
+    f.add("a1", "a", 1.0, 300, now=0.0)
+    f.add("b1", "b", 2.0, 100, now=0.0)
+    # long after the admissions, usage is the work in flight: with a request of 200 for b, a 300,
+    # b 300 of 600; shares 200 and 400
+    later = 50 * USAGE_S
+    assert f.ratios("b", 2.0, 200, now=later) == {"a": pytest.approx(1.5), "b": pytest.approx(0.75)}
+    assert f.refuses("a", 1.0, 100, pressure=0.9, now=later) == pytest.approx(400 / (500 / 3))
+    assert f.refuses("b", 2.0, 100, pressure=0.9, now=later) is None  # under its share
+    assert f.refuses("a", 1.0, 100, pressure=0.4, now=later) is None  # no pressure: no shares
+    # at once, each admission counts twice (in flight, and admitted lately): the same ratios
+    assert f.ratios("b", 2.0, 400, now=0.0) == {"a": pytest.approx(1.5), "b": pytest.approx(0.75)}
     f.remove("b1")
-    assert f.refuses("a", 1.0, 100, pressure=0.9) is None  # alone: work-conserving
+    assert f.refuses("a", 1.0, 100, pressure=0.9, now=later) is None  # alone: work-conserving
     assert f.in_flight("b") == 0 and f.in_flight("a") == 300
+
+
+def test_a_light_tenants_one_long_prompt_does_not_put_it_over_a_flooders_share():
+    # a was admitted a request a second for the last 10 s (its others refused), one of them in
+    # flight now; b sent one long prompt, still in flight
+    f = FairShare()
+    for t in range(10):
+        f.add(f"a{t}", "a", 1.0, 300, now=float(t))
+        if t < 9:
+            f.remove(f"a{t}")
+    f.add("b1", "b", 1.0, 1000, now=9.0)
+    assert f.in_flight("b") > f.in_flight("a")  # by the work in flight alone, b would be the one over
+    assert f.favors("b", 1.0, now=9.5) and not f.favors("a", 1.0, now=9.5)
+    assert f.refuses("b", 1.0, 20, pressure=0.9, now=9.5) is None  # its next short prompt is not refused
+    assert f.refuses("a", 1.0, 300, pressure=0.9, now=9.5) is not None
+    # usage fades: a minute after a stopped, b's long prompt is what counts
+    f.remove("a9")
+    f.arrived("a", 1.0, now=60.0)
+    assert f.favors("a", 1.0, now=60.0)
 
 
 def test_only_the_tenant_furthest_over_its_share_is_refused():
