@@ -467,8 +467,20 @@ def gguf_rows(kind: str, reps: int, timeout: float, out: Path, command: str) -> 
     print(text)
 
 
+def file_types(path: Path) -> str:
+    """How many of a GGUF file's matrices (2-D tensors) it stores in each type, most first."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    counts = Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors if len(t.shape) > 1)
+    return ", ".join(f"{name} {n}" for name, n in counts.most_common())
+
+
 def gguf_section(title: str, path: Path, ours: dict, theirs: dict, command: str, load: tuple[float, float]) -> str:
     big = max(FILE_BATCHES)
+    busy = (" (above the core count: other work ran beside the two engines, one after the other, and only their "
+            "ratio, loosely, means anything)") if max(load) > (os.cpu_count() or 1) else ""  # fmt: skip
     lines = [title, "",
              f"`{command}` ({datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}): {path.name} "
              f"({path.stat().st_size / 1e6:.0f} MB), made from a float32 copy of the shipped Q4_1 file by "
@@ -477,8 +489,7 @@ def gguf_section(title: str, path: Path, ours: dict, theirs: dict, command: str,
              f"`{theirs.get('command', 'llama-server')}`; b=1 is one stream, b={big} the sum of {big} concurrent "
              "requests' own decode rates (their prompts' processing left out, as kvserve's), beside their tokens "
              f"over the wall time. Load average (1 min) before and after: {load[0]:.1f} and {load[1]:.1f} on "
-             f"{os.cpu_count()} cores (well above the core count: other work ran beside the two engines, one "
-             "after the other, and only their ratio, loosely, means anything).", "",
+             f"{os.cpu_count()} cores{busy}. The file's matrices by GGUF type: {file_types(path)}.", "",
              f"| engine | weights | decode b=1 | b={big} | b={big}, wall incl. prompts | peak RSS MiB |",
              "|---|---|---|---|---|---|"]  # fmt: skip
     for r in (ours, theirs):
