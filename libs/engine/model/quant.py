@@ -5,8 +5,7 @@ Two formats, both with floating activations:
 - ``int4-g{32,64,128}``: ``w[n, k] = (q[n, k] - 8) * scale[n, k // g] + zero[n, k // g]``,
   ``q`` in 0..15 (``_weight_int4pack_mm_for_cpu``'s own formula);
 - ``int8``: ``w[n, k] = q[n, k] * scale[n]``, one scale per output channel
-  (``_weight_int8pack_mm``; one bfloat16 row, a decode step of one sequence, runs
-  ``kernels/int8_rows.c`` where it compiles: about twice as fast, memory-bound).
+  (``_weight_int8pack_mm``).
 
 Weights reach them from GGUF blocks (gguf_blocks.py) or from float weights quantized
 at load. ``mixed`` keeps every weight in the format it arrives in, float included:
@@ -14,8 +13,6 @@ a fused projection whose parts differ (a GGUF file's q/k in Q4_K, its v in Q6_K)
 becomes one layer per part, side by side. The model knows none of this.
 """
 
-import ctypes
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from libs.common.settings import QUANTIZATIONS
-from libs.engine.model import native
 
 NONE = "none"
 AUTO = "auto"
@@ -46,38 +42,6 @@ _INT4_PACK_N = 16  # _convert_weight_to_int4pack_for_cpu needs N divisible by th
 _INT4_INNER_K_TILES = 2  # ignored on the CPU; part of the op's signature
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
-_INT8_ROW_MAX_K = 16384  # kernels/int8_rows.c's MAX_K
-
-
-@functools.cache
-def _int8_row_kernel() -> Callable | None:
-    """``kernels/int8_rows.c``'s ``int8_row``, or None (no compiler, or native kernels off)."""
-    lib = native.load("int8_rows")
-    if lib is None:
-        return None
-    fn = lib.int8_row
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2
-    fn.restype = ctypes.c_int
-    return fn
-
-
-def _int8_mm(weight_q: torch.Tensor, scale: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> _weight_int8pack_mm(x, weight_q, scale)`` for contiguous rows of the scale's
-    dtype, one bfloat16 row by the native kernel where it loads (`int8_rows.c`)."""
-    kernel = _int8_row_kernel() if scale.dtype == torch.bfloat16 and weight_q.shape[1] <= _INT8_ROW_MAX_K else None
-    if kernel is None:
-        return lambda x: _INT8_MM(x, weight_q, scale)
-    n, k = weight_q.shape
-    w, s = weight_q.data_ptr(), scale.data_ptr()
-
-    def mm(x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] != 1:
-            return _INT8_MM(x, weight_q, scale)
-        y = torch.empty(1, n, dtype=x.dtype)
-        kernel(x.data_ptr(), w, s, y.data_ptr(), n, k)
-        return y
-
-    return mm
 
 
 def parse(spec: str) -> str:
@@ -290,7 +254,6 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", weight.scale.clone())  # [N], cast with the model's dtype
         self.bias = nn.Parameter(bias.clone()) if bias is not None else None
         self._dense = dense  # [N, K]: given, or made at the first large batch
-        self._kernel_key: tuple | None = None  # the buffers `kernel` was made for
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:  # [N, K]
         return self.weight_q.to(dtype) * self.scale.to(dtype)[:, None]
@@ -299,7 +262,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES and x.dtype == self.scale.dtype:
-            y = self.kernel()(x.contiguous())
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_q, self.scale)
         else:
             y = F.linear(x, self.dense(x.dtype))
         if self.bias is not None:
@@ -310,18 +273,10 @@ class Int8Linear(nn.Module):
         """As Int4Linear.row_op."""
         if dtype not in _KERNEL_DTYPES or dtype != self.scale.dtype:
             return None
-        op, bias = self.kernel(), self.bias
+        op, weight_q, scale, bias = _INT8_MM, self.weight_q, self.scale, self.bias
         if bias is None:
-            return op
-        return lambda x: op(x).add_(bias)
-
-    def kernel(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The weight-only kernel on contiguous rows of the scale's dtype (`_int8_mm`), made
-        once for the buffers as they are now."""
-        key = (self.weight_q.data_ptr(), self.scale.data_ptr(), self.scale.dtype)
-        if self._kernel_key != key:
-            self._kernel, self._kernel_key = _int8_mm(self.weight_q, self.scale), key
-        return self._kernel
+            return lambda x: op(x, weight_q, scale)
+        return lambda x: op(x, weight_q, scale).add_(bias)
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         dense = self._dense

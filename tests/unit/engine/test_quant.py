@@ -60,32 +60,6 @@ def test_int8_linear_equals_a_float_matmul_of_its_dequantized_weight(shape):
             assert relative_error(layer(x), x.float() @ weight.t()) < tolerance, (dtype, rows)
 
 
-@pytest.mark.parametrize("shape", [(192, 120), (2048, 576)])  # a tail of 8 past 16-wide vectors; rows on two threads
-def test_one_bfloat16_row_of_an_int8_layer_runs_the_native_kernel_to_within_one_rounding(shape, monkeypatch):
-    kernel = quant._int8_row_kernel()
-    if kernel is None:
-        pytest.skip("the native int8 row kernel does not load here (no C compiler, or native kernels off)")
-    calls = []
-    monkeypatch.setattr(quant, "_int8_row_kernel", lambda: lambda *args: calls.append(1) or kernel(*args))
-    n, k = shape
-    torch.manual_seed(n + k)
-    layer = quant.Int8Linear(quant.quantize_int8(torch.randn(n, k))).to(torch.bfloat16)
-    x = torch.randn(1, k).to(torch.bfloat16)
-    weight = layer.dequantize(torch.float64)  # the scales as the layer holds them
-    exact = (x.double() @ weight.t()).squeeze(0)
-    # one bfloat16 rounding of the result, plus float32 sums' own error (the terms' size: cancellation)
-    bound = torch.finfo(torch.bfloat16).eps * exact.abs() + 1e-5 * (x.double().abs() @ weight.abs().t()).squeeze(0)
-    for y in (layer(x), layer.row_op(torch.bfloat16)(x)):
-        assert ((y.squeeze(0).double() - exact).abs() <= bound).all()
-    assert len(calls) == 2  # the layer and its row op, each one kernel call
-    layer(torch.randn(3, k).to(torch.bfloat16))  # more rows: torch's kernel
-    assert len(calls) == 2
-    biased = quant.Int8Linear(quant.quantize_int8(torch.randn(n, k)), bias=torch.randn(n)).to(torch.bfloat16)
-    plain = x.double() @ biased.dequantize(torch.float64).t() + biased.bias.double()
-    for y in (biased(x), biased.row_op(torch.bfloat16)(x)):
-        assert relative_error(y, plain) < 1e-2  # the bias added
-
-
 def test_quantizing_moves_each_weight_by_at_most_half_a_step():
     torch.manual_seed(0)
     w = torch.randn(48, 256) * torch.rand(48, 1) * 3
