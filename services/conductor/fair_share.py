@@ -3,10 +3,10 @@
 A tenant's usage is its work in flight (admitted, not finished) plus the work it
 was admitted lately, each admission's cost fading with a time constant of
 ``USAGE_S``: what the tenant has taken of the cluster over the last seconds, not
-only at this instant. (In flight alone, a light tenant with one long prompt
-running counts as over its share against a flooder whose requests are being
-refused: its next short prompt was refused for fairness, and the flooder's were
-favored ahead of its long one.) Each active tenant's share of the usage is its
+only at this instant. (Counted in flight alone, a light tenant with one long
+prompt running would be over its share against a flooder whose requests are
+being refused: its next short prompt would be refused for fairness, and the
+flooder's favored ahead of its long one.) Each active tenant's share of the usage is its
 weight over the weights of the active tenants: those with work in flight or a
 request seen in the last ``ACTIVE_S`` seconds (a light tenant whose requests
 finish fast is still there, and the room it needs is kept for it). A request's
