@@ -42,6 +42,9 @@ _INT4_PACK_N = 16  # _convert_weight_to_int4pack_for_cpu needs N divisible by th
 _INT4_INNER_K_TILES = 2  # ignored on the CPU; part of the op's signature
 _INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+# _weight_int8pack_mm reads past a row whose length is not a multiple of this: wrong
+# values, or a crash (torch 2.13, AVX-512). Such a layer multiplies by its dequantized weight.
+_INT8_K_MULTIPLE = 16
 
 
 def parse(spec: str) -> str:
@@ -261,7 +264,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, self.in_features)
-        if x.shape[0] <= KERNEL_MAX_ROWS and x.dtype in _KERNEL_DTYPES and x.dtype == self.scale.dtype:
+        if x.shape[0] <= KERNEL_MAX_ROWS and self._kernel_takes(x.dtype):
             y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_q, self.scale)
         else:
             y = F.linear(x, self.dense(x.dtype))
@@ -271,12 +274,15 @@ class Int8Linear(nn.Module):
 
     def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """As Int4Linear.row_op."""
-        if dtype not in _KERNEL_DTYPES or dtype != self.scale.dtype:
+        if not self._kernel_takes(dtype):
             return None
         op, weight_q, scale, bias = _INT8_MM, self.weight_q, self.scale, self.bias
         if bias is None:
             return lambda x: op(x, weight_q, scale)
         return lambda x: op(x, weight_q, scale).add_(bias)
+
+    def _kernel_takes(self, dtype: torch.dtype) -> bool:
+        return dtype in _KERNEL_DTYPES and dtype == self.scale.dtype and self.in_features % _INT8_K_MULTIPLE == 0
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         dense = self._dense
