@@ -117,7 +117,7 @@ class Generations:
         self.num_in_flight += 1
         try:
             async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at,
-                                    self.peers.beats, self.peers.silent_for) as run:  # fmt: skip
+                                    self.peers.beats, self.peers.silent_for, s.admit_retry_window) as run:  # fmt: skip
                 generation = Generation(run, texts, slo, started_at, tenant=tenant,
                                         ratelimit_headers=lease.headers if lease else {})  # fmt: skip
                 yield generation

@@ -41,7 +41,7 @@ BlockHasher = Callable[[list[int], BlockHash], Awaitable[list[BlockHash]]]  # a 
 # seconds a request waits for the conductor to answer again, or for a worker of the role it
 # lacks to come (back): long enough for a supervisor to restart a dead worker. A moved request
 # always waits; a new one only for a role heard from this recently (one being restarted, not
-# one the cluster never had or lost long ago).
+# one the cluster never had or lost long ago). The default of KVSERVE_GATEWAY_ADMIT_RETRY_WINDOW.
 ADMIT_RETRY_WINDOW = 15.0
 _WAIT_FOR_ROLES = {ErrorCode.NO_CONDUCTOR: ("conductor",), ErrorCode.NO_PREFILL: ("prefill",),
                    ErrorCode.NO_DECODE: ("decode",), ErrorCode.NO_INSTANCES: ("prefill", "decode")}  # fmt: skip
@@ -60,9 +60,11 @@ class MigratingRun:
         started_at: Callable[[str], float | None] = lambda instance_id: None,
         beats_heard: Callable[[str], int] = lambda instance_id: 0,
         silent_for: Callable[[str], float | None] = lambda role: None,
+        retry_window: float = ADMIT_RETRY_WINDOW,
     ) -> None:
         if max_attempts < 1:
             raise ValueError(f"a request needs at least one attempt, got {max_attempts}")
+        self.retry_window = retry_window
         self.prepared = prepared
         self.request_id = prepared.request_id
         self.max_attempts = max_attempts
@@ -160,9 +162,9 @@ class MigratingRun:
     async def _start_attempt(self) -> None:
         """Admit and submit the next attempt; move on again if its worker is already gone.
         An attempt that finds no conductor answering (NATS just came back, or it is being
-        restarted) or no worker of a role it needs asks again for up to ``ADMIT_RETRY_WINDOW``:
+        restarted) or no worker of a role it needs asks again for up to ``retry_window`` seconds:
         a later attempt always, the first one while that role was heard from lately."""
-        retry_until = time.monotonic() + ADMIT_RETRY_WINDOW
+        retry_until = time.monotonic() + self.retry_window
         while True:
             self._num_attempts += 1
             run = self._new_attempt(await self._attempt_request(), self._excluded())
@@ -192,7 +194,7 @@ class MigratingRun:
         if self._num_attempts > 1:  # moved: it has no better place to go
             return True
         silences = [self._silent_for(role) for role in roles]
-        return any(s is not None and s < ADMIT_RETRY_WINDOW for s in silences)
+        return any(s is not None and s < self.retry_window for s in silences)
 
     def _excluded(self) -> frozenset[str]:
         """The gone instances not restarted since: a process that came back under the same

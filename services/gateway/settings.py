@@ -21,6 +21,7 @@ class GatewaySettings(ServiceSettings):
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context window
     max_attempts: int = 3  # tries a request gets in all when its workers die under it (1: it is never moved)
+    admit_retry_window: float = 15.0  # seconds a request waits for a missing role to come (back) (migration.py)
     request_timeout: float = 120.0  # seconds without a token before a request fails
     # The HTTP listener's guard against slow and idle clients (see listener.py)
     header_timeout: float = 10.0  # seconds a request head (request line and headers) may take to arrive
@@ -39,6 +40,10 @@ class GatewaySettings(ServiceSettings):
             raise ValueError(f"KVSERVE_MAX_MODEL_LEN must be at least 2 tokens, got {self.max_model_len}")
         if self.max_attempts < 1:
             raise ValueError(f"KVSERVE_GATEWAY_MAX_ATTEMPTS: a request needs at least one attempt, got {self.max_attempts}")
+        if not 0 <= self.admit_retry_window < float("inf"):
+            raise ValueError(
+                f"KVSERVE_GATEWAY_ADMIT_RETRY_WINDOW must be a number of seconds >= 0, got {self.admit_retry_window}"
+            )
         if not self.request_timeout > 0:
             raise ValueError(f"KVSERVE_REQUEST_TIMEOUT must be positive, got {self.request_timeout}")
         for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
@@ -64,6 +69,7 @@ class GatewaySettings(ServiceSettings):
             block_size=env_int("BLOCK_SIZE", 16),
             max_model_len=env_int("MAX_MODEL_LEN", 0) or None,
             max_attempts=env_int("GATEWAY_MAX_ATTEMPTS", 3),
+            admit_retry_window=env_float("GATEWAY_ADMIT_RETRY_WINDOW", 15.0),
             request_timeout=env_float("REQUEST_TIMEOUT", 120.0),
             header_timeout=env_float("GATEWAY_HEADER_TIMEOUT", 10.0),
             body_timeout=env_float("GATEWAY_BODY_TIMEOUT", 30.0),

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 
-import pytest
 from openai import APIStatusError, OpenAI
 
 from libs.engine.model.engine import EngineConfig
@@ -50,7 +49,7 @@ def test_two_prefill_two_decode_share_eight_concurrent_requests(smollm):
 
 
 def test_with_no_decode_worker_coming_back_requests_end_in_503():
-    cluster = start_cluster(env={"KVSERVE_INSTANCE_TIMEOUT": "3"})
+    cluster = start_cluster(env={"KVSERVE_INSTANCE_TIMEOUT": "3", "KVSERVE_GATEWAY_ADMIT_RETRY_WINDOW": "4"})
     try:
         client = OpenAI(base_url=cluster.gateway_url + "/v1", api_key="unused", max_retries=0)
         cluster.kill("decode-0", signal.SIGKILL)
@@ -62,8 +61,9 @@ def test_with_no_decode_worker_coming_back_requests_end_in_503():
                 return e.status_code == 503 and "no decode instance is alive" in e.message
             return False
 
-        # a request waits up to 15 s for a decode worker heard from lately (it may be restarting);
-        # none comes back here, so one ends in 503, and once 15 s have passed one fails at once
+        # a request waits up to the retry window (4 s here) for a decode worker heard from lately
+        # (it may be restarting); none comes back here, so one ends in 503, and once the window
+        # has passed one fails at once
         wait_until(refused, timeout=60)
     finally:
         cluster.stop()

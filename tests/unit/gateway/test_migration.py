@@ -346,9 +346,12 @@ async def test_a_new_request_waits_for_a_role_heard_from_lately_and_not_for_one_
     assert [bytes(c.token_ids).decode() for c in chunks] == ["i"]
     assert [a.prepared.request_id for a in restarting.attempts] == ["req", "req"]
 
-    for silences in ({}, {"conductor": 60.0, "prefill": 60.0, "decode": 60.0}):  # never heard; gone long ago
+    # never heard; gone long ago; gone for longer than a window set shorter (KVSERVE_GATEWAY_ADMIT_RETRY_WINDOW)
+    for silences, window in (({}, 15.0), ({"conductor": 60.0, "prefill": 60.0, "decode": 60.0}, 15.0),
+                             ({"conductor": 2.0, "prefill": 2.0, "decode": 2.0}, 1.0)):  # fmt: skip
         absent = Cluster({"route": ("p0", "d0"), "enter_error": missing})
         with pytest.raises(ServiceUnavailableError):
-            async with MigratingRun(ORIGINAL, absent.new_attempt, absent.block_hashes, 1, silent_for=silences.get):
+            async with MigratingRun(ORIGINAL, absent.new_attempt, absent.block_hashes, 1, silent_for=silences.get,
+                                    retry_window=window):  # fmt: skip
                 pass
         assert len(absent.attempts) == 1
