@@ -23,7 +23,11 @@ CLUSTER_ENV = {
     # routing without refusals: these clusters load a slow shared machine on purpose, and
     # admission is the conductor's tests' subject (test_conductor.py)
     "KVSERVE_POLICY": "cache_aware",
+    # no timing of the engine at start (~2.5 s a worker here): with no refusals, the cost model
+    # only breaks routing ties; tests of admission and cost models turn it back on (CALIBRATED)
+    "KVSERVE_CALIBRATE": "0",
 }
+CALIBRATED = {"KVSERVE_CALIBRATE": "1"}
 
 
 # Clusters a test may have used: a failing test's report carries their logs (tests/conftest.py).

@@ -7,13 +7,13 @@ import json
 import urllib.request
 
 from libs.common.cpu_share import available_cpus
-from tests.integration.conftest import start_cluster, wait_until
+from tests.integration.conftest import CALIBRATED, start_cluster, wait_until
 from tests.integration.test_gateway_http import get
 from tests.integration.test_one_request import MODEL, reference
 
 
 def test_a_cluster_with_no_prefill_worker_streams_a_chat_completion(smollm):
-    cluster = start_cluster(prefill=0, env={"KVSERVE_POLICY": "cache_aware+predictive_rejection"})
+    cluster = start_cluster(prefill=0, env={"KVSERVE_POLICY": "cache_aware+predictive_rejection", **CALIBRATED})
     try:
         assert {beat.role for beat in cluster.instances.values()} == {"conductor", "store", "decode", "gateway"}
         assert cluster.cpu_plan["decode-0"].cpus == tuple(sorted(available_cpus()))  # every core

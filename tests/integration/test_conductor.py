@@ -15,7 +15,7 @@ from kvserve.cli.cluster import LocalCluster
 from libs.engine.cost_model import CostModel
 from libs.protocol import schema, subjects
 from libs.protocol.schema import MetricsReply, MetricsRequest
-from tests.integration.conftest import CLUSTER_ENV, metric_value, wait_until
+from tests.integration.conftest import CALIBRATED, CLUSTER_ENV, metric_value, wait_until
 from tests.integration.test_one_request import reference
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -23,7 +23,7 @@ PREFIX = "You are a careful assistant for a shipping company. " + "Parcels must 
 
 
 def start(prefill: int, policy: str) -> LocalCluster:
-    env = {**CLUSTER_ENV, "KVSERVE_NUM_BLOCKS": "512", "KVSERVE_POLICY": policy}
+    env = {**CLUSTER_ENV, **CALIBRATED, "KVSERVE_NUM_BLOCKS": "512", "KVSERVE_POLICY": policy}
     c = LocalCluster(prefill=prefill, decode=1, store=False, gateway_port=0, dtype="float32", env=env, log=None)
     c.start(timeout=180)
     return c

@@ -17,7 +17,7 @@ import pytest
 
 from kvserve.cli.cluster import LocalCluster
 from kvserve.replay.streams import ChatLoad, run_streams, tally
-from tests.integration.conftest import CLUSTER_ENV, STARTED
+from tests.integration.conftest import CALIBRATED, CLUSTER_ENV, STARTED
 
 MODEL = "SmolLM2-135M-Instruct"
 NUM_STREAMS = 40
@@ -102,7 +102,7 @@ def test_a_decode_kill_under_load_leaves_admissions_learned_corrections_within_t
 
     from services.conductor.margin import TBT_MARGIN, TTFT_SLACK_S
 
-    env = {k: v for k, v in CLUSTER_ENV.items() if k != "KVSERVE_POLICY"}  # the default: admission on
+    env = {k: v for k, v in {**CLUSTER_ENV, **CALIBRATED}.items() if k != "KVSERVE_POLICY"}  # the default: admission on
     cluster = LocalCluster(prefill=1, decode=1, gateway_port=0, dtype="auto", env=env, log=None, supervise=True,
                            store_dir=tempfile.mkdtemp(prefix="kvserve-restarts-"))  # fmt: skip
     STARTED.append(cluster)
