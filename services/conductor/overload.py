@@ -7,7 +7,10 @@ the instance the prompts shorter than it are taking (their recent admitted work 
 second, ``rho``), ``ttft / (1 - rho)``, as in a shortest-first queue's busy period.
 Shorter means fewer tokens, not a lower band: a 500-token prompt is pushed back by
 one of 200 tokens as surely as by one of 20, so a band's own shorter prompts count
-too (else they take the room admission kept for the band below). ``rho`` is at most
+too (else they take the room admission kept for the band below). The shortest band
+is not held back: no band below it needs the room, the prompts that would go ahead
+of one cost about what it does, and the promise it is admitted with keeps them from
+pushing it past its target (``rho`` = 0 there). ``rho`` is at most
 MAX_SHARE: what was admitted in a burst is already queued (and placed), not a rate
 that goes on, so no burst turns the prediction into a refusal of every longer prompt.
 Under load that refuses long prompts before they take the time many short ones
@@ -64,8 +67,9 @@ class Overload:
     def shorter_share(self, num_prompt_tokens: int, now: float, num_instances: int) -> float:
         """The share of a prefill instance that admitted prompts shorter than this one took
         over the last ``WINDOW_S`` seconds, or since the first admission when that is sooner
-        (0 when the guard protects its band)."""
-        if self.config.max_refusal_ratio <= 0 or self.guarded(band_of(num_prompt_tokens)):
+        (0 in the shortest band, and when the guard protects its band)."""
+        band = band_of(num_prompt_tokens)
+        if self.config.max_refusal_ratio <= 0 or band == 0 or self.guarded(band):
             return 0.0
         while self._admitted and self._admitted[0][0] < now - WINDOW_S:
             self._admitted.popleft()

@@ -16,17 +16,18 @@ def test_the_share_shorter_prompts_take_counts_only_admitted_shorter_work_in_the
     o.observe(now=0.0, num_prompt_tokens=50, work_s=6.0, admitted=True)  # band <128
     o.observe(now=10.0, num_prompt_tokens=300, work_s=3.0, admitted=True)  # band 128-511
     o.observe(now=10.0, num_prompt_tokens=40, work_s=9.0, admitted=False)  # refused: takes nothing
-    assert o.shorter_share(40, now=10.0, num_instances=1) == 0.0  # nothing admitted is shorter
-    assert o.shorter_share(50, now=10.0, num_instances=1) == 0.0  # nor as long: shorter only
-    assert o.shorter_share(60, now=10.0, num_instances=1) == pytest.approx(6.0 / 10.0)  # the same band counts
-    assert o.shorter_share(400, now=10.0, num_instances=2) == pytest.approx(9.0 / 20.0)
-    # 10 s since the first admission: that is all the load seen so far (9 s of it, 0.9: at most 0.75)
+    o.observe(now=10.0, num_prompt_tokens=140, work_s=1.0, admitted=True)  # band 128-511
+    assert o.shorter_share(300, now=10.0, num_instances=1) == pytest.approx(7.0 / 10.0)  # the same band counts
+    assert o.shorter_share(140, now=10.0, num_instances=1) == pytest.approx(6.0 / 10.0)  # as long: shorter only
+    assert o.shorter_share(400, now=10.0, num_instances=2) == pytest.approx(10.0 / 20.0)
+    # the shortest band is never held back, though shorter prompts of it were admitted
+    assert o.shorter_share(60, now=10.0, num_instances=1) == o.shorter_share(127, now=10.0, num_instances=1) == 0.0
+    # 10 s since the first admission: that is all the load seen so far (10 s of it, 1.0: at most 0.75)
     assert o.shorter_share(1500, now=10.0, num_instances=1) == MAX_SHARE
-    assert o.shorter_share(1500, now=10.0, num_instances=3) == pytest.approx(3.0 / 10.0)
-    assert o.shorter_share(300, now=10.0, num_instances=1) == pytest.approx(6.0 / 10.0)
-    assert o.shorter_share(300, now=20.0, num_instances=1) == pytest.approx(6.0 / 20.0)
-    assert o.shorter_share(1500, now=WINDOW_S, num_instances=1) == pytest.approx(9.0 / WINDOW_S)  # a full window
-    assert o.shorter_share(300, now=WINDOW_S + 1, num_instances=1) == 0.0  # the short one left the window
+    assert o.shorter_share(1500, now=10.0, num_instances=4) == pytest.approx(10.0 / 40.0)
+    assert o.shorter_share(140, now=20.0, num_instances=1) == pytest.approx(6.0 / 20.0)
+    assert o.shorter_share(1500, now=WINDOW_S, num_instances=1) == pytest.approx(10.0 / WINDOW_S)  # a full window
+    assert o.shorter_share(140, now=WINDOW_S + 1, num_instances=1) == 0.0  # the short one left the window
 
 
 def test_a_conductor_that_just_started_takes_the_load_over_the_time_it_has_seen():
