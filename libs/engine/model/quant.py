@@ -265,7 +265,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x = x.reshape(-1, self.in_features)
         if x.shape[0] <= KERNEL_MAX_ROWS and self._kernel_takes(x.dtype):
-            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.weight_q, self.scale)
+            y = _INT8_MM(x.contiguous(), self.weight_q, self.scale)
         else:
             y = F.linear(x, self.dense(x.dtype))
         if self.bias is not None:
