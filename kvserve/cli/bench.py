@@ -39,7 +39,8 @@ requests / second), with vLLM's `bench serve --goodput` definitions: a request
 is good when it completed with TTFT <= --slo-ttft-ms and TPOT <= --slo-tbt-ms.
 Each run also gives the attainment among admitted requests (good / requests not
 refused) and the refusals made while idle: 429s that arrived while no other
-request of the run was waiting for its first token. A table by prompt size splits
+request of the run was waiting for its first token (and, in brackets, near idle:
+those and the ones whose waiting requests all had it within 0.25 s). A table by prompt size splits
 each run by prompt length as sent (<128, 128-511, 512-1023, >=1024 tokens): sent,
 completed, refused (and while idle), errors, good, both attainments, TTFT p50/p99.
 

@@ -20,7 +20,10 @@ definitions.
 - A refusal was made *while idle* when, at the moment its 429 arrived, no other
   request of the run was waiting for its first token (sent, and neither its first
   token nor its end had arrived). The client being the only load, a server with
-  one prefill worker then had nothing queued for it.
+  one prefill worker then had nothing queued for it. *Near idle* (``NEAR_IDLE_S``):
+  every request waiting then had its first token at most that much later, about
+  what one 256-token prefill chunk takes on a 2-core machine: the server's queue
+  was about to empty (these include the ones while idle).
 - Prompt-size bands split all of these by the prompt length as sent (``BANDS``).
 """
 
@@ -35,6 +38,7 @@ from libs.common.prefill_order import band_of as band_index
 from libs.protocol.slo import SLO
 
 PERCENTILES = (50, 90, 99)
+NEAR_IDLE_S = 0.25  # a refusal this close before the server went idle is counted as near idle
 UNATTAINABLE = "slo_unattainable"  # a 429 for a request that misses its SLO even on an idle server
 
 # (name, smallest prompt length, first length past the band) in prompt tokens as sent
@@ -112,6 +116,7 @@ class Summary:
     admitted_attainment: float | None = None  # good / (requests - rejected); None when every request was refused
     rejected_while_idle: int | None = None  # None when the records lack the times it needs (older files)
     rejected_unattainable: int = 0  # refused as unable to meet the SLO even alone (code slo_unattainable)
+    rejected_near_idle: int | None = None  # within NEAR_IDLE_S of idle, the idle ones included; None as above
     bands: tuple[BandSummary, ...] = ()  # one per BANDS entry, in its order
 
     def to_json(self) -> dict:
@@ -123,7 +128,7 @@ def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
     records = run.records
     done, counts = _counts(records, slo)
     good, rejected = counts["good"], counts["rejected"]
-    idle = rejected_while_idle(records)
+    idle, near = rejected_while_idle(records), rejected_while_idle(records, within_s=NEAR_IDLE_S)
     duration = run.duration_s
     per_block = block_tokens or int(run.settings.get("block_tokens", 0))
     return Summary(
@@ -147,13 +152,15 @@ def summarize(run: Run, slo: SLO, block_tokens: int | None = None) -> Summary:
         admitted_attainment=_ratio(good, len(records) - rejected),
         rejected_while_idle=None if idle is None else len(idle),
         rejected_unattainable=sum(1 for r in records if r.status == "rejected" and r.error_code == UNATTAINABLE),
+        rejected_near_idle=None if near is None else len(near),
         bands=tuple(_band(name, records, slo, idle) for name in BANDS),
     )
 
 
-def rejected_while_idle(records: Sequence[RequestRecord]) -> list[RequestRecord] | None:
+def rejected_while_idle(records: Sequence[RequestRecord], within_s: float = 0.0) -> list[RequestRecord] | None:
     """The refusals that arrived while no other request of ``records`` was waiting for
-    its first token; None when a record lacks the end time this needs (older files).
+    its first token, or (``within_s``) while every one waiting had it at most that much
+    later; None when a record lacks the end time this needs (older files).
     A request waits from its send until its first token or its end, whichever is first.
     A refusal saying the request cannot meet its SLO even alone (``slo_unattainable``)
     is no refusal of a request the idle server could have served, and is not counted."""
@@ -169,7 +176,8 @@ def rejected_while_idle(records: Sequence[RequestRecord]) -> list[RequestRecord]
         waits.append((r, r.start_s, end if first is None else min(first, end)))
     return [
         refusal for refusal in refused
-        if not any(other is not refusal and sent <= refusal.end_at_s < until for other, sent, until in waits)
+        if not any(other is not refusal and sent <= refusal.end_at_s and refusal.end_at_s + within_s < until
+                   for other, sent, until in waits)
     ]  # fmt: skip
 
 

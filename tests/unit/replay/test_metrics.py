@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from kvserve.replay.metrics import band_of, goodput_at_attainment, rejected_while_idle, summarize
+from kvserve.replay.metrics import NEAR_IDLE_S, band_of, goodput_at_attainment, rejected_while_idle, summarize
 from kvserve.replay.records import RequestRecord, Run
 from libs.protocol.slo import SLO
 
@@ -143,6 +143,21 @@ def test_a_refusal_is_idle_only_when_no_other_request_awaits_its_first_token():
     assert rejected_while_idle(records) == [records[2], records[5], records[6]]
     assert s.rejected_while_idle == 3
     assert [(b.rejected, b.rejected_while_idle) for b in s.bands] == [(3, 2), (1, 1), (0, 0), (1, 0)]
+
+
+def test_a_refusal_is_near_idle_when_every_request_waiting_has_its_first_token_soon_after():
+    records = [
+        # request 0 waits over [1.0, 1.5), request 1 over [1.2, 2.0)
+        RequestRecord(0, 0.0, 64, 4, status="ok", start_s=1.0, ttft_s=0.5, e2e_s=3.0, output_tokens=4, ended_s=4.0),
+        RequestRecord(1, 0.0, 64, 4, status="ok", start_s=1.2, ttft_s=0.8, e2e_s=3.0, output_tokens=4, ended_s=4.2),
+        refused(2, 300, start=1.3, at=1.4),  # request 1 waits 0.6 s more: busy
+        refused(3, 300, start=1.7, at=1.8),  # request 1 has its first token 0.2 s later: near idle
+        refused(4, 300, start=2.0, at=2.1),  # idle
+    ]
+    assert rejected_while_idle(records) == [records[4]]
+    assert rejected_while_idle(records, within_s=NEAR_IDLE_S) == records[3:]
+    s = summarize(run_of(records), SLO_1S_100MS)
+    assert (s.rejected_while_idle, s.rejected_near_idle) == (1, 2)
 
 
 def test_two_refusals_at_once_do_not_make_each_other_busy():

@@ -36,7 +36,7 @@ def test_bands_table_has_a_row_per_band_with_counts_attainments_and_ttft():
 
 def test_runs_table_shows_idle_refusals_and_attainment_among_admitted():
     row = runs_table([summarize(run(), SLO_1S)]).splitlines()[2]
-    assert row.startswith("| cfg | 1 | 1.00 | 4 | 3 | 1 | 1 | 0 | 0 | 50.0% | 66.7% | 0.200 | 0.300 |")
+    assert row.startswith("| cfg | 1 | 1.00 | 4 | 3 | 1 | 1 (1) | 0 | 0 | 50.0% | 66.7% | 0.200 | 0.300 |")
 
 
 def test_a_refusal_as_unattainable_is_counted_apart_not_as_refused_while_idle():
