@@ -104,10 +104,11 @@ class EarlyRejection:
             message = (f"admitting it on {p.instance_id} would make {len(breaks)} admitted request(s) miss their "
                        f"TTFT target ({', '.join(breaks[:3])})")  # fmt: skip
             return Verdict(route.decode, _reject("ttft_slo", message, p.work_s, route, ttft_s=ttft), p)
-        # shorter prompts arriving meanwhile go first (overload.py); never on an idle instance, nor
-        # ahead of a favored request (those of tenants further over their shares go after it)
-        rho = (ctx.shorter_share if not (route.is_local or ctx.favored) and ctx.view.get(p.instance_id).prefill.num_pending
-               else 0.0)  # fmt: skip
+        # shorter prompts arriving meanwhile go first (overload.py); never on an instance that is
+        # idle or about to be (what is booked ends within a chunk), nor ahead of a favored request
+        # (those of tenants further over their shares go after it)
+        rho = (ctx.shorter_share if not (route.is_local or ctx.favored)
+               and not ctx.view.get(p.instance_id).prefill.about_idle(ctx.now) else 0.0)  # fmt: skip
         if judged and rho > 0 and p.ttft_s / (1 - rho) + slack > slo.ttft_s + _SLACK:  # rho < 1: overload.MAX_SHARE
             pushed = p.ttft_s / (1 - rho)
             message = (f"predicted TTFT {p.ttft_s:.3f} s{_plus(slack)} on {p.instance_id}, {pushed:.3f} s{_plus(slack)} with the "

@@ -68,6 +68,15 @@ class PrefillLoad:
     def num_pending(self) -> int:
         return len(self._jobs)
 
+    def about_idle(self, now: float) -> bool:
+        """Whether what is booked ends within one chunk: a new job then waits no longer
+        than it would behind a job just started on an idle instance (the instance cuts
+        work only between chunks), and a job done by the plan whose first token is still
+        on its way holds nothing up. Without chunks, only an empty instance is."""
+        if not self._jobs:
+            return True
+        return self.chunk_s is not None and self.backlog(now) <= self.chunk_s
+
     def backlog(self, now: float) -> float:
         """Predicted seconds of work booked and not yet done."""
         self._advance(now)

@@ -14,7 +14,9 @@ pushing it past its target (``rho`` = 0 there). ``rho`` is at most
 MAX_SHARE: what was admitted in a burst is already queued (and placed), not a rate
 that goes on, so no burst turns the prediction into a refusal of every longer prompt.
 Under load that refuses long prompts before they take the time many short ones
-would have met their SLOs in; at light load ``rho`` is small and changes nothing.
+would have met their SLOs in; at light load ``rho`` is small and changes nothing, and on
+an instance that is idle or about to be (what is booked there ends within a chunk) it
+is not applied at all (``admission_policy.py``).
 
 A guard bounds the preference: a band whose recent refusal rate exceeds
 ``max_refusal_ratio`` times the rate over every band (and 10%) is judged on its own

@@ -186,6 +186,24 @@ def test_shorter_prompts_going_first_push_back_only_an_unfavored_request(favored
     assert decision.admitted == favored, decision.error_message
 
 
+@pytest.mark.parametrize("queued_s, refused", [(0.5, True), (0.2, False)])
+def test_shorter_prompts_push_back_no_request_on_an_instance_about_to_be_idle(queued_s, refused):
+    from services.conductor.index import KVIndex
+    from services.conductor.predict import AdmitContext
+
+    view, _, clock = cluster(beat("p1", "prefill"), beat("d1", "decode", free=10_000))
+    view.get("p1").prefill.chunk_s = 0.25
+    view.get("p1").prefill.add("queued", queued_s, now=clock())
+    c = config()
+    ctx = AdmitContext(request("r", tokens=400, blocks=[]), KVIndex().match([]), view, clock(), c.slo, c.predict,
+                       prefills=view.alive("prefill"), decodes=view.alive("decode"), shorter_share=0.9)  # fmt: skip
+    decision = build_policy("cache_aware+predictive_rejection").choose(ctx)
+    # with what is queued ending within a chunk, the instance is as good as idle: no shorter
+    # prompt can go ahead of this one sooner than behind a job just started there
+    assert decision.admitted != refused, decision.error_message
+    assert refused == ("shorter prompts" in (decision.error_message or ""))
+
+
 def test_a_favored_prompt_waits_for_one_short_step_and_its_own_step_carries_no_other_tenants_tokens():
     from libs.common.prefill_order import Work, plan, step
 

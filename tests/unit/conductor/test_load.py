@@ -25,6 +25,19 @@ def test_the_prefill_order_puts_short_work_first_and_the_running_chunk_is_not_cu
     assert (q.num_pending, q.backlog(1.0)) == (0, 0.0)
 
 
+def test_an_instance_is_about_idle_when_what_is_booked_ends_within_a_chunk():
+    q = PrefillLoad()
+    assert q.about_idle(0.0)  # empty
+    q.add("a", 0.6, now=0.0, deadline=2.0)
+    assert not q.about_idle(0.0)  # without chunks, only an empty instance is
+    q.chunk_s = 0.25
+    assert not q.about_idle(0.1)  # 0.5 s left: more than a chunk
+    assert q.about_idle(0.4)  # 0.2 s left
+    assert q.about_idle(0.7) and q.num_pending == 1  # done by the plan, its first token on its way
+    q.add("b", 0.3, now=0.7, deadline=2.7)
+    assert not q.about_idle(0.7)
+
+
 def test_a_placement_names_the_promises_it_would_break():
     q = PrefillLoad()  # chunk_s None: a running job is never cut
     q.add("a", 1.0, now=0.0, deadline=1.0)
