@@ -168,9 +168,9 @@ def configs(worker_threads: int | None, baseline_path: Path | None = None) -> li
                "requests, store on", "kvserve", dict(prefill=0, decode=1, store=True), {**threads})  # fmt: skip
     )
     out.append(
-        Config("kvserve-colocated-512", "kvserve-colocated with KVSERVE_LOCAL_CHUNK_TOKENS=512: prefill chunks of 512 "
-               "tokens between two decode steps, as before 64 was the default", "kvserve",
-               dict(prefill=0, decode=1, store=True), {"KVSERVE_LOCAL_CHUNK_TOKENS": "512", **threads})  # fmt: skip
+        Config("kvserve-colocated-64", "kvserve-colocated with KVSERVE_LOCAL_CHUNK_TOKENS=64: prefill chunks of 64 "
+               "tokens between two decode steps, not 512 (measured worse, bench/results/local-prefill.md)", "kvserve",
+               dict(prefill=0, decode=1, store=True), {"KVSERVE_LOCAL_CHUNK_TOKENS": "64", **threads})  # fmt: skip
     )
     out.append(Config("llama.cpp", f"llama-server {' '.join(LLAMA_ARGS)}", "llama"))
     return out
@@ -319,7 +319,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--configs", nargs="+", default=None,
                     help="names to run, in this order (default all: kvserve-default, kvserve-baseline with --baseline, "
                     "kvserve-disagg, kvserve-nocache, kvserve-local-prefill, kvserve-wide-prefill, kvserve-colocated, "
-                    "kvserve-colocated-512, llama.cpp)")
+                    "kvserve-colocated-64, llama.cpp)")
     ap.add_argument("--baseline", type=Path, default=None, metavar="PATH",
                     help="add kvserve-baseline: the kvserve checkout at PATH measured by its own bench/replay.py "
                     "(PYTHONPATH=PATH, this interpreter) on its kvserve-default configuration with the same window, "
