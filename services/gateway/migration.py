@@ -32,17 +32,13 @@ from libs.protocol.vocabulary import ErrorCode
 from services.gateway.dispatch import RequestRun
 from services.gateway.errors import ServiceUnavailableError
 from services.gateway.served_model import PreparedRequest
+from services.gateway.settings import ADMIT_RETRY_WINDOW
 from services.gateway.upstream_errors import WorkerLostError
 
 # (the request for this attempt, instances to exclude) -> an attempt not yet entered
 AttemptFactory = Callable[[PreparedRequest, frozenset[str]], RequestRun]
 BlockHasher = Callable[[list[int], BlockHash], Awaitable[list[BlockHash]]]  # a prompt's, from a root
 
-# seconds a request waits for the conductor to answer again, or for a worker of the role it
-# lacks to come (back): long enough for a supervisor to restart a dead worker. A moved request
-# always waits; a new one only for a role heard from this recently (one being restarted, not
-# one the cluster never had or lost long ago). The default of KVSERVE_GATEWAY_ADMIT_RETRY_WINDOW.
-ADMIT_RETRY_WINDOW = 15.0
 _WAIT_FOR_ROLES = {ErrorCode.NO_CONDUCTOR: ("conductor",), ErrorCode.NO_PREFILL: ("prefill",),
                    ErrorCode.NO_DECODE: ("decode",), ErrorCode.NO_INSTANCES: ("prefill", "decode")}  # fmt: skip
 ADMIT_RETRY_DELAY = 0.2

@@ -10,6 +10,13 @@ from typing import Self
 from libs.common.settings import ServiceSettings, env_float, env_int, env_str, service_env
 from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S
 
+# seconds a request waits for the conductor to answer again, or for a worker of the role it
+# lacks to come (back): long enough for a supervisor to restart a dead worker. A moved request
+# always waits; a new one only for a role heard from this recently (one being restarted, not
+# one the cluster never had or lost long ago). The default of KVSERVE_GATEWAY_ADMIT_RETRY_WINDOW
+# (migration.py waits it out).
+ADMIT_RETRY_WINDOW = 15.0
+
 
 @dataclass(frozen=True, kw_only=True)
 class GatewaySettings(ServiceSettings):
@@ -21,7 +28,7 @@ class GatewaySettings(ServiceSettings):
     block_size: int = 16
     max_model_len: int | None = None  # None: the model's context window
     max_attempts: int = 3  # tries a request gets in all when its workers die under it (1: it is never moved)
-    admit_retry_window: float = 15.0  # seconds a request waits for a missing role to come (back) (migration.py)
+    admit_retry_window: float = ADMIT_RETRY_WINDOW  # seconds a request waits for a missing role to come (back) (migration.py)
     request_timeout: float = 120.0  # seconds without a token before a request fails
     # The HTTP listener's guard against slow and idle clients (see listener.py)
     header_timeout: float = 10.0  # seconds a request head (request line and headers) may take to arrive
@@ -69,7 +76,7 @@ class GatewaySettings(ServiceSettings):
             block_size=env_int("BLOCK_SIZE", 16),
             max_model_len=env_int("MAX_MODEL_LEN", 0) or None,
             max_attempts=env_int("GATEWAY_MAX_ATTEMPTS", 3),
-            admit_retry_window=env_float("GATEWAY_ADMIT_RETRY_WINDOW", 15.0),
+            admit_retry_window=env_float("GATEWAY_ADMIT_RETRY_WINDOW", ADMIT_RETRY_WINDOW),
             request_timeout=env_float("REQUEST_TIMEOUT", 120.0),
             header_timeout=env_float("GATEWAY_HEADER_TIMEOUT", 10.0),
             body_timeout=env_float("GATEWAY_BODY_TIMEOUT", 30.0),
