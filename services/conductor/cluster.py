@@ -11,6 +11,7 @@ every instance's. Pure logic: no NATS, an injectable clock.
 """
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -54,7 +55,9 @@ class ClusterView:
         self.clock = clock
         self.block_size = block_size
         self._instances: dict[str, Instance] = {}
-        self._oldest_seen = float("inf")  # no instance was last heard from before this: none is silent until
+        # every instance's id, the one heard from longest ago first: finding the silent reads
+        # only those, never the whole cluster (it runs inside an admission)
+        self._heard: OrderedDict[str, None] = OrderedDict()
         self._by_role: dict[str, list[Instance]] = {}
         self._costs: dict[bytes, CostModel] = {}  # by encoded coefficients: few (one per kind of worker)
         self.on_gone: Callable[[Instance], None] | None = None  # called for each instance forgotten
@@ -74,20 +77,24 @@ class ClusterView:
     def hearing(self) -> None:
         """NATS is back: every instance's last hearing moves on by the time spent deaf."""
         if (moved := self._deafness.end()) is not None:
-            for instance in self._instances.values():
+            for instance in self._instances.values():  # an order-keeping move: ``_heard`` stays right
                 instance.last_seen = moved(instance.last_seen)
-            self._oldest_seen = moved(self._oldest_seen)
+
+    def _hear(self, instance: Instance, now: float) -> None:
+        instance.last_seen = now
+        try:
+            self._heard.move_to_end(instance.heartbeat.instance_id)
+        except KeyError:  # new
+            self._heard[instance.heartbeat.instance_id] = None
 
     def observe(self, heartbeat: Heartbeat) -> Instance:
         now = self.clock()
-        if now < self._oldest_seen:
-            self._oldest_seen = now
         instance = self._instances.get(heartbeat.instance_id)
         if (instance is not None and heartbeat is instance.heartbeat and not instance.assigned_since_heartbeat
                 and not instance.prefill.num_pending):  # fmt: skip
             # the very beat it sent last, and nothing sent to it since (the simulator repeats an idle
             # instance's beat): it is only heard from again
-            instance.last_seen = now
+            self._hear(instance, now)
             return instance
         changed = True
         if heartbeat.warming:
@@ -97,6 +104,7 @@ class ClusterView:
                 self.last_disturbance = now
             instance = Instance(heartbeat, now, self._cost_of(heartbeat))
             self._instances[heartbeat.instance_id] = instance
+            self._hear(instance, now)
             self.roles_seen.add(heartbeat.role)
             self._by_role.clear()
         else:
@@ -105,7 +113,7 @@ class ClusterView:
                 if heartbeat.cost != instance.heartbeat.cost:
                     instance.cost = self._cost_of(heartbeat)
                 instance.heartbeat = heartbeat
-            instance.last_seen = now
+            self._hear(instance, now)
             if not instance.assigned_since_heartbeat and instance.prefill.num_pending and heartbeat.load == 0:
                 instance.prefill.clear(now)  # idle, and nothing can be on its way to it
                 changed = True
@@ -125,12 +133,13 @@ class ClusterView:
         that sent again the very beat it sent last, with nothing sent to it since, is
         only marked heard from."""
         now = self.clock()
-        instances = self._instances
+        instances, heard = self._instances, self._heard
         for heartbeat in heartbeats:
             instance = instances.get(heartbeat.instance_id)
             if (instance is not None and heartbeat is instance.heartbeat and not instance.assigned_since_heartbeat
-                    and not instance.prefill.num_pending and now >= self._oldest_seen):  # fmt: skip
-                instance.last_seen = now
+                    and not instance.prefill.num_pending):  # fmt: skip
+                instance.last_seen = now  # `_hear`, inlined: every instance, every second
+                heard.move_to_end(heartbeat.instance_id)
             else:
                 self.observe(heartbeat)
 
@@ -140,19 +149,12 @@ class ClusterView:
     def alive(self, role: str) -> list[Instance]:
         """Instances of ``role`` heard from within the timeout, by id; forgets the silent."""
         now = self.clock()
-        silent = []
-        if now - self._oldest_seen > self.timeout and self._deafness.since is None:  # some may be silent: look
-            # (at most once a timeout or so)
-            # one pass: it runs inside an admission, over every instance of every role
-            oldest, timeout = float("inf"), self.timeout
-            for inst in self._instances.values():
-                seen = inst.last_seen
-                if now - seen > timeout:
-                    silent.append(inst)
-                elif seen < oldest:
-                    oldest = seen
-            self._oldest_seen = oldest
-        for inst in silent:
+        heard, timeout = self._heard, self.timeout
+        while heard and self._deafness.since is None:  # the silent: those heard from longest ago
+            inst = self._instances[next(iter(heard))]
+            if now - inst.last_seen <= timeout:
+                break
+            heard.popitem(last=False)
             self.last_disturbance = now
             del self._instances[inst.instance_id]
             self._by_role.clear()

@@ -87,6 +87,20 @@ def test_a_beat_sent_again_marks_its_instance_heard_and_the_silent_are_still_fou
     assert view.alive("prefill") == []
 
 
+def test_the_instance_heard_from_longest_ago_goes_first_however_it_was_heard():
+    view, _, clock = cluster(beat("p1", "prefill"), beat("p2", "prefill"), beat("p3", "prefill"))
+    clock.now = 1.0
+    view.observe(beat("p1", "prefill", load=1))  # a new beat
+    clock.now = 2.0
+    view.observe(beat("p2", "prefill", started_at=5.0))  # p2 started again
+    clock.now = 3.5  # p3 last heard 3.5 s ago
+    assert [i.instance_id for i in view.alive("prefill")] == ["p1", "p2"]
+    clock.now = 4.5
+    assert [i.instance_id for i in view.alive("prefill")] == ["p2"]
+    clock.now = 5.5
+    assert view.alive("prefill") == []
+
+
 def test_a_beat_sent_again_after_a_request_was_sent_is_observed_in_full():
     again = beat("p1", "prefill")
     view, _, _ = cluster(again)
