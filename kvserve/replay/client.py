@@ -142,6 +142,8 @@ async def send(session: aiohttp.ClientSession, endpoint: Endpoint, item: Planned
                     record.status = "rejected"
                     record.retry_after_s = _seconds(response.headers.get("Retry-After"))
                 return
+            if (predicted := _seconds(response.headers.get("x-kvserve-predicted-ttft-ms"))) is not None:
+                record.predicted_ttft_s = predicted / 1e3
             await _read_stream(response, record, start)
         record.status = "ok"
     except StreamError as e:

@@ -35,6 +35,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     retry_after_s: float | None = None  # a 429's Retry-After
     ended_s: float | None = None  # a 429's arrival, the stream's end or the failure, from the start of the run
+    predicted_ttft_s: float | None = None  # the TTFT kvserve's conductor predicted (x-kvserve-predicted-ttft-ms)
 
     @property
     def first_token_at_s(self) -> float | None:

@@ -21,6 +21,7 @@ class Script:
     retry_after: str | None = None
     error_mid_stream: bool = False  # send an error event after the first token
     cached_tokens: int = 0
+    predicted_ttft_ms: str | None = None  # kvserve's x-kvserve-predicted-ttft-ms header
     hold: asyncio.Event | None = None  # wait for this before answering at all
 
 
@@ -48,7 +49,10 @@ class FakeServer:
             headers = {"Retry-After": script.retry_after} if script.retry_after else None
             error = {"error": {"message": f"scripted {script.status}", "type": "x", "param": None, "code": None}}
             return web.json_response(error, status=script.status, headers=headers)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        headers = {"Content-Type": "text/event-stream"}
+        if script.predicted_ttft_ms is not None:
+            headers["x-kvserve-predicted-ttft-ms"] = script.predicted_ttft_ms
+        response = web.StreamResponse(headers=headers)
         await response.prepare(request)
         delays = (script.ttft_s, *script.itl_s)
         for i, delay in enumerate(delays):

@@ -48,6 +48,12 @@ async def test_latencies_reflect_the_servers_scheduled_delays():
     assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 4)
 
 
+async def test_the_ttft_kvserve_predicted_is_kept_beside_the_one_measured():
+    server = FakeServer({0: Script(predicted_ttft_ms="148.5"), 1: Script(), 2: Script(predicted_ttft_ms="soon")})
+    run = await run_against(server, [planned(0), planned(1), planned(2)])
+    assert [r.predicted_ttft_s for r in run.records] == [pytest.approx(0.1485), None, None]
+
+
 async def test_request_body_is_a_token_array_with_greedy_ignore_eos_streaming():
     server = FakeServer({7: Script()})
     await run_against(server, [planned(7, length=6, max_tokens=9)])
