@@ -25,12 +25,13 @@ def runs_table(summaries: Sequence[Summary]) -> str:
     """One row per run: load, outcome counts, attainment, goodput and the headline latencies.
     "429 while idle": refusals made while no other request awaited its first token (not
     counting "unattainable" ones: refused as unable to meet the SLO even alone), and in
-    brackets those made at most ``NEAR_IDLE_S`` before it (the idle ones included);
+    brackets those made at most ``NEAR_IDLE_S`` before the server went idle (the idle
+    ones included);
     "admitted in SLO": good requests over those not refused."""
     head = (
         "| run | time scale | offered req/s | sent | ok | 429 | 429 while idle (near) | 429 unattainable | errors "
-        "| SLO attained | admitted in SLO | goodput req/s | throughput req/s | TTFT p50 / p90 / p99 ms | TPOT p50 / p90 / p99 ms "
-        "| cached / cacheable tokens |\n"
+        "| SLO attained | admitted in SLO | goodput req/s | throughput req/s | TTFT p50 / p90 / p99 ms "
+        "| TPOT p50 / p90 / p99 ms | cached / cacheable tokens |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---|\n"
     )
     rows = []
