@@ -84,6 +84,31 @@ def test_native_kernel_matches_sdpa(q_heads, kv_heads, dim, spans, monkeypatch):
     torch.testing.assert_close(native, reference, rtol=BF16_TOLERANCE, atol=BF16_TOLERANCE)
 
 
+@pytest.mark.parametrize("growth", [0.02, -0.02])
+def test_native_kernel_matches_sdpa_when_scores_climb_or_fall_along_the_keys(growth, monkeypatch):
+    """The kernel moves a row's running max only when a score passes it by a margin: keys
+    whose scores climb along the context move it at almost every step (each move rescales
+    what the row has summed so far), falling ones never after the first."""
+    needs_kernel()
+    gen = torch.Generator().manual_seed(11)
+    n, ctx, q_heads, kv_heads, dim = 96, 600, 9, 3, 64
+    pool = KVPool(KVLayout(LAYERS, BLOCK, kv_heads, dim, torch.bfloat16), -(-ctx // BLOCK) + 2)
+    direction = torch.randn(dim, generator=gen)
+    position = torch.arange(ctx, dtype=torch.float32)
+    keys = direction * (1 + growth * position)[:, None, None] + torch.randn(ctx, kv_heads, dim, generator=gen) * 0.1
+    batch = packed_batch([(n, ctx)], pool, gen)
+    table = batch.prefill_spans[0].block_table
+    for p in range(ctx):  # the whole context's keys, prefix and new tokens alike
+        pool.kv[table[p // BLOCK], 1, 0, p % BLOCK] = keys[p].to(torch.bfloat16)
+        pool.kv[table[p // BLOCK], 1, 1, p % BLOCK] = torch.randn(kv_heads, dim, generator=gen).to(torch.bfloat16)
+    q = (direction * 0.5 + torch.randn(n, q_heads, dim, generator=gen) * 0.1).to(torch.bfloat16)
+    k = pool.kv[table[torch.arange(ctx - n, ctx) // BLOCK], 1, 0, torch.arange(ctx - n, ctx) % BLOCK]
+    v = pool.kv[table[torch.arange(ctx - n, ctx) // BLOCK], 1, 1, torch.arange(ctx - n, ctx) % BLOCK]
+    native = attend(q, k, v, pool, batch, "native", monkeypatch).float()
+    reference = attend(q, k, v, pool, batch, "sdpa", monkeypatch).float()
+    torch.testing.assert_close(native, reference, rtol=BF16_TOLERANCE, atol=BF16_TOLERANCE)
+
+
 def test_kernel_refuses_what_it_cannot_do():
     needs_kernel()
     pool = KVPool(KVLayout(1, BLOCK, 1, 32, torch.bfloat16), 2)  # head size 32: not a multiple of 64
