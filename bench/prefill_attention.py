@@ -177,35 +177,41 @@ def accuracy(args) -> int:
     windows = [ids[start : start + n] for start in range(0, len(ids) - n + 1, n)]
     print(f"{len(windows)} windows of {n} tokens ({len(ids)} tokens of prose)", flush=True)
 
-    def logits_of(dtype: str, path: str) -> list[torch.Tensor]:
-        attention.prefill_path = path
-        engine = build_engine(loaded[dtype], EngineConfig(num_blocks=n // 16 + 64, max_chunk_tokens=WORKER_CHUNK,
-                                                          enable_prefix_cache=False))  # fmt: skip
-        out = []
-        for i, window in enumerate(windows):
-            seq = Sequence.from_prompt(f"{dtype}-{path}-{i}", window)
-            out.append(steps.prefill_all_logits(engine, [seq])[0].float())
-            engine.cache.free(seq)
-        return out
+    engines = {(dtype, path): build_engine(loaded[dtype], EngineConfig(num_blocks=n // 16 + 64,
+                                                                      max_chunk_tokens=WORKER_CHUNK,
+                                                                      enable_prefix_cache=False))
+               for dtype, path in (("float32", "sdpa"), ("bfloat16", "sdpa"), ("bfloat16", "native"))}  # fmt: skip
 
-    reference = logits_of("float32", "sdpa")
-    rows = []
-    for path in ("sdpa", "native"):
-        got = logits_of("bfloat16", path)
-        flips = positions = 0
-        mean_abs = kl = 0.0
-        worst = 0.0
-        for ref, out in zip(reference, got):
+    def logits_of(dtype: str, path: str, i: int, window: list[int]) -> torch.Tensor:
+        attention.prefill_path = path
+        engine = engines[dtype, path]
+        seq = Sequence.from_prompt(f"{dtype}-{path}-{i}", window)
+        logits = steps.prefill_all_logits(engine, [seq])[0].float()
+        engine.cache.free(seq)
+        return logits
+
+    # one window at a time: every window's logits at once (three paths x 2,048 positions x
+    # the vocabulary, in float32) would not fit in memory
+    stats = {path: {"flips": 0, "positions": 0, "mean_abs": 0.0, "worst": 0.0, "kl": 0.0}
+             for path in ("sdpa", "native")}  # fmt: skip
+    for i, window in enumerate(windows):
+        ref = logits_of("float32", "sdpa", i, window)
+        logp = ref.log_softmax(-1)
+        for path, s in stats.items():
+            out = logits_of("bfloat16", path, i, window)
             diff = (out - ref).abs()
-            flips += int((out.argmax(-1) != ref.argmax(-1)).sum())
-            positions += ref.shape[0]
-            mean_abs += float(diff.mean(-1).sum())
-            worst = max(worst, float(diff.max()))
-            logp, logq = ref.log_softmax(-1), out.log_softmax(-1)
-            kl += float((logp.exp() * (logp - logq)).sum(-1).sum())
-        rows.append((path, flips, positions, mean_abs / positions, worst, kl / positions))
+            s["flips"] += int((out.argmax(-1) != ref.argmax(-1)).sum())
+            s["positions"] += ref.shape[0]
+            s["mean_abs"] += float(diff.mean(-1).sum())
+            s["worst"] = max(s["worst"], float(diff.max()))
+            s["kl"] += float((logp.exp() * (logp - out.log_softmax(-1))).sum(-1).sum())
+    rows = []
+    for path, s in stats.items():
+        flips, positions = s["flips"], s["positions"]
+        rows.append((path, flips, positions, s["mean_abs"] / positions, s["worst"], s["kl"] / positions))
         print(f"bfloat16 {path}: top token differs from float32's at {flips} of {positions} positions; "
-              f"mean |diff| {mean_abs / positions:.4f}, max {worst:.3f}, KL {kl / positions:.2e}", flush=True)
+              f"mean |diff| {s['mean_abs'] / positions:.4f}, max {s['worst']:.3f}, KL {s['kl'] / positions:.2e}",
+              flush=True)  # fmt: skip
     lines = [
         "",
         f"### Prefill attention's logits against float32 ({datetime.datetime.now().strftime('%Y-%m-%d %H:%M')} UTC)",
