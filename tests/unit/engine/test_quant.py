@@ -61,6 +61,25 @@ def test_int8_linear_equals_a_float_matmul_of_its_dequantized_weight(shape):
             assert relative_error(layer(x), x.float() @ weight.t()) < tolerance, (dtype, rows)
 
 
+@pytest.mark.parametrize("rows", [quant.KERNEL_MAX_ROWS + 1, 32, 256, 300])
+def test_batches_past_the_kernels_multiply_by_a_weight_packed_once_with_the_plain_products(rows):
+    """In bfloat16 a large batch multiplies by the dequantized weight kept in oneDNN's own
+    layout (no reorder at every call): the products of a plain matmul, to the bit."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch is built without oneDNN")
+    torch.manual_seed(rows)
+    int4 = quant.Int4Linear(quant.quantize_int4(torch.randn(3072, 576), 32), bias=torch.randn(3072)).to(torch.bfloat16)
+    tied = torch.randn(1000, 576).to(torch.bfloat16)  # a tied LM head: the embedding table, given
+    int8 = quant.Int8Linear(quant.quantize_int8(tied.float()), dense=tied).to(torch.bfloat16)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
+    assert torch.equal(int4(x), x @ int4.dequantize(torch.bfloat16).t().contiguous() + int4.bias)
+    assert torch.equal(int8(x), torch.nn.functional.linear(x, tied))
+    for layer in (int4, int8):
+        assert layer.dense(torch.bfloat16).packed is not None  # the packed layout, made once
+        assert layer.dense(torch.bfloat16) is layer.dense(torch.bfloat16)
+    assert int4(x[:0]).shape == (0, 3072)
+
+
 def test_quantizing_moves_each_weight_by_at_most_half_a_step():
     torch.manual_seed(0)
     w = torch.randn(48, 256) * torch.rand(48, 1) * 3
