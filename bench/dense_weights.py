@@ -84,27 +84,27 @@ def main() -> int:
     for batch in batches:
         seeds = [torch.Generator().manual_seed(batch * 1000 + i) for i in range(batch)]
         prompts = [torch.randint(100, 40000, (DECODE_CONTEXT,), generator=g).tolist() for g in seeds]
-        times, logits = {w: [] for w in ways}, {}
+        times, batches_of = {w: [] for w in ways}, {}
         for way in ways:
             use(way)
             seqs = [Sequence.from_prompt(f"{way}-b{batch}-{i}", p) for i, p in enumerate(prompts)]
             steps.prefill(engine, seqs)
             for seq in seqs:
                 seq.append_token(1)
-            logits[way] = seqs
+            batches_of[way] = seqs
         outs = {}
         for rep in range(args.reps + 1):
             for way in ways:
                 use(way)
                 start = time.perf_counter()
-                outs[way] = steps.decode(engine, logits[way])
+                outs[way] = steps.decode(engine, batches_of[way])
                 elapsed = time.perf_counter() - start
                 if rep:
                     times[way].append(batch / elapsed)
-                for seq in logits[way]:
+                for seq in batches_of[way]:
                     seq.append_token(1)
         for way in ways:
-            for seq in logits[way]:
+            for seq in batches_of[way]:
                 engine.cache.free(seq)
         same = torch.equal(outs["plain"], outs["packed"])
         rows.append((f"decode, batch {batch}", "tokens/s", *(statistics.median(times[w]) for w in ways), same))

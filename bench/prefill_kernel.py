@@ -32,16 +32,13 @@ ROWS = [(2048, 2048), (256, 256), (256, 2048), (256, 8192)]  # (new tokens, cont
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
 
-def compile_kernel(source_dir: Path, out: Path) -> ctypes.CDLL:
+def compile_kernel(source_dir: Path, out: Path):
+    from libs.engine.model.attention import prefill_kernel_signature
     from libs.engine.model.native import FLAGS
 
     subprocess.run(["cc", *FLAGS, f"-I{source_dir}", "-o", str(out), str(source_dir / "prefill_attention.c"), "-lm"],
                    check=True)  # fmt: skip
-    fn = ctypes.CDLL(str(out)).paged_prefill_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float]  # fmt: skip
-    return fn
+    return prefill_kernel_signature(ctypes.CDLL(str(out)).paged_prefill_attention)
 
 
 def sources_of(rev: str, into: Path) -> Path:

@@ -189,7 +189,12 @@ def _load_prefill_kernel():
     lib = native.load("prefill_attention")
     if lib is None:
         return None
-    fn = lib.paged_prefill_attention
+    return prefill_kernel_signature(lib.paged_prefill_attention)
+
+
+def prefill_kernel_signature(fn):
+    """``paged_prefill_attention``'s C signature on a ctypes function (the bench that compares
+    revisions of the kernel loads them with it too)."""
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p] + [ctypes.c_int] * 6 + [ctypes.c_float]  # fmt: skip

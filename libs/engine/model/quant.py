@@ -71,14 +71,16 @@ class DenseWeight:
     layer multiplied by it before: ``[K, N]`` (``transposed``) or ``[N, K]``."""
 
     def __init__(self, weight: torch.Tensor, transposed: bool) -> None:
-        self.dtype, self.device = weight.dtype, weight.device
+        self.dtype, self.device, self.out_features = weight.dtype, weight.device, weight.shape[0]
+        self.transposed = transposed
         self.packed = self.weight = None
         if _ONEDNN is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu":
             self.packed = _ONEDNN[0](weight.contiguous(), _PACK_ROWS_HINT)
-            self.out_features = weight.shape[0]
         else:
             self.weight = weight.t().contiguous() if transposed else weight
-            self.transposed = transposed
+
+    def serves(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return self.dtype == dtype and self.device == device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.packed is not None:
@@ -278,10 +280,9 @@ class Int4Linear(nn.Module):
         """The weight dequantized, kept after its first use: dequantizing costs about what
         the prefill matmul itself does, so prefill-sized batches pay it once per process
         (float weights' bytes again in memory) instead of every chunk."""
-        dense = self._dense
-        if dense is None or dense.dtype != dtype or dense.device != self.packed.device:
-            dense = self._dense = DenseWeight(self.dequantize(dtype), transposed=True)
-        return dense
+        if self._dense is None or not self._dense.serves(dtype, self.packed.device):
+            self._dense = DenseWeight(self.dequantize(dtype), transposed=True)
+        return self._dense
 
 
 class Int8Linear(nn.Module):
@@ -327,12 +328,11 @@ class Int8Linear(nn.Module):
         return dtype in _KERNEL_DTYPES and dtype == self.scale.dtype and self.in_features % _INT8_K_MULTIPLE == 0
 
     def dense(self, dtype: torch.dtype) -> DenseWeight:
-        dense = self._dense
-        if dense is None or dense.dtype != dtype or dense.device != self.weight_q.device:
-            given = self._given
-            usable = given is not None and given.dtype == dtype and given.device == self.weight_q.device
-            dense = self._dense = DenseWeight(given if usable else self.dequantize(dtype), transposed=False)
-        return dense
+        device, given = self.weight_q.device, self._given
+        if self._dense is None or not self._dense.serves(dtype, device):
+            usable = given is not None and given.dtype == dtype and given.device == device
+            self._dense = DenseWeight(given if usable else self.dequantize(dtype), transposed=False)
+        return self._dense
 
 
 class FloatLinear(nn.Module):
