@@ -64,7 +64,8 @@ from libs.protocol.vocabulary import Role
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # also the start order
 GATEWAY_ID = "gateway-0"
 # SIGTERM to SIGKILL. Longer than any service's own stop: the gateway drains in-flight
-# requests for up to 10 s (SHUTDOWN_GRACE, services/gateway/app.py), so twice that.
+# requests for up to 10 s (KVSERVE_GATEWAY_DRAIN_TIMEOUT's default, DRAIN_TIMEOUT in
+# services/gateway/settings.py), so twice that.
 STOP_GRACE_SECONDS = 20.0
 # After a spare became a worker, the next one starts this much later: its start (torch's
 # import, the model's load: seconds of CPU) would otherwise compete with the recovery.
@@ -375,8 +376,9 @@ class LocalCluster:
             self.echo(f"{e}: serving without it (it keeps loading beside the requests)", label="kvserve")
 
     def stop(self, grace: float = STOP_GRACE_SECONDS) -> None:
-        """SIGTERM every service (they drain), SIGKILL those still running after
-        ``grace`` seconds, then stop nats-server. Safe to call more than once."""
+        """SIGTERM the gateways, then every other service (each drains), SIGKILL any still
+        running ``grace`` seconds after its SIGTERM, then stop nats-server. Safe to call
+        more than once."""
         if self._supervisor is not None:
             self._supervisor.unwatch_all()  # nothing is restarted from here on
         for timer in self._spare_timers:
@@ -384,16 +386,11 @@ class LocalCluster:
         with self._cond:
             spares, self._spares = list(self._spares.values()), {}
         running = [inst for inst in list(self._procs.values()) + spares if inst.exit_code() is None]
-        for inst in running:
-            inst.send(signal.SIGTERM)
-        deadline = time.monotonic() + grace
-        for inst in running:
-            try:
-                inst.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.echo(f"{inst.instance_id} did not stop within {grace:g}s; killing it", label="kvserve")
-                inst.proc.kill()
-                inst.proc.wait()
+        # The gateways first, while the workers still run: the requests in flight finish
+        # there (or end with a clear error and [DONE]) before anything under them stops.
+        gateways = [inst for inst in running if inst.role == Role.GATEWAY]
+        self._stop_processes(gateways, grace)
+        self._stop_processes([inst for inst in running if inst not in gateways], grace)
         for inst in list(self._procs.values()) + spares:
             inst.reap_group()
             inst.wait_output()
@@ -475,6 +472,19 @@ class LocalCluster:
                 # Each exit notifies; the cap only guards against an output pipe a
                 # grandchild still holds open after the service itself is gone.
                 self._cond.wait(min(remaining, 1.0))
+
+    def _stop_processes(self, running: list[ServiceProcess], grace: float) -> None:
+        """SIGTERM ``running``; SIGKILL those not gone ``grace`` seconds later."""
+        for inst in running:
+            inst.send(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for inst in running:
+            try:
+                inst.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.echo(f"{inst.instance_id} did not stop within {grace:g}s; killing it", label="kvserve")
+                inst.proc.kill()
+                inst.proc.wait()
 
     def kill(self, instance_id: str, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to one instance (for fault tests); SIGKILL returns once it is gone."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from kvserve.cli.supervisor import die_with_launcher, remove_segments_of
 from libs.common import standby
+from libs.protocol.vocabulary import Role
 
 LOG_TAIL_LINES = 200
 
@@ -60,7 +61,8 @@ class ServiceProcess:
             # Its own process group: a Ctrl-C in the terminal reaches the launcher
             # only, which then stops the services in order instead of all at once.
             start_new_session=True,
-            preexec_fn=die_with_launcher(),
+            # The gateway outlives a killed launcher by its drain: its streams end with [DONE]
+            preexec_fn=die_with_launcher(signal.SIGTERM if self.role == Role.GATEWAY else signal.SIGKILL),
         )
         self.reader = threading.Thread(
             target=self._pump, args=(self.proc, on_exit), name=f"log-{self.instance_id}", daemon=True

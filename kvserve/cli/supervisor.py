@@ -1,7 +1,8 @@
 """Keeping a local cluster's processes alive, and none of them alive without it.
 
 Every child is forked on one long-lived thread with PR_SET_PDEATHSIG set, so the kernel
-kills it when the launcher dies, however it dies (kill -9 included). The kernel ties that
+kills it when the launcher dies, however it dies (kill -9 included); the gateway it stops
+(SIGTERM), and it ends its streams within its drain. The kernel ties that
 signal to the *thread* that forked, hence one thread for every fork, restarts included.
 Once told to watch a child, the same thread starts it again whenever it exits, after an
 exponential backoff. It knows processes, not services: LocalCluster says how to check,
@@ -34,21 +35,22 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WAKE = object()
 
 
-def die_with_launcher() -> Callable[[], None] | None:
-    """A ``preexec_fn`` for Popen: the child gets SIGKILL when the thread that forked it
+def die_with_launcher(sig: int = signal.SIGKILL) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for Popen: the child gets ``sig`` when the thread that forked it
     ends (with it, the launcher's death), and exits at once if the launcher was already
     gone before that was set. None off Linux, where there is no such signal.
 
-    SIGKILL rather than SIGTERM: with the launcher gone, nothing would kill a service
-    stuck in its drain. The shared memory a killed service leaves is removed by the
-    cluster's watchdog (kvserve/cli/reaper.py)."""
+    SIGKILL by default: with the launcher gone, nothing would kill a service stuck in
+    its drain. The shared memory a killed service leaves is removed by the cluster's
+    watchdog (kvserve/cli/reaper.py). SIGTERM only for a child whose stop is bounded by
+    its own timers: the gateway, which ends its streams (an error, then [DONE])."""
     prctl = _prctl()
     if prctl is None:
         return None
     launcher = os.getpid()
 
     def preexec() -> None:  # in the child, between fork and exec
-        if prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        if prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
         if os.getppid() != launcher:  # the launcher died before prctl: no signal will come
             os._exit(1)

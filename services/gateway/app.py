@@ -24,7 +24,9 @@ from services.gateway.routes import init_app
 from services.gateway.served_model import ServedModel
 from services.gateway.settings import GatewaySettings
 
-SHUTDOWN_GRACE = 10.0  # seconds in-flight requests get to finish on SIGTERM
+# seconds the HTTP handlers still running get once the drain is over (`stop`): the
+# generations have ended by then; this bounds any other (a /metrics scrape, a console page)
+HANDLERS_GRACE = 2.0
 
 
 class Gateway(Service):
@@ -59,11 +61,17 @@ class Gateway(Service):
         guard = ConnectionGuard(s.header_timeout, s.keepalive_timeout, s.max_connections)
         app = init_app(self, self.generations, guard)
         self.generations.observers.append(self.request_metrics.observe)  # told of every request once it is over
-        runner = await serve(app, s.host, s.port, guard, shutdown_timeout=SHUTDOWN_GRACE)
+        runner = await serve(app, s.host, s.port, guard, shutdown_timeout=HANDLERS_GRACE)
         stack.push_async_callback(runner.cleanup)
         port = runner.addresses[0][1]
         self.address = f"http://{_url_host(s.host)}:{port}"
         self.log.info("OpenAI-compatible API on %s/v1 (model %s)", self.address, self.generations.model.model_id)
+
+    async def stop(self) -> None:
+        """Drain before the listener closes: new requests get 503 ``shutting_down``, those in
+        flight have KVSERVE_GATEWAY_DRAIN_TIMEOUT seconds to finish, then end with that error."""
+        if self._generations is not None:
+            await self._generations.drain(self.settings.drain_timeout)
 
     def heartbeat(self) -> Heartbeat:
         return msgspec.structs.replace(super().heartbeat(), address=self.address,

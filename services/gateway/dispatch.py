@@ -105,6 +105,7 @@ class RequestRun:
         self._may_be_running = False  # some service may hold the request: cancel it on the way out
         self._failure: str | None = None  # why the token stream failed, for the Cancel
         self._reconnects = 0  # the service's NATS reconnects when the token subject was subscribed
+        self._halt: Exception | None = None  # set by `halt`: what the next wait for tokens raises
 
     @property
     def finished(self) -> bool:
@@ -253,6 +254,9 @@ class RequestRun:
         would count as gone unless heard from since, not only at the token timeout."""
         deadline = time.monotonic() + self.token_timeout
         while True:
+            if self._halt is not None:
+                self._failure = "halted"
+                raise self._halt
             wait = min(deadline - time.monotonic(), self.watch.seconds_to_next_check() if self.watch else math.inf)
             try:
                 return await self._sub.next_msg(timeout=max(min(wait, RECONNECT_CHECK), MIN_WAIT))
@@ -313,6 +317,11 @@ class RequestRun:
         self.watch.watch(instance_id, Role.DECODE)
 
     # --- the way out ------------------------------------------------------------
+    def halt(self, error: Exception) -> None:
+        """Make the wait for tokens raise ``error`` (the gateway is stopping): at once when
+        one comes, else within RECONNECT_CHECK seconds. Leaving the run then cancels it."""
+        self._halt = error
+
     async def cancel(self, reason: str) -> None:
         """Tell every service to drop the request; at most once, never after it finished."""
         if not self._may_be_running or self.finished:

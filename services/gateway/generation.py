@@ -8,6 +8,7 @@ such request while it runs. Domain errors leave here; nothing here knows HTTP.
 """
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -21,7 +22,7 @@ from libs.protocol.hashing import BlockHash, block_hashes, model_extra
 from libs.protocol.ids import InstanceId, RequestId
 from libs.protocol.slo import SLOOverride
 from services.gateway.dispatch import RequestRun
-from services.gateway.errors import ModelNotServedError, QuotaExceededError, RateLimitedError
+from services.gateway.errors import ModelNotServedError, QuotaExceededError, RateLimitedError, ServiceUnavailableError
 from services.gateway.migration import MigratingRun
 from services.gateway.openai_protocol import GenerateRequest
 from services.gateway.quotas import Quotas
@@ -33,7 +34,12 @@ from services.gateway.tenant_usage import TenantUsage
 from services.gateway.text_stream import Delta, TextStream, stream_deltas
 from services.gateway.worker_watch import LOST_AFTER_HEARTBEATS, WorkerWatch
 
+log = logging.getLogger("kvserve.gateway.generation")
 INLINE_HASH_TOKENS = 2048  # longer prompts are hashed off the event loop
+SHUTTING_DOWN = "shutting_down"  # the error code of a request refused or ended because the gateway stops
+# seconds halted requests get to write their ending: a halted wait for tokens wakes within
+# dispatch.RECONNECT_CHECK (0.5 s); a halt that finds one being admitted waits for its answer
+HALT_SECONDS = 2.0
 
 
 @dataclass
@@ -78,6 +84,10 @@ class Generations:
         self.model = model
         self.tenants = TenantDirectory(settings.tenants_file, settings.api_key)  # who may send requests
         self.num_in_flight = 0
+        self._idle = asyncio.Event()  # set while no request is in flight
+        self._idle.set()
+        self._runs: set[MigratingRun] = set()  # the requests in flight, halted by `drain` when it runs out
+        self.draining = False  # `drain` began: no new request is taken
         self.quotas = Quotas()  # each tenant's, checked before admission
         self.observers: list[Callable[[Generation], None]] = []  # told of every admitted request once it is over
         self.usage = TenantUsage(service.metrics)  # what each tenant used, and was refused
@@ -92,6 +102,8 @@ class Generations:
         in all); leaving the block early (an error, a disconnect) cancels it. Its KV
         blocks are named in ``tenant``'s cache scope (None: the default scope)."""
         model, s = self.model, self.settings
+        if self.draining:
+            raise ServiceUnavailableError("the gateway is shutting down; send the request again", SHUTTING_DOWN)
         if request.model != model.model_id:
             raise ModelNotServedError(request.model)
         prepared = await model.prepare(request, request_id, self.tenants.hash_root(tenant, request.cache_salt))
@@ -114,10 +126,13 @@ class Generations:
                               session_id=session_id, moved=p is not prepared)  # fmt: skip
 
         generation, started_at = None, time.monotonic()
+        migrating = MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at,
+                                 self.peers.beats, self.peers.silent_for, s.admit_retry_window)  # fmt: skip
         self.num_in_flight += 1
+        self._idle.clear()
+        self._runs.add(migrating)
         try:
-            async with MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at,
-                                    self.peers.beats, self.peers.silent_for, s.admit_retry_window) as run:  # fmt: skip
+            async with migrating as run:
                 generation = Generation(run, texts, slo, started_at, tenant=tenant,
                                         ratelimit_headers=lease.headers if lease else {})  # fmt: skip
                 yield generation
@@ -126,7 +141,10 @@ class Generations:
                 self.usage.refused(tenant, e.reason or "rate_limited")
             raise
         finally:
+            self._runs.discard(migrating)
             self.num_in_flight -= 1
+            if self.num_in_flight == 0:
+                self._idle.set()
             if lease is not None:  # what it did not use goes back (all of it, when it never ran)
                 used = 0 if generation is None else texts[0].num_prompt_tokens + sum(t.num_completion_tokens for t in texts)
                 self.quotas.release(lease, used)
@@ -135,6 +153,28 @@ class Generations:
                 self.usage.observe(tenant, generation.usage())
                 for observe in self.observers:
                     observe(generation)
+
+    async def drain(self, timeout: float) -> None:
+        """Take no new request (they get 503 ``shutting_down``); give those in flight
+        ``timeout`` seconds to finish, then halt the rest: each ends with a ``shutting_down``
+        error (a stream: its error event, an "error" finish and [DONE]) and its workers are
+        told to drop it."""
+        self.draining = True
+        if await self._idle_within(timeout):
+            return
+        log.warning("%d requests still running after %g s of drain: ending them", len(self._runs), timeout)
+        error = ServiceUnavailableError("the gateway shut down before the request finished", SHUTTING_DOWN)
+        for run in list(self._runs):
+            run.halt(error)
+        if not await self._idle_within(HALT_SECONDS):
+            log.warning("%d requests did not end within %g s of being halted", self.num_in_flight, HALT_SECONDS)
+
+    async def _idle_within(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def _started_at(self, instance_id: InstanceId) -> float | None:
         heard = self.peers.last_heard(instance_id)

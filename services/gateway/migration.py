@@ -83,6 +83,7 @@ class MigratingRun:
         self._started_at = 0.0
         self.taken_at: float | None = None  # time.monotonic() when a worker first took it (admitted and submitted)
         self.delivery_times: list[float] = []  # time.monotonic() of each delivery of generated tokens, in order
+        self._halt: Exception | None = None  # set by `halt`: no attempt starts, the current one raises it
 
     # --- what the headers and the final chunk say ------------------------------------
     @property
@@ -126,6 +127,13 @@ class MigratingRun:
         if self._attempt is not None:
             await self._attempt.cancel(reason)
 
+    def halt(self, error: Exception) -> None:
+        """End the request with ``error`` (the gateway is stopping): the attempt running raises
+        it from its wait for tokens, and no attempt starts after it."""
+        self._halt = error
+        if self._attempt is not None:
+            self._attempt.halt(error)
+
     # --- the tokens -----------------------------------------------------------------------
     async def next_chunks(self) -> list[TokenChunk]:
         """The next in-order chunks, indexed from the request's first generated token."""
@@ -162,6 +170,8 @@ class MigratingRun:
         a later attempt always, the first one while that role was heard from lately."""
         retry_until = time.monotonic() + self.retry_window
         while True:
+            if self._halt is not None:
+                raise self._halt
             self._num_attempts += 1
             run = self._new_attempt(await self._attempt_request(), self._excluded())
             try:
@@ -176,6 +186,8 @@ class MigratingRun:
                 await asyncio.sleep(ADMIT_RETRY_DELAY)  # a bounded wait for the conductor to come back
                 continue
             self._attempt, self._offset = run, len(self._delivered)
+            if self._halt is not None:  # halted while this attempt was being admitted
+                run.halt(self._halt)
             self._served.append(run)
             if self.taken_at is None:
                 self.taken_at = time.monotonic()

@@ -16,6 +16,9 @@ from libs.protocol.slo import DEFAULT_TBT_S, DEFAULT_TTFT_S
 # one the cluster never had or lost long ago). The default of KVSERVE_GATEWAY_ADMIT_RETRY_WINDOW
 # (migration.py waits it out).
 ADMIT_RETRY_WINDOW = 15.0
+# seconds the requests in flight get to finish when the gateway stops (SIGTERM); those still
+# running then end with a shutting_down error (a stream's error event, then [DONE]).
+DRAIN_TIMEOUT = 10.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,6 +33,7 @@ class GatewaySettings(ServiceSettings):
     max_attempts: int = 3  # tries a request gets in all when its workers die under it (1: it is never moved)
     admit_retry_window: float = ADMIT_RETRY_WINDOW  # seconds a request waits for a missing role to come (back) (migration.py)
     request_timeout: float = 120.0  # seconds without a token before a request fails
+    drain_timeout: float = DRAIN_TIMEOUT  # seconds the requests in flight get to finish on SIGTERM
     # The HTTP listener's guard against slow and idle clients (see listener.py)
     header_timeout: float = 10.0  # seconds a request head (request line and headers) may take to arrive
     body_timeout: float = 30.0  # seconds a request body may take to arrive once its head has
@@ -53,6 +57,10 @@ class GatewaySettings(ServiceSettings):
             )
         if not self.request_timeout > 0:
             raise ValueError(f"KVSERVE_REQUEST_TIMEOUT must be positive, got {self.request_timeout}")
+        if not 0 <= self.drain_timeout < float("inf"):
+            raise ValueError(
+                f"KVSERVE_GATEWAY_DRAIN_TIMEOUT must be a number of seconds >= 0, got {self.drain_timeout}"
+            )
         for name in ("header_timeout", "body_timeout", "keepalive_timeout"):
             seconds = getattr(self, name)
             if not 0 < seconds < float("inf"):
@@ -78,6 +86,7 @@ class GatewaySettings(ServiceSettings):
             max_attempts=env_int("GATEWAY_MAX_ATTEMPTS", 3),
             admit_retry_window=env_float("GATEWAY_ADMIT_RETRY_WINDOW", ADMIT_RETRY_WINDOW),
             request_timeout=env_float("REQUEST_TIMEOUT", 120.0),
+            drain_timeout=env_float("GATEWAY_DRAIN_TIMEOUT", DRAIN_TIMEOUT),
             header_timeout=env_float("GATEWAY_HEADER_TIMEOUT", 10.0),
             body_timeout=env_float("GATEWAY_BODY_TIMEOUT", 30.0),
             keepalive_timeout=env_float("GATEWAY_KEEPALIVE_TIMEOUT", 5.0),

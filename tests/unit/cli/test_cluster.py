@@ -189,9 +189,11 @@ def test_serve_restarts_a_service_that_dies_and_stops_only_on_sigterm(model_dir)
 
 
 def test_the_stop_grace_outlasts_the_gateway_drain():
-    from services.gateway.app import SHUTDOWN_GRACE
+    from services.gateway.app import HANDLERS_GRACE
+    from services.gateway.generation import HALT_SECONDS
+    from services.gateway.settings import DRAIN_TIMEOUT
 
-    assert STOP_GRACE_SECONDS > SHUTDOWN_GRACE
+    assert STOP_GRACE_SECONDS > DRAIN_TIMEOUT + HALT_SECONDS + HANDLERS_GRACE
 
 
 def test_serve_announces_once_and_stops_cleanly_on_sigterm(model_dir):

@@ -1,7 +1,8 @@
 """The gateway in-process against a real nats-server while the test plays the
 conductor and the workers, heartbeats included: a worker that falls silent under
 a request moves it (within a few heartbeats, not the token timeout), the client
-sees one stream, and a stream that cannot go on still ends with [DONE]."""
+sees one stream, and a stream that cannot go on still ends with [DONE], a gateway
+that stops included."""
 
 import asyncio
 import json
@@ -45,6 +46,7 @@ class FakeCluster:
         self.admits: list[AdmitRequest] = []
         self.submits: list[PrefillRequest] = []
         self.cancels: asyncio.Queue[Cancel] = asyncio.Queue()
+        self.gateway: Gateway | None = None  # the gateway `start` ran against it
         self._beats: asyncio.Task | None = None
 
     def kill(self, instance_id: str) -> None:
@@ -98,7 +100,7 @@ async def start(nats_server, nc, tiny_checkpoint):
         await cluster.start()
         settings = gateway_settings(nats_url=nats_server.url, model=str(tiny_checkpoint), heartbeat_interval=0.4,
                                     **overrides)  # fmt: skip
-        gateway = Gateway(settings)
+        gateway = cluster.gateway = Gateway(settings)
         running.append((gateway, asyncio.create_task(gateway.run()), cluster))
         heard = lambda: gateway.address and all(gateway.peers.last_heard(i) for i in cluster.alive)  # noqa: E731
         await wait_until_async(heard, WAIT, "the gateway did not come up and hear the workers")
@@ -228,3 +230,51 @@ async def test_a_token_timeout_mid_stream_releases_held_back_text_and_still_ends
     assert status == 200 and streamed_text(evs) == "abcx"  # "cx" was held back for the stop string
     error, finish = evs[-4:-2]
     assert error["error"]["code"] == "timeout" and finish["choices"][0]["finish_reason"] == "error"
+
+
+def stalls_after_h(req: PrefillRequest, cluster: FakeCluster) -> list[TokenChunk]:
+    return [chunk(req, 0, "H", "p0")]  # then nothing, from workers that stay alive
+
+
+async def started_stream(cluster: FakeCluster, url: str, body: dict) -> asyncio.Task:
+    """``body`` posted in the background, once the gateway runs it on the fake workers."""
+    posted = asyncio.create_task(post(url, body))
+    await wait_until_async(lambda: cluster.submits and cluster.gateway.num_in_flight == 1, WAIT, "no request ran")
+    return posted
+
+
+async def test_a_stopping_gateway_refuses_new_requests_and_lets_those_in_flight_finish(start, nc):
+    cluster = FakeCluster(nc, [("p0", "d0")], [stalls_after_h])
+    url = await start(cluster)  # the drain waits up to its default 10 s
+    posted = await started_stream(cluster, url, request(max_tokens=2))
+    cluster.gateway.stopping.set()  # as SIGTERM does
+    await wait_until_async(lambda: cluster.gateway.generations.draining, WAIT, "the gateway did not start draining")
+    status, raw = await post(url, request())
+    assert status == 503 and json.loads(raw)["error"]["code"] == "shutting_down"
+    assert len(cluster.submits) == 1  # the refused one never reached the cluster
+    req = cluster.submits[0]
+    await nc.publish(subjects.tokens(req.request_id, "d0"), schema.encode(chunk(req, 1, "i", "d0", "length")))
+    status, raw = await posted
+    evs = events(raw)
+    assert status == 200 and streamed_text(evs) == "Hi"
+    assert evs[-3]["choices"][0]["finish_reason"] == "length" and evs[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_request_still_running_when_the_drain_runs_out_ends_with_a_shutting_down_error(start, nc, stream):
+    cluster = FakeCluster(nc, [("p0", "d0")], [stalls_after_h])
+    url = await start(cluster, drain_timeout=0.2)  # the token timeout stays 120 s
+    posted = await started_stream(cluster, url, request(stream))
+    cluster.gateway.stopping.set()
+    status, raw = await posted
+    cancel = await cluster.next_cancel()  # the workers are told to drop it
+    assert cancel.request_id == cluster.submits[0].request_id
+    if not stream:
+        assert status == 503 and json.loads(raw)["error"]["code"] == "shutting_down"
+        return
+    evs = events(raw)
+    assert status == 200 and streamed_text(evs) == "H"
+    error, finish, usage, done = evs[-4:]
+    assert error["error"]["code"] == "shutting_down" and error["error"]["type"] == "server_error"
+    assert finish["choices"][0]["finish_reason"] == "error"
+    assert usage["usage"]["completion_tokens"] == 1 and done == "[DONE]"

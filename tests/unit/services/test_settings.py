@@ -86,6 +86,7 @@ def test_variables_reach_the_settings(clean_env):
 @pytest.mark.parametrize(("role", "variable", "value"), [
     ("gateway", "KVSERVE_GATEWAY_MAX_ATTEMPTS", "0"),
     ("gateway", "KVSERVE_GATEWAY_ADMIT_RETRY_WINDOW", "-1"),
+    ("gateway", "KVSERVE_GATEWAY_DRAIN_TIMEOUT", "-1"),
     ("gateway", "KVSERVE_GATEWAY_PORT", "http"),
     ("conductor", "KVSERVE_SLO_TBT_MS", "-1"),
     ("conductor", "KVSERVE_POLICY", "fastest"),
