@@ -8,13 +8,17 @@ measured side by side in one run; the paths must agree to bf16 rounding.
 """
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from libs.engine.model import attention
-from libs.engine.model.kv_pool import KVLayout, KVPool
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this tree's, not the installed one
+
+from libs.engine.model import attention  # noqa: E402
+from libs.engine.model.kv_pool import KVLayout, KVPool  # noqa: E402
 
 LAYERS, BLOCK, KV_HEADS, HEADS, DIM, LAYER, SCALE = 30, 16, 3, 9, 64, 5, 0.125
 

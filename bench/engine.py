@@ -33,10 +33,10 @@ import time
 import urllib.request
 from pathlib import Path
 
-from libs.engine.model import steps
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # before any import of the project: this tree's, not the installed one
+
+from libs.engine.model import steps  # noqa: E402
 
 LLAMA_SERVER = ROOT / ".cache" / "llama.cpp" / "bin" / "llama-server"
 PREFILL_LENGTHS = (512, 2048)
@@ -150,11 +150,15 @@ def kvserve_worker(
 
 
 def weight_bytes(model) -> int:
+    from libs.engine.model.quant import PackedLinear
+
     storages = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+    packed = sum(m.out_features * m.in_features * m.weight.dtype.itemsize  # held outside parameters
+                 for m in model.modules() if isinstance(m, PackedLinear))  # fmt: skip
+    return sum(storages.values()) + packed
 
 
 def step_bytes(model) -> int:
@@ -165,7 +169,7 @@ def step_bytes(model) -> int:
     from torch import nn
 
     from libs.engine.model.llama import Linear, RMSNorm
-    from libs.engine.model.quant import FloatLinear, Int4Linear, Int8Linear
+    from libs.engine.model.quant import FloatLinear, Int4Linear, Int8Linear, PackedLinear
 
     total = 0
     for module in model.modules():
@@ -175,6 +179,9 @@ def step_bytes(model) -> int:
             tensors = [module.weight_q, module.scale, module.bias]
         elif isinstance(module, (Linear, FloatLinear)):  # StackedLinear: its parts count themselves
             tensors = [module.weight_t, module.bias]
+        elif isinstance(module, PackedLinear):  # oneDNN's blocked layout: the plain weight's bytes
+            total += module.out_features * module.in_features * module.weight.dtype.itemsize
+            tensors = [module.bias]
         elif isinstance(module, (RMSNorm, nn.Linear)):  # nn.Linear: a float LM head
             tensors = [module.weight, getattr(module, "bias", None)]
         elif isinstance(module, nn.Embedding):

@@ -27,10 +27,10 @@ import sys
 import time
 from pathlib import Path
 
-from libs.engine.model import steps
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # before any import of the project: this tree's, not the installed one
+
+from libs.engine.model import steps  # noqa: E402
 
 WORKER_CHUNK = 256  # services/prefill/settings.py's default step
 

@@ -18,12 +18,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from libs.common import heap
 from libs.engine.model.attention import AttentionBatch, paged_attention
 from libs.engine.model.config import ModelConfig
 from libs.engine.model.kv_pool import KVPool
 from libs.engine.model.quant import (
     NONE,
+    FloatLinear,
     Int8Linear,
+    PackedLinear,
     QuantizedWeight,
     concat,
     convert,
@@ -213,10 +216,32 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden)
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> "LlamaModel":
-        """Move to the final device/dtype and build the rotary tables there."""
+        """Move to the final device/dtype, build the rotary tables there and pack the float
+        weights for the CPU's matmuls (`pack_float_weights`)."""
         self.to(device=device, dtype=dtype)
         self.rope = RotaryEmbedding(self.config, device)
+        self.pack_float_weights()
         return self
+
+    def pack_float_weights(self) -> None:
+        """Make every bfloat16 projection (a float model's, a mixed file's float tensors) and
+        a float LM head a PackedLinear where the CPU runs oneDNN: the same products, a
+        decode step's in about half the time. A projection's plain weight goes; a tied
+        head gets a packed copy of the embedding table. Elsewhere nothing changes. The heap
+        the plain weights leave is given back at once (else RSS shows them until a trim)."""
+        replaced = False
+        for name, module in list(self.named_modules()):
+            if isinstance(module, (Linear, FloatLinear)) and PackedLinear.packs(module.weight_t):
+                packed = PackedLinear(module.weight_t.detach().t(), module.bias)
+            elif name == "lm_head" and type(module) is nn.Linear and PackedLinear.packs(module.weight):
+                packed = PackedLinear(module.weight.detach(), module.bias)
+            else:
+                continue
+            parent, _, attr = name.rpartition(".")
+            setattr(self.get_submodule(parent), attr, packed)
+            replaced = True
+        if replaced:
+            heap.trim()
 
     @torch.no_grad()
     def load_weights(

@@ -62,6 +62,18 @@ _ONEDNN = _onednn_linear()
 _PACK_ROWS_HINT = 256  # the batch the reordered layout is chosen for: a prefill chunk's rows
 
 
+@torch.library.custom_op("kvserve::packed_linear", mutates_args=())
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear as an opaque op for torch.compile: Inductor's own lowering of it
+    takes only weights frozen into the graph, and a packed weight is not."""
+    return _ONEDNN[1](x, packed, bias, "none", [], "")
+
+
+@_packed_linear.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
 class DenseWeight:
     """A layer's float weight (``[N, K]``) for batches too large for the quantized kernels:
     ``x W^T`` by a call. In bfloat16, where torch has oneDNN, the weight is kept in
@@ -82,12 +94,20 @@ class DenseWeight:
     def serves(self, dtype: torch.dtype, device: torch.device) -> bool:
         return self.dtype == dtype and self.device == device
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [M, K] -> [M, N]
+    @property
+    def is_packed(self) -> bool:
+        return self.packed is not None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # [M, K] -> [M, N]
         if self.packed is not None:
             if x.shape[0] == 0:  # nothing for oneDNN to do
                 return x.new_empty(0, self.out_features)
-            return _ONEDNN[1](x.contiguous(), self.packed, None, "none", [], "")
-        return x @ self.weight if self.transposed else F.linear(x, self.weight)
+            if torch.compiler.is_compiling():
+                return _packed_linear(x.contiguous(), self.packed, bias)
+            return _ONEDNN[1](x.contiguous(), self.packed, bias, "none", [], "")  # the bias as addmm adds it
+        if self.transposed:
+            return x @ self.weight if bias is None else torch.addmm(bias, x, self.weight)
+        return F.linear(x, self.weight, bias)
 
 
 def parse(spec: str) -> str:
@@ -354,6 +374,39 @@ class FloatLinear(nn.Module):
     def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """As Int4Linear.row_op."""
         return float_row_op(self.weight_t, self.bias, dtype)
+
+
+class PackedLinear(nn.Module):
+    """``y = x W^T + b`` with a bfloat16 W kept only in oneDNN's blocked layout
+    (DenseWeight): what ``LlamaModel.pack_float_weights`` makes of every float projection
+    and float LM head on a CPU. The same products as the plain weight's, to the bit (the
+    bias added as addmm adds it), in about half the time for a few rows: torch reorders a
+    plain weight into that layout at every call (`bench/dense_weights.py`)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:  # weight [N, K]
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = DenseWeight(weight.contiguous(), transposed=False)
+        if not self.weight.is_packed:
+            raise ValueError(f"oneDNN cannot pack a {weight.dtype} weight on {weight.device}")
+        self.bias = nn.Parameter(bias.detach().clone()) if bias is not None else None
+
+    @staticmethod
+    def packs(weight: torch.Tensor) -> bool:
+        """Whether a float weight would be packed here (bfloat16, on a CPU torch has oneDNN for)."""
+        return _ONEDNN is not None and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = self.weight(x.reshape(-1, self.in_features), self.bias)
+        return y.view(*shape[:-1], self.out_features)
+
+    def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """As Int4Linear.row_op."""
+        if not self.weight.serves(dtype, torch.device("cpu")):
+            return None
+        weight, bias = self.weight, self.bias
+        return lambda x: weight(x, bias)
 
 
 def float_row_op(weight_t: torch.Tensor, bias: torch.Tensor | None,

@@ -162,3 +162,24 @@ def test_compiled_equals_eager_for_each_forward_option(arch):
     assert runs[True][1] == runs[False][1]
     for a, b in zip(runs[True][0], runs[False][0]):
         assert (a - b).abs().max().item() < 1e-4
+
+
+def test_a_bfloat16_float_model_compiles_with_its_packed_weights(tiny_checkpoint):
+    """Its projections are PackedLinear (oneDNN's layout, not a frozen graph constant):
+    the graph calls them as an opaque op, and decodes what the eager step does."""
+    from libs.engine.model.loader import load_model
+    from libs.engine.model.quant import PackedLinear
+
+    loaded = load_model(str(tiny_checkpoint), dtype="bfloat16", quantization="none", progress=False)
+    if not isinstance(loaded.model.layers[0].mlp.down_proj, PackedLinear):
+        pytest.skip("this torch packs no bfloat16 weight (no oneDNN)")
+    runs = {}
+    for compile_ in (True, False):
+        engine = build_engine(loaded, EngineConfig(num_blocks=64, enable_prefix_cache=False, compile=compile_))
+        engine.warmup()
+        assert (engine.compiled is not None) == compile_
+        seqs = [Sequence.from_prompt(f"s{i}", prompt(i)) for i in range(9)]  # past the fused step's 8 rows
+        runs[compile_] = (decode(engine, seqs, 4), [s.output_token_ids for s in seqs])
+    assert runs[True][1] == runs[False][1]
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert (a - b).abs().max().item() < 0.05  # bfloat16: the graph fuses what eager rounds apart

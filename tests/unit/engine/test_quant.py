@@ -7,11 +7,14 @@ import torch
 
 from libs.engine.model import gguf_blocks, quant, steps
 from libs.engine.model.engine import EngineConfig
+from libs.engine.model.fused import _ops
 from libs.engine.model.generator import Generator
+from libs.engine.model.llama import LlamaModel
 from libs.engine.model.loader import build_engine, load_model, open_model
 from libs.engine.model.sequence import Sequence
 from libs.protocol.sampling_params import SamplingParams
 from tests.conftest import make_tiny_checkpoint
+from tests.unit.engine.test_fused_decode import greedy as engine_steps
 
 # [out, in]; the middle three are SmolLM2's; rows of 120 are too short for torch's int8 kernel
 SHAPES = [(64, 64), (192, 576), (3072, 576), (576, 1536), (64, 120)]
@@ -239,3 +242,30 @@ def test_float32_activations_load_float_weights_under_auto():
     assert checkpoint.path.is_dir()  # the prepared float32 folder, not the GGUF file
     with pytest.raises(ValueError, match="CPU only"):
         open_model(None, "int4", "cuda", "bfloat16", progress=False)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_bfloat16_float_model_multiplies_by_packed_weights_with_the_plain_products(tmp_path, monkeypatch, tied):
+    """Loaded float in bfloat16, every projection and the LM head keep their weight in
+    oneDNN's layout only (no plain copy beside it): the same logits as the plain weights
+    give, to the bit, at prefill and at every decode step, fused or not, biases included."""
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch is built without oneDNN")
+    folder = make_tiny_checkpoint(tmp_path / "tiny", seed=5, attention_bias=True, tie_word_embeddings=tied)
+    packed = load_model(str(folder), dtype="bfloat16", quantization="none", progress=False)
+    monkeypatch.setattr(LlamaModel, "pack_float_weights", lambda self: None)
+    plain = load_model(str(folder), dtype="bfloat16", quantization="none", progress=False)
+    layer = packed.model.layers[0]
+    projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    assert all(isinstance(m, quant.PackedLinear) for m in (*projections, packed.model.lm_head))
+    assert not any(isinstance(m, quant.PackedLinear) for m in plain.model.modules())
+    assert not any(hasattr(m, "weight_t") for m in packed.model.modules())  # no plain weight kept
+    with torch.no_grad():  # a saved random model's biases are zeros: make them count, the same in both
+        for ours, theirs in zip(packed.model.layers, plain.model.layers):
+            theirs.self_attn.qkv_proj.bias.normal_(0, 0.5)
+            ours.self_attn.qkv_proj.bias.copy_(theirs.self_attn.qkv_proj.bias)
+    for fuse in (False, True) if _ops() is not None else (False,):  # fused: with the native kernels only
+        tokens, logits = engine_steps(packed, fuse, 3)
+        plain_tokens, plain_logits = engine_steps(plain, fuse, 3)
+        assert tokens == plain_tokens
+        assert all(torch.equal(a, b) for a, b in zip(logits, plain_logits))
