@@ -42,7 +42,6 @@ MASTER_PORT = 50051
 # --- servers (run as their own processes) ---------------------------------------------------
 def serve_kvserve(args) -> None:
     from libs.common.service import configure_logging, run_service
-    from libs.protocol.schema import KVContract
     from services.store.app import StoreService
     from services.store.settings import StoreSettings
 

@@ -24,7 +24,6 @@ from services.gateway.json_fields import (
     is_int,
     refuse_unknown,
     required,
-    same,
     show,
     type_error,
 )
