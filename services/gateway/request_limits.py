@@ -13,7 +13,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from libs.protocol.sampling_params import MAX_LOGPROBS, MAX_N
+from libs.protocol.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N  # noqa: F401 (re-exported)
 from services.gateway.errors import BodyTooLargeError, InvalidParameterError, UnsupportedEncodingError
 
 MAX_BODY_BYTES = 1024**2  # a request body, after its Content-Encoding is undone
