@@ -102,11 +102,11 @@ class Generations:
         in all); leaving the block early (an error, a disconnect) cancels it. Its KV
         blocks are named in ``tenant``'s cache scope (None: the default scope)."""
         model, s = self.model, self.settings
-        if self.draining:
-            raise ServiceUnavailableError("the gateway is shutting down; send the request again", SHUTTING_DOWN)
         if request.model != model.model_id:
             raise ModelNotServedError(request.model)
         prepared = await model.prepare(request, request_id, self.tenants.hash_root(tenant, request.cache_salt))
+        if self.draining:  # checked after the last wait before it counts as in flight: a drain sees every run
+            raise ServiceUnavailableError("the gateway is shutting down; send the request again", SHUTTING_DOWN)
         if tenant is not None and self.tenants.isolated:  # shares under overload are by tenant
             prepared = replace(prepared, tenant=tenant.name, tenant_weight=tenant.weight,
                                cache_owner=self.tenants.tenants.cache_owner(tenant))
