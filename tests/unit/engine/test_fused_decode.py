@@ -22,6 +22,15 @@ def kernels():
         pytest.skip("no C compiler: the native kernels cannot be built here")
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread, as `kvserve up` runs each worker on a 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def default_bf16():
     return load_model(None, dtype="bfloat16", progress=False)  # the GGUF's int4, as served
@@ -66,6 +75,12 @@ def test_fused_step_equals_the_modules_for_every_projection(tmp_path, quantizati
             for layer in loaded.model.layers:
                 layer.self_attn.qkv_proj.bias.normal_(0, 0.5)
     assert_same(loaded, batch)
+
+
+def test_fused_step_equals_the_modules_on_one_thread(tmp_path, one_thread):
+    """One sequence's int8 projections on one thread run the native int8 kernel, in both."""
+    folder = make_tiny_checkpoint(tmp_path / "tiny", seed=4)
+    assert_same(load_model(str(folder), dtype="bfloat16", quantization="int8", progress=False), 1)
 
 
 @pytest.mark.parametrize("quantization", ["none", "int4"])

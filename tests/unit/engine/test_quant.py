@@ -15,6 +15,7 @@ from libs.engine.model.sequence import Sequence
 from libs.protocol.sampling_params import SamplingParams
 from tests.conftest import make_tiny_checkpoint
 from tests.unit.engine.test_fused_decode import greedy as engine_steps
+from tests.unit.engine.test_fused_decode import one_thread  # noqa: F401 (a fixture)
 
 # [out, in]; the middle three are SmolLM2's; rows of 120 are too short for torch's int8 kernel
 SHAPES = [(64, 64), (192, 576), (3072, 576), (576, 1536), (64, 120)]
@@ -269,3 +270,24 @@ def test_a_bfloat16_float_model_multiplies_by_packed_weights_with_the_plain_prod
         plain_tokens, plain_logits = engine_steps(plain, fuse, 3)
         assert tokens == plain_tokens
         assert all(torch.equal(a, b) for a, b in zip(logits, plain_logits))
+
+
+def test_one_bfloat16_row_on_one_thread_takes_the_native_int8_kernel_within_a_rounding(monkeypatch, one_thread):
+    kernel = quant._int8_row_kernel()
+    if kernel is None:
+        pytest.skip("no C compiler: the native int8 kernel cannot be built here")
+    calls = []
+    monkeypatch.setattr(quant, "_int8_row_kernel", lambda: lambda *args: calls.append(args) or kernel(*args))
+    torch.manual_seed(0)
+    layer = quant.Int8Linear(quant.quantize_int8(torch.randn(3072, 576)), bias=torch.randn(3072)).to(torch.bfloat16)
+    x = torch.randn(2, 576).to(torch.bfloat16)
+    torch_row = quant._INT8_MM(x[:1], layer.weight_q, layer.scale) + layer.bias
+    native_row = layer(x[:1])
+    assert len(calls) == 1  # one row on one thread: the native kernel
+    ulp = 2.0 ** (torch.floor(torch.log2(torch_row.float().abs().clamp_min(1e-3))) - 7)  # bfloat16's step there
+    assert ((native_row.float() - torch_row.float()).abs() <= ulp).all()  # the sums' order may round it apart
+    assert torch.equal(layer.row_op(torch.bfloat16)(x[:1]), native_row)  # the fused step's op is the same
+    layer(x)  # two rows: torch's kernel
+    torch.set_num_threads(2)
+    layer(x[:1])  # one row, torch on two threads: torch's kernel
+    assert len(calls) == 2  # the row_op's call above, and nothing since
