@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.integration.conftest import start_cluster, wait_until
+from tests.unit.cli.harness import is_alive
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAM_TOKENS = 32  # a few seconds of decoding: well within the gateway's 10 s drain
@@ -96,18 +97,11 @@ def test_a_launcher_killed_mid_stream_still_ends_every_stream_with_an_error_and_
             errors = [c["error"] for c in chunks if "error" in c]
             assert [e["type"] for e in errors] == ["server_error"] and errors[0]["code"] != "internal_error"
             assert [c["choices"][0]["finish_reason"] for c in chunks[-2:-1]] == ["error"]
-        wait_until(lambda: not any(_alive(pid) for pid in pids.values()), timeout=60)  # the gateway exits too
+        wait_until(lambda: not any(is_alive(pid) for pid in pids.values()), timeout=60)  # the gateway exits too
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
         for pid in pids.values():
-            if _alive(pid):  # only when the test fails: leave no orphan behind
+            if is_alive(pid):  # only when the test fails: leave no orphan behind
                 os.kill(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return False
