@@ -3,7 +3,7 @@ process, on the default model with bfloat16 activations:
 
 - int4 weights (the default): prefill tokens/s and decode steps of batches past the
   quantized kernels' rows, where every projection and the LM head multiply by their
-  weight dequantized (libs/engine/model/quant.py, ``DenseWeight``);
+  weight dequantized (libs/engine/model/dense.py, ``DenseWeight``);
 - ``--float``: the model loaded float (``--quantization none``), every projection and the
   LM head a ``PackedLinear`` against the plain weights (``LlamaModel.pack_float_weights``
   skipped): two copies of the model in the process, each with its own engine; decode
@@ -42,16 +42,16 @@ def main() -> int:
 
     import torch
 
-    from libs.engine.model import quant, steps
+    from libs.engine.model import dense, quant, steps
     from libs.engine.model.engine import EngineConfig
     from libs.engine.model.loader import build_engine, load_model
     from libs.engine.model.sequence import Sequence
 
     torch.set_grad_enabled(False)
-    if quant._ONEDNN is None:
+    if dense._ONEDNN is None:
         print("this torch has no oneDNN linear: nothing to compare")
         return 1
-    onednn = quant._ONEDNN
+    onednn = dense._ONEDNN
     batches = [int(b) for b in (args.batches or ("1,8,32" if args.float else "16,32,64")).split(",") if b]
     lengths = [int(n) for n in args.prefill.split(",") if n]
     # the blocks of the longest prompt, or of both ways' decoding batches at once
@@ -75,7 +75,7 @@ def main() -> int:
         engine = build_engine(loaded, config)
 
         def use(way: str):
-            quant._ONEDNN = onednn if way == "packed" else None
+            dense._ONEDNN = onednn if way == "packed" else None
             for layer in layers:
                 layer._dense = None
             for layer in layers:  # made now, outside the timing
@@ -129,7 +129,7 @@ def main() -> int:
         same = torch.equal(outs["plain"], outs["packed"])
         rows.append((f"decode, batch {batch}", "tokens/s", *(statistics.median(times[w]) for w in ways), same))
         print(rows[-1], flush=True)
-    quant._ONEDNN = onednn
+    dense._ONEDNN = onednn
     weights = "float weights (PackedLinear)" if args.float else "int4 weights (their dense copies)"
     lines = [
         "",

@@ -150,7 +150,7 @@ def kvserve_worker(
 
 
 def weight_bytes(model) -> int:
-    from libs.engine.model.quant import PackedLinear
+    from libs.engine.model.dense import PackedLinear
 
     storages = {}
     for tensor in [*model.parameters(), *model.buffers()]:
@@ -168,8 +168,9 @@ def step_bytes(model) -> int:
     whole table when the head is that table)."""
     from torch import nn
 
+    from libs.engine.model.dense import FloatLinear, PackedLinear
     from libs.engine.model.llama import Linear, RMSNorm
-    from libs.engine.model.quant import FloatLinear, Int4Linear, Int8Linear, PackedLinear
+    from libs.engine.model.quant import Int4Linear, Int8Linear
 
     total = 0
     for module in model.modules():

@@ -83,14 +83,17 @@ class Generations:
         self.peers = peers
         self.model = model
         self.tenants = TenantDirectory(settings.tenants_file, settings.api_key)  # who may send requests
-        self.num_in_flight = 0
-        self._idle = asyncio.Event()  # set while no request is in flight
-        self._idle.set()
         self._runs: set[MigratingRun] = set()  # the requests in flight, halted by `drain` when it runs out
+        self._idle = asyncio.Event()  # set while none is
+        self._idle.set()
         self.draining = False  # `drain` began: no new request is taken
         self.quotas = Quotas()  # each tenant's, checked before admission
         self.observers: list[Callable[[Generation], None]] = []  # told of every admitted request once it is over
         self.usage = TenantUsage(service.metrics)  # what each tenant used, and was refused
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._runs)
 
     @asynccontextmanager
     async def generate(
@@ -128,9 +131,8 @@ class Generations:
         generation, started_at = None, time.monotonic()
         migrating = MigratingRun(prepared, attempt, self._block_hashes, s.max_attempts, self._started_at,
                                  self.peers.beats, self.peers.silent_for, s.admit_retry_window)  # fmt: skip
-        self.num_in_flight += 1
-        self._idle.clear()
         self._runs.add(migrating)
+        self._idle.clear()
         try:
             async with migrating as run:
                 generation = Generation(run, texts, slo, started_at, tenant=tenant,
@@ -142,8 +144,7 @@ class Generations:
             raise
         finally:
             self._runs.discard(migrating)
-            self.num_in_flight -= 1
-            if self.num_in_flight == 0:
+            if not self._runs:
                 self._idle.set()
             if lease is not None:  # what it did not use goes back (all of it, when it never ran)
                 used = 0 if generation is None else texts[0].num_prompt_tokens + sum(t.num_completion_tokens for t in texts)

@@ -6,7 +6,6 @@ ends every stream with an error and [DONE], then exits."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.integration.conftest import start_cluster, wait_until
-from tests.unit.cli.harness import is_alive
+from tests.unit.cli.harness import is_alive, kill_leftovers
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAM_TOKENS = 32  # a few seconds of decoding: well within the gateway's 10 s drain
@@ -99,9 +98,4 @@ def test_a_launcher_killed_mid_stream_still_ends_every_stream_with_an_error_and_
             assert [c["choices"][0]["finish_reason"] for c in chunks[-2:-1]] == ["error"]
         wait_until(lambda: not any(is_alive(pid) for pid in pids.values()), timeout=60)  # the gateway exits too
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
-        for pid in pids.values():
-            if is_alive(pid):  # only when the test fails: leave no orphan behind
-                os.kill(pid, signal.SIGKILL)
+        kill_leftovers(launcher, pids.values())

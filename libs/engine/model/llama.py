@@ -21,16 +21,14 @@ from torch import nn
 from libs.common import heap
 from libs.engine.model.attention import AttentionBatch, paged_attention
 from libs.engine.model.config import ModelConfig
+from libs.engine.model.dense import FloatLinear, PackedLinear, float_row_op, packs
 from libs.engine.model.kv_pool import KVPool
 from libs.engine.model.quant import (
     NONE,
-    FloatLinear,
     Int8Linear,
-    PackedLinear,
     QuantizedWeight,
     concat,
     convert,
-    float_row_op,
     kernels_apply,
     quantize_int8,
     quantized_linear,
@@ -231,9 +229,9 @@ class LlamaModel(nn.Module):
         the plain weights leave is given back at once (else RSS shows them until a trim)."""
         replaced = False
         for name, module in list(self.named_modules()):
-            if isinstance(module, (Linear, FloatLinear)) and PackedLinear.packs(module.weight_t):
+            if isinstance(module, (Linear, FloatLinear)) and packs(module.weight_t):
                 packed = PackedLinear(module.weight_t.detach().t(), module.bias)
-            elif name == "lm_head" and type(module) is nn.Linear and PackedLinear.packs(module.weight):
+            elif name == "lm_head" and type(module) is nn.Linear and packs(module.weight):
                 packed = PackedLinear(module.weight.detach(), module.bias)
             else:
                 continue

@@ -3,6 +3,9 @@ a real nats-server, and a look at which processes are alive."""
 
 import io
 import os
+import signal
+import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 
 from kvserve.cli.cluster import ROLES, LocalCluster
@@ -34,6 +37,17 @@ def children() -> set[int]:
         if int(fields[1]) == me and fields[0] != "Z":
             found.add(int(stat.parent.name))
     return found
+
+
+def kill_leftovers(launcher: subprocess.Popen, pids: Iterable[int]) -> None:
+    """After a test of a launcher: kill it if it still runs, and SIGKILL any of ``pids`` still
+    alive (only when the test failed: leave no orphan behind)."""
+    if launcher.poll() is None:
+        launcher.kill()
+        launcher.wait()
+    for pid in pids:
+        if is_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def is_alive(pid: int) -> bool:

@@ -19,7 +19,7 @@ from kvserve.cli.reaper import reap
 from kvserve.cli.supervisor import SHM_DIR, Backoff, die_with_launcher, remove_segments_of
 from libs.common.nats_auth import TOOLS
 from tests.integration.conftest import wait_until
-from tests.unit.cli.harness import ROOT, children, is_alive, make_cluster
+from tests.unit.cli.harness import ROOT, children, is_alive, kill_leftovers, make_cluster
 
 DELAYS = (0.1, 0.4)  # first and longest restart delay: quick tests
 
@@ -162,13 +162,9 @@ def test_killing_the_launcher_kills_every_process_it_started_and_leaves_nothing_
         assert others.exists()
     finally:
         others.unlink(missing_ok=True)
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        kill_leftovers(launcher, pids.values())
         for pid in pids.values():
-            if is_alive(pid):  # only when the test fails: leave no orphan behind
-                os.kill(pid, signal.SIGKILL)
-            remove_segments_of(pid)  # likewise
+            remove_segments_of(pid)  # likewise, what they left
 
 
 def test_a_child_whose_launcher_is_already_gone_exits_before_exec():

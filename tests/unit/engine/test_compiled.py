@@ -167,8 +167,8 @@ def test_compiled_equals_eager_for_each_forward_option(arch):
 def test_a_bfloat16_float_model_compiles_with_its_packed_weights(tiny_checkpoint):
     """Its projections are PackedLinear (oneDNN's layout, not a frozen graph constant):
     the graph calls them as an opaque op, and decodes what the eager step does."""
+    from libs.engine.model.dense import PackedLinear
     from libs.engine.model.loader import load_model
-    from libs.engine.model.quant import PackedLinear
 
     loaded = load_model(str(tiny_checkpoint), dtype="bfloat16", quantization="none", progress=False)
     if not isinstance(loaded.model.layers[0].mlp.down_proj, PackedLinear):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import gguf_quants
-from libs.engine.model import gguf_blocks, quant, steps
+from libs.engine.model import dense, gguf_blocks, quant, steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.generator import Generator
 from libs.engine.model.loader import build_engine, load_model
@@ -149,7 +149,7 @@ def test_a_fused_projection_of_mixed_formats_keeps_each_part_and_one_row_op_equa
     bias = torch.randn(128)
     layer = quant.quantized_linear(stacked, bias).to(torch.bfloat16)
     kinds = [type(p) for p in layer.parts]
-    assert kinds == [quant.Int4Linear, quant.FloatLinear, quant.Int8Linear]
+    assert kinds == [quant.Int4Linear, dense.FloatLinear, quant.Int8Linear]
     weight = torch.cat([parts[0].dequantize(), k.bfloat16().float(), parts[2].dequantize()])
     for rows in (1, quant.KERNEL_MAX_ROWS, 20):
         x = torch.randn(rows, 96).bfloat16()
@@ -273,8 +273,8 @@ def test_types_kvserve_cannot_keep_load_float_with_one_warning_line(caplog):
 
     loaded = load_model(str(path), dtype="bfloat16", progress=False)
     assert loaded.quantization == quant.MIXED
-    float_linear = quant.PackedLinear if quant.PackedLinear.packs(torch.empty(0, dtype=torch.bfloat16)) \
-        else quant.FloatLinear  # bfloat16 float weights are packed for oneDNN where torch has it
+    float_linear = dense.PackedLinear if dense.packs(torch.empty(0, dtype=torch.bfloat16)) \
+        else dense.FloatLinear  # bfloat16 float weights are packed for oneDNN where torch has it
     assert type(loaded.model.layers[0].self_attn.qkv_proj) is float_linear
     downs = {type(layer.mlp.down_proj) for layer in loaded.model.layers}
     assert downs == {float_linear, quant.Int8Linear}  # IQ4_XS float, Q5_K int8

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from libs.engine.model import gguf_blocks, quant, steps
+from libs.engine.model import dense, gguf_blocks, quant, steps
 from libs.engine.model.engine import EngineConfig
 from libs.engine.model.fused import _ops
 from libs.engine.model.generator import Generator
@@ -258,8 +258,8 @@ def test_a_bfloat16_float_model_multiplies_by_packed_weights_with_the_plain_prod
     plain = load_model(str(folder), dtype="bfloat16", quantization="none", progress=False)
     layer = packed.model.layers[0]
     projections = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    assert all(isinstance(m, quant.PackedLinear) for m in (*projections, packed.model.lm_head))
-    assert not any(isinstance(m, quant.PackedLinear) for m in plain.model.modules())
+    assert all(isinstance(m, dense.PackedLinear) for m in (*projections, packed.model.lm_head))
+    assert not any(isinstance(m, dense.PackedLinear) for m in plain.model.modules())
     assert not any(hasattr(m, "weight_t") for m in packed.model.modules())  # no plain weight kept
     with torch.no_grad():  # a saved random model's biases are zeros: make them count, the same in both
         for ours, theirs in zip(packed.model.layers, plain.model.layers):
