@@ -82,6 +82,7 @@ from kvserve.cli.bench import (  # noqa: E402
     load_vocab,
 )
 from kvserve.cli.cluster import LocalCluster  # noqa: E402
+from kvserve.cli.cpus import default_shared_prefill  # noqa: E402
 from kvserve.cli.options import positive_int  # noqa: E402
 from kvserve.replay.capacity import Capacity, find_capacity, probe_beyond  # noqa: E402
 from kvserve.replay.capacity import validate as validate_search  # noqa: E402
@@ -138,8 +139,14 @@ def configs(worker_threads: int | None, baseline_path: Path | None = None) -> li
     threads = {"OMP_NUM_THREADS": str(worker_threads)} if worker_threads else {}
     policy = "cache_aware" if policy_exists("cache_aware") else "least_loaded"
     note = "" if policy == "cache_aware" else "no cache_aware policy in this checkout: ran least_loaded"
+    host = tuple(sorted(os.sched_getaffinity(0)))
+    idle = default_shared_prefill(1, 1, host)
     out = [
-        Config("kvserve-default", "kvserve 1 prefill + 1 decode, store, as `kvserve up` configures them", "kvserve",
+        Config("kvserve-default", f"kvserve 1 prefill + 1 decode"
+               f"{f' + {idle} at low priority on the decode core' if idle else ''}, "
+               "store, as `kvserve up` configures them", "kvserve",
+               dict(prefill=1, decode=1, store=True, shared_prefill=idle), {**threads}),
+        Config("kvserve-no-shared-prefill", "kvserve up --shared-prefill 0: 1 prefill + 1 decode, store", "kvserve",
                dict(prefill=1, decode=1, store=True), {**threads}),
         Config("kvserve-disagg", "kvserve 1 prefill + 1 decode, store, prefix cache on", "kvserve",
                dict(prefill=1, decode=1, store=True), {"KVSERVE_POLICY": policy, **threads}, note),
@@ -152,13 +159,12 @@ def configs(worker_threads: int | None, baseline_path: Path | None = None) -> li
                              "baseline", note=f"{baseline_path}{f' at {commit}' if commit else ''}, run by its own "
                              "bench/replay.py --configs kvserve-default"))  # fmt: skip
     # two ways of giving prefill what the decode worker leaves idle (bench/results/local-prefill.md)
-    out.append(Config("kvserve-local-prefill", "kvserve-default with KVSERVE_POLICY=" + LOCAL_PREFILL_POLICY
+    out.append(Config("kvserve-local-prefill", "kvserve-no-shared-prefill with KVSERVE_POLICY=" + LOCAL_PREFILL_POLICY
                       + " and KVSERVE_LOCAL_CHUNK_TOKENS=64: the decode worker prefills a request itself, 64 tokens "
                       "between two decode steps, when that is predicted sooner", "kvserve",
                       dict(prefill=1, decode=1, store=True),
                       {"KVSERVE_POLICY": LOCAL_PREFILL_POLICY, "KVSERVE_LOCAL_CHUNK_TOKENS": "64", **threads}))
-    host = tuple(sorted(os.sched_getaffinity(0)))
-    out.append(Config("kvserve-wide-prefill", f"kvserve-default with --cpus prefill={format_cpu_list(host)},"
+    out.append(Config("kvserve-wide-prefill", f"kvserve-no-shared-prefill with --cpus prefill={format_cpu_list(host)},"
                       f"decode={host[-1]}: the prefill worker on every core, the decode worker on the last",
                       "kvserve", dict(prefill=1, decode=1, store=True, cpus={"prefill": host, "decode": host[-1:]}),
                       {**threads}))  # fmt: skip
@@ -318,8 +324,8 @@ def parser() -> argparse.ArgumentParser:
                     help="replay the trace's bucketed timestamps as bursts (default: spread each bucket)")
     ap.add_argument("--configs", nargs="+", default=None,
                     help="names to run, in this order (default all: kvserve-default, kvserve-baseline with --baseline, "
-                    "kvserve-disagg, kvserve-nocache, kvserve-local-prefill, kvserve-wide-prefill, kvserve-colocated, "
-                    "kvserve-colocated-64, llama.cpp)")
+                    "kvserve-no-shared-prefill, kvserve-disagg, kvserve-nocache, kvserve-local-prefill, "
+                    "kvserve-wide-prefill, kvserve-colocated, kvserve-colocated-64, llama.cpp)")
     ap.add_argument("--baseline", type=Path, default=None, metavar="PATH",
                     help="add kvserve-baseline: the kvserve checkout at PATH measured by its own bench/replay.py "
                     "(PYTHONPATH=PATH, this interpreter) on its kvserve-default configuration with the same window, "

@@ -99,7 +99,9 @@ class LocalCluster:
 
     Each worker gets its share of this machine's cores (kvserve/cli/cpus.py): ``cpus``
     gives a worker role its own cores (``{"prefill": (0, 1), "decode": (2, 3)}``);
-    the roles it leaves out share the rest.
+    the roles it leaves out share the rest. ``shared_prefill`` more prefill workers
+    (numbered after the others) run on the decode workers' cores at low priority,
+    prefilling with a quarter of a busy core and all of an idle one.
 
     With ``supervise`` and ``standby`` (the default), each worker role also keeps a warm
     spare (libs/common/standby.py): a process with the model loaded that becomes the next
@@ -147,6 +149,7 @@ class LocalCluster:
         supervise: bool = False,
         restart_delays: tuple[float, float] = (RESTART_DELAY_FIRST, RESTART_DELAY_MAX),
         cpus: dict[str, tuple[int, ...]] | None = None,
+        shared_prefill: int = 0,
         metrics_port: int | None = None,
         standby: bool = True,
         spares_before_ready: bool = True,
@@ -164,8 +167,8 @@ class LocalCluster:
             raise ValueError("a join bundle needs listen: the address the other hosts reach this one at")
         if member is not None and (listen is None or member_host is None):
             raise ValueError("a joining host needs listen (its own address) and member_host (the first host's)")
-        if prefill < 0:
-            raise ValueError(f"prefill workers: at least 0, got {prefill}")
+        if prefill < 0 or shared_prefill < 0:
+            raise ValueError(f"prefill workers: at least 0, got {min(prefill, shared_prefill)}")
         if conductors < 1:
             raise ValueError("a cluster needs at least one conductor")
         if nats_servers < 1:
@@ -178,11 +181,11 @@ class LocalCluster:
         self.tls = tls and (member.tls is not None if member is not None else True)
         self.join_bundle = None if join_bundle is None else Path(join_bundle)
         self.host_id = host_id or socket.gethostname()
-        self.counts = {Role.CONDUCTOR: conductors, Role.STORE: int(store), Role.PREFILL: prefill, Role.DECODE: decode,
-                       Role.GATEWAY: 1}  # fmt: skip
+        self.counts = {Role.CONDUCTOR: conductors, Role.STORE: int(store), Role.PREFILL: prefill + shared_prefill,
+                       Role.DECODE: decode, Role.GATEWAY: 1}  # fmt: skip
         if member is not None:  # the first host runs those
             self.counts |= {Role.CONDUCTOR: 0, Role.GATEWAY: 0}
-        plan = plan_cpus(self.counts, available_cpus(), cpus)
+        plan = plan_cpus(self.counts, available_cpus(), cpus, shared_prefill)
         self.cpu_plan: dict[str, CpuShare] = {  # by instance id
             self.instance_id(role, i): plan[f"{role}-{i}"] for role in ROLES for i in range(self.counts[role])
         }

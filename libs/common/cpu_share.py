@@ -1,5 +1,6 @@
-"""A worker's share of its host's cores: which cores it runs on (KVSERVE_CPUS) and how
-many torch threads it computes with (KVSERVE_THREADS), applied by the process itself
+"""A worker's share of its host's cores: which cores it runs on (KVSERVE_CPUS), how
+many torch threads it computes with (KVSERVE_THREADS) and whether it computes at low
+priority beside another worker (KVSERVE_LOW_PRIORITY), applied by the process itself
 before it loads the model, so the engine and its calibration see only that share.
 
 Core lists are written as Linux writes them (``/proc/<pid>/status``, ``taskset -c``):
@@ -64,3 +65,34 @@ def apply_cpu_share(cpus: tuple[int, ...] | None, threads: int | None) -> tuple[
     if threads is not None:
         torch.set_num_threads(threads)
     return available_cpus(), torch.get_num_threads()
+
+
+# Linux's CFS/EEVDF weights: nice 0 weighs 1024, nice 5 weighs 335 (kernel/sched/core.c).
+LOW_PRIORITY_NICE = 5
+LOW_PRIORITY_SHARE = 335 / (335 + 1024)  # of a core a busy nice-0 thread also wants: 24.7%
+
+
+def compute_at_low_priority() -> None:
+    """The calling thread, and every thread it starts from now on (torch's OpenMP team),
+    computes at nice LOW_PRIORITY_NICE: on a core a busy thread of normal priority also
+    wants, it gets LOW_PRIORITY_SHARE of the time, and all of the time the other leaves.
+    A worker's engine thread calls it; the threads that serve its messages and move its
+    KV keep their priority within the process.
+
+    Where the kernel groups threads by session (autogroups, on by default on most
+    distributions' kernels), it first shares a core among sessions by their own nice,
+    then among a session's threads: each kvserve service is a session of its own, so a
+    thread's nice alone would still take half of a busy decode worker's core (it was
+    measured so: the decode worker's calibration ran at half speed). So the process's
+    session gets the same nice, where the process leads a session of its own (as `kvserve
+    up` starts each service): never a shell's session that other processes share."""
+    os.setpriority(os.PRIO_PROCESS, 0, LOW_PRIORITY_NICE)  # 0: the calling thread (Linux: nice is per thread)
+    if os.getsid(0) != os.getpid():
+        return
+    try:
+        AUTOGROUP.write_text(str(LOW_PRIORITY_NICE))
+    except OSError:
+        pass  # no autogroups here (the kernel's or the container's choice): the thread's nice does it alone
+
+
+AUTOGROUP = Path("/proc/self/autogroup")

@@ -161,6 +161,7 @@ class ModelSettings:
     cpus: tuple[int, ...] | None = None  # the cores it runs on (KVSERVE_CPUS; None: wherever it was started)
     threads: int | None = None  # torch intra-op threads (KVSERVE_THREADS; None: one per core it runs on)
     quantization: str = "auto"  # the weights' precision (KVSERVE_QUANTIZATION): one of QUANTIZATIONS
+    low_priority: bool = False  # compute at nice 5 beside a decode worker (KVSERVE_LOW_PRIORITY: cpu_share.py)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.num_blocks < 1:
@@ -193,6 +194,7 @@ class ModelSettings:
             cpus=env_cpu_list("CPUS"),
             threads=env_int("THREADS", 0) or None,
             quantization=env_str("QUANTIZATION", "auto"),
+            low_priority=env_bool("LOW_PRIORITY", False),
         )
 
 

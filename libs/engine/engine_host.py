@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 
 from libs.common import standby
-from libs.common.cpu_share import apply_cpu_share, format_cpu_list
+from libs.common.cpu_share import apply_cpu_share, compute_at_low_priority, format_cpu_list
 from libs.common.metrics import Metrics
 from libs.common.service import Service, configure_logging, run_service
 from libs.common.settings import ModelSettings, ServiceSettings, settings_or_exit
@@ -128,7 +128,10 @@ class EngineHost:
             "%s loaded: %s, weights %s, %s KV blocks of %d tokens (%.1f MB) in %s",
             owner, loaded.dtype, loaded.quantization, settings.num_blocks, settings.block_size, segment.nbytes / 1e6, segment.name,
         )  # fmt: skip
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # KVSERVE_LOW_PRIORITY: the engine thread (its calibration included) computes only in
+        # the time its cores have left; the threads that serve messages and move KV do not wait
+        idle = compute_at_low_priority if settings.low_priority else None
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine", initializer=idle)
         return cls(loaded, engine, segment, transfers, make_contract(loaded.model_id, layout, loaded.quantization), thread)
 
     async def run(self, fn: Callable[..., T], *args) -> T:

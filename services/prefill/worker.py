@@ -27,6 +27,7 @@ import torch
 from nats.aio.msg import Msg
 
 from libs.common import failpoints
+from libs.common.cpu_share import LOW_PRIORITY_SHARE
 from libs.common.peers import PeerDirectory
 from libs.common.prefill_order import Work, contended, plan, step, step_tokens
 from libs.common.recent import RecentIds
@@ -213,7 +214,13 @@ class PrefillWorker(Service):
 
     @property
     def speed(self) -> float:
-        """Its steps' measured time over what its cost model predicted (`StepSpeed`); 0: not yet known."""
+        """Its steps' measured time over what its cost model predicted (`StepSpeed`); 0: not
+        yet known. A worker at low priority beside a decode worker (KVSERVE_LOW_PRIORITY)
+        computes at full speed while decoding leaves the core idle and at a quarter of it
+        while the decode worker steps, which can start any moment: it never claims more
+        than that quarter, so that what the conductor promises on it holds either way."""
+        if self.settings.model.low_priority:
+            return max(self.step_speed.value, 1 / LOW_PRIORITY_SHARE)
         return self.step_speed.value
 
     def _observe_step(self, chunk: list[tuple[Job, int]], seconds: float) -> None:

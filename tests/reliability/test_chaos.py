@@ -22,7 +22,9 @@ import pytest
 from openai import OpenAI
 
 from kvserve.cli.cluster import LocalCluster
+from kvserve.cli.cpus import default_shared_prefill
 from kvserve.replay.streams import ChatLoad, run_streams, tally
+from libs.common.cpu_share import available_cpus
 from tests.integration.conftest import CLUSTER_ENV, STARTED, poll_until, wait_until
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -207,11 +209,12 @@ def test_kill_9_of_kvserve_up_leaves_no_process_segment_or_credential(tmp_path):
         else:
             pytest.fail("kvserve up exited before printing its URL")
         children = _descendants(proc.pid)
-        assert len(children) >= 7, f"expected nats-server, five services and the watchdog, found {len(children)}"
+        services = 5 + default_shared_prefill(1, 1, available_cpus())  # and the shared prefill worker
+        assert len(children) >= services + 2, f"expected nats-server, {services} services and the watchdog: {children}"
         environs = [_environ(pid) for pid in children]
         credentials = {Path(e["KVSERVE_NATS_CREDENTIALS"]) for e in environs if "KVSERVE_NATS_CREDENTIALS" in e}
         runtime = {Path(e["KVSERVE_CALIBRATION_FILE"]).parent for e in environs if "KVSERVE_CALIBRATION_FILE" in e}
-        assert len(credentials) == 5 and all(path.exists() for path in credentials)  # one per instance
+        assert len(credentials) == services and all(path.exists() for path in credentials)  # one per instance
         assert len(runtime) == 1
         (runtime_dir,) = runtime
         assert runtime_dir.parent == tmp_path and runtime_dir.exists()

@@ -14,7 +14,7 @@ import pytest
 from kvserve.cli.cpus import IO_SHARE, CpuShare, divide, parse_cpus_option, plan_cpus
 from kvserve.cli.main import build_parser
 from kvserve.cli.up import banner
-from libs.common.cpu_share import format_cpu_list, parse_cpu_list
+from libs.common.cpu_share import LOW_PRIORITY_NICE, format_cpu_list, parse_cpu_list
 from libs.common.settings import ModelSettings
 from tests.unit.cli.harness import ROOT, make_cluster
 
@@ -111,6 +111,61 @@ def test_explicit_cores_are_divided_among_the_role_s_workers_and_a_role_left_out
     assert workers(plan) == {"prefill-0": ("0", 1), "decode-0": ("0", 1)}
 
 
+def test_a_prefill_worker_on_a_decode_worker_s_core_runs_at_low_priority():
+    idle = lambda plan: {i for i, share in plan.items() if share.low_priority}  # noqa: E731
+    assert idle(plan_cpus(counts(1, 1), range(2))) == set()  # a core each: nobody yields
+    assert idle(plan_cpus(counts(2, 2), range(4))) == set()
+    # a second prefill worker on the decode worker's core computes in the time decode leaves
+    plan = plan_cpus(counts(2, 1), range(2), {"prefill": (0, 1), "decode": (1,)})
+    assert workers(plan) == {"prefill-0": ("0", 1), "prefill-1": ("1", 1), "decode-0": ("1", 1)}
+    assert idle(plan) == {"prefill-1"}
+    assert idle(plan_cpus(counts(1, 2), range(2))) == {"prefill-0"}  # fewer cores than workers: all shared
+    assert idle(plan_cpus(counts(2, 2), range(2))) == {"prefill-0", "prefill-1"}  # never a decode worker
+    assert CpuShare((1,), 1, low_priority=True).env()["KVSERVE_LOW_PRIORITY"] == "1"
+    assert "KVSERVE_LOW_PRIORITY" not in CpuShare((1,), 1).env()
+    assert CpuShare((1,), 1, low_priority=True).describe() == "cores 1, 1 thread at low priority"
+
+
+def test_shared_prefill_workers_take_the_decode_workers_cores():
+    plan = plan_cpus(counts(2, 1), range(2), shared_prefill=1)
+    assert workers(plan) == {"prefill-0": ("0", 1), "decode-0": ("1", 1), "prefill-1": ("1", 1)}
+    assert [i for i, share in plan.items() if share.low_priority] == ["prefill-1"]
+    plan = plan_cpus(counts(3, 2), range(8), shared_prefill=1)  # the others divide the host as before
+    assert workers(plan) == {"prefill-0": ("0-1", 2), "prefill-1": ("2-3", 2), "decode-0": ("4-5", 2),
+                             "decode-1": ("6-7", 2), "prefill-2": ("4-7", 4)}  # fmt: skip
+    assert [i for i, share in plan.items() if share.low_priority] == ["prefill-2"]
+    with pytest.raises(ValueError):
+        plan_cpus(counts(1, 1), range(2), shared_prefill=2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "cores", "prefill", "idle"),
+    [
+        ([], 2, 2, ["prefill-1"]),  # this machine's default: prefill-1 on the decode worker's core
+        ([], 1, 1, ["prefill-0"]),  # one core: the workers share it already, the prefill worker yields
+        (["--shared-prefill", "0"], 2, 1, []),
+        (["--shared-prefill", "2", "--decode", "2"], 8, 3, ["prefill-1", "prefill-2"]),
+        (["--cpus", "prefill=0,decode=1"], 2, 1, []),  # the shares are the user's
+        (["--prefill", "0"], 2, 0, []),
+        (["--prefill", "2", "--decode", "1"], 2, 2, ["prefill-0", "prefill-1"]),  # fewer cores than workers
+    ],
+)
+def test_kvserve_up_adds_an_shared_prefill_worker_where_the_workers_have_cores_of_their_own(
+    argv, cores, prefill, idle, monkeypatch
+):
+    from kvserve.cli import up
+
+    monkeypatch.setattr("kvserve.cli.up.available_cpus", lambda: tuple(range(cores)))
+    monkeypatch.setattr("kvserve.cli.cluster.available_cpus", lambda: tuple(range(cores)))
+    started = []
+    monkeypatch.setattr(up, "serve", lambda cluster, timeout: started.append(cluster) or 0)
+    args = build_parser().parse_args(["up", "--dtype", "float32", *argv])
+    assert args.run(args) == 0
+    (cluster,) = started
+    assert cluster.counts["prefill"] == prefill
+    assert [i for i, share in cluster.cpu_plan.items() if share.low_priority] == idle
+
+
 def test_divide_is_disjoint_and_covers_every_core_when_there_are_enough():
     for cores in range(1, 17):
         for n in range(1, cores + 1):
@@ -193,6 +248,36 @@ def test_a_worker_pins_every_thread_it_has_and_sets_torch_s_threads():
     assert (cpus, threads, torch_threads) == (f"({core},)", "1", "1")
     assert int(num_tasks) >= 2  # the thread started before the share was applied is pinned too
     assert affinities.strip() == f"{{frozenset({{{core}}})}}"
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_an_engine_thread_at_low_priority_leaves_the_process_s_other_threads_as_they_were(own_session):
+    script = textwrap.dedent("""
+        import os, threading
+        from concurrent.futures import ThreadPoolExecutor
+        import torch
+        from libs.common.cpu_share import compute_at_low_priority
+        torch.set_num_threads(2)
+        before = {int(t) for t in os.listdir("/proc/self/task")}
+        engine = ThreadPoolExecutor(max_workers=1, initializer=compute_at_low_priority)
+        work = lambda: (torch.mm(torch.ones(512, 512), torch.ones(512, 512)), threading.get_native_id())[1]
+        engine_tid = engine.submit(work).result()
+        started = {int(t) for t in os.listdir("/proc/self/task")} - before - {engine_tid}
+        nice = lambda t: os.getpriority(os.PRIO_PROCESS, t)
+        autogroup = open("/proc/self/autogroup").read().split()[-1] if os.path.exists("/proc/self/autogroup") else "-"
+        print(nice(engine_tid), sorted({nice(t) for t in started}), sorted({nice(t) for t in before}), autogroup)
+    """)  # fmt: skip
+    # in a session of its own, as kvserve up starts a worker; else in this test's session
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         start_new_session=own_session)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    engine, team, others, autogroup = out.stdout.split()
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert int(engine) == LOW_PRIORITY_NICE
+    assert team == f"[{LOW_PRIORITY_NICE}]"  # torch's OpenMP thread, started by the engine thread, inherits it
+    assert others == f"[{mine}]"  # the main thread (the event loop) keeps its priority
+    if autogroup != "-":  # the kernel groups threads by session: the worker's own gets the same nice
+        assert autogroup == (str(LOW_PRIORITY_NICE) if own_session else "0")  # never a session it shares (this test's)
 
 
 def test_the_banner_lists_each_worker_s_cores(model_dir):
