@@ -106,12 +106,12 @@ def plan_cpus(
     divides the host's cores no named role took (all of them if none is left). A
     role with no instance takes no share: with no prefill worker (a colocated
     cluster), the decode workers divide every core. The last ``shared_prefill`` of the
-    prefill workers take no cores of their own: they divide the decode workers'.
-
-    A prefill worker that shares a core with a decode worker computes at low priority
-    there (libs/common/cpu_share.py): while the decode worker steps it gets a quarter of
-    the core, and all of the time decoding leaves; it reports its speed as at least
-    that quarter's, so the conductor never counts on more (bench/results/shared-prefill.md).
+    prefill workers take no cores of their own: they divide the decode workers', and
+    compute there at low priority (libs/common/cpu_share.py): while the decode worker
+    steps they get a quarter of the core, and all of the time decoding leaves; each
+    reports its speed as at least that quarter's, so the conductor never counts on more
+    (bench/results/shared-prefill.md). Workers that share cores because there are more
+    workers than cores (every one on every core) keep their priority.
     Raises ValueError when ``explicit`` gives cores to a role with no instance."""
     plan = {f"{role}-{i}": IO_SHARE for role, n in counts.items() if role not in WORKER_ROLES for i in range(n)}
     workers = {role: [f"{role}-{i}" for i in range(counts.get(role, 0))] for role in WORKER_ROLES}
@@ -130,10 +130,8 @@ def plan_cpus(
         plan |= divide(cores, workers[role])
     decoding = {core for worker in workers[Role.DECODE] for core in plan[worker].cpus or ()}
     if shared:
-        plan |= divide(sorted(decoding or host), shared)
-    for worker in workers[Role.PREFILL] + shared:
-        if decoding & set(plan[worker].cpus or ()):
-            plan[worker] = replace(plan[worker], low_priority=True)
+        plan |= {worker: replace(share, low_priority=True)
+                 for worker, share in divide(sorted(decoding or host), shared).items()}  # fmt: skip
     return plan
 
 

@@ -111,16 +111,15 @@ def test_explicit_cores_are_divided_among_the_role_s_workers_and_a_role_left_out
     assert workers(plan) == {"prefill-0": ("0", 1), "decode-0": ("0", 1)}
 
 
-def test_a_prefill_worker_on_a_decode_worker_s_core_runs_at_low_priority():
-    idle = lambda plan: {i for i, share in plan.items() if share.low_priority}  # noqa: E731
-    assert idle(plan_cpus(counts(1, 1), range(2))) == set()  # a core each: nobody yields
-    assert idle(plan_cpus(counts(2, 2), range(4))) == set()
-    # a second prefill worker on the decode worker's core computes in the time decode leaves
-    plan = plan_cpus(counts(2, 1), range(2), {"prefill": (0, 1), "decode": (1,)})
-    assert workers(plan) == {"prefill-0": ("0", 1), "prefill-1": ("1", 1), "decode-0": ("1", 1)}
-    assert idle(plan) == {"prefill-1"}
-    assert idle(plan_cpus(counts(1, 2), range(2))) == {"prefill-0"}  # fewer cores than workers: all shared
-    assert idle(plan_cpus(counts(2, 2), range(2))) == {"prefill-0", "prefill-1"}  # never a decode worker
+def test_only_the_shared_prefill_workers_run_at_low_priority():
+    low = lambda plan: {i for i, share in plan.items() if share.low_priority}  # noqa: E731
+    assert low(plan_cpus(counts(1, 1), range(2))) == set()  # a core each
+    assert low(plan_cpus(counts(2, 2), range(4))) == set()
+    # more workers than cores: every one on every core, at its own priority
+    assert low(plan_cpus(counts(1, 2), range(2))) == set()
+    assert low(plan_cpus(counts(2, 2), range(2))) == set()
+    assert low(plan_cpus(counts(1, 1), range(2), {"prefill": (0, 1), "decode": (1,)})) == set()  # the user's shares
+    assert low(plan_cpus(counts(2, 1), range(2), shared_prefill=1)) == {"prefill-1"}
     assert CpuShare((1,), 1, low_priority=True).env()["KVSERVE_LOW_PRIORITY"] == "1"
     assert "KVSERVE_LOW_PRIORITY" not in CpuShare((1,), 1).env()
     assert CpuShare((1,), 1, low_priority=True).describe() == "cores 1, 1 thread at low priority"
@@ -139,19 +138,19 @@ def test_shared_prefill_workers_take_the_decode_workers_cores():
 
 
 @pytest.mark.parametrize(
-    ("argv", "cores", "prefill", "idle"),
+    ("argv", "cores", "prefill", "low"),
     [
         ([], 2, 2, ["prefill-1"]),  # this machine's default: prefill-1 on the decode worker's core
-        ([], 1, 1, ["prefill-0"]),  # one core: the workers share it already, the prefill worker yields
+        ([], 1, 1, []),  # one core: the workers share it already
         (["--shared-prefill", "0"], 2, 1, []),
         (["--shared-prefill", "2", "--decode", "2"], 8, 3, ["prefill-1", "prefill-2"]),
         (["--cpus", "prefill=0,decode=1"], 2, 1, []),  # the shares are the user's
         (["--prefill", "0"], 2, 0, []),
-        (["--prefill", "2", "--decode", "1"], 2, 2, ["prefill-0", "prefill-1"]),  # fewer cores than workers
+        (["--prefill", "2", "--decode", "1"], 2, 2, []),  # fewer cores than workers: none is added
     ],
 )
-def test_kvserve_up_adds_an_shared_prefill_worker_where_the_workers_have_cores_of_their_own(
-    argv, cores, prefill, idle, monkeypatch
+def test_kvserve_up_adds_a_shared_prefill_worker_where_the_workers_have_cores_of_their_own(
+    argv, cores, prefill, low, monkeypatch
 ):
     from kvserve.cli import up
 
@@ -163,7 +162,7 @@ def test_kvserve_up_adds_an_shared_prefill_worker_where_the_workers_have_cores_o
     assert args.run(args) == 0
     (cluster,) = started
     assert cluster.counts["prefill"] == prefill
-    assert [i for i, share in cluster.cpu_plan.items() if share.low_priority] == idle
+    assert [i for i, share in cluster.cpu_plan.items() if share.low_priority] == low
 
 
 def test_divide_is_disjoint_and_covers_every_core_when_there_are_enough():

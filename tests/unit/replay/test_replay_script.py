@@ -80,7 +80,7 @@ def test_baseline_and_configs_must_agree(tmp_path, monkeypatch, argv, error):
 
 def test_configurations_run_in_the_order_given_with_the_baseline_after_kvserve_default(tmp_path):
     every = configs(None, tmp_path)
-    assert [c.name for c in every][:3] == ["kvserve-default", "kvserve-baseline", "kvserve-disagg"]
+    assert [c.name for c in every][:3] == ["kvserve-default", "kvserve-baseline", "kvserve-no-shared-prefill"]
     assert [c.kind for c in every][1] == "baseline"
     picked = chosen(every, ["kvserve-default", "llama.cpp", "kvserve-baseline"])
     assert [c.name for c in picked] == ["kvserve-default", "llama.cpp", "kvserve-baseline"]
