@@ -117,8 +117,8 @@ def plan_cpus(
     workers = {role: [f"{role}-{i}" for i in range(counts.get(role, 0))] for role in WORKER_ROLES}
     if not 0 <= shared_prefill <= len(workers[Role.PREFILL]):
         raise ValueError(f"{shared_prefill} shared prefill workers of {len(workers[Role.PREFILL])}")
-    shared = workers[Role.PREFILL][len(workers[Role.PREFILL]) - shared_prefill :]
-    workers[Role.PREFILL] = workers[Role.PREFILL][: len(workers[Role.PREFILL]) - shared_prefill]
+    own = len(workers[Role.PREFILL]) - shared_prefill  # prefill workers with cores of their own
+    workers[Role.PREFILL], shared = workers[Role.PREFILL][:own], workers[Role.PREFILL][own:]
     explicit = explicit or {}
     if idle := [role for role in explicit if not workers[role]]:
         raise ValueError(f"cores are given to {idle[0]}, but the cluster runs no {idle[0]} worker")

@@ -128,10 +128,10 @@ class EngineHost:
             "%s loaded: %s, weights %s, %s KV blocks of %d tokens (%.1f MB) in %s",
             owner, loaded.dtype, loaded.quantization, settings.num_blocks, settings.block_size, segment.nbytes / 1e6, segment.name,
         )  # fmt: skip
-        # KVSERVE_LOW_PRIORITY: the engine thread (its calibration included) computes only in
-        # the time its cores have left; the threads that serve messages and move KV do not wait
-        idle = compute_at_low_priority if settings.low_priority else None
-        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine", initializer=idle)
+        # KVSERVE_LOW_PRIORITY: the engine thread (its calibration included) computes at nice 5;
+        # the threads that serve messages and move KV keep their priority
+        low = compute_at_low_priority if settings.low_priority else None
+        thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine", initializer=low)
         return cls(loaded, engine, segment, transfers, make_contract(loaded.model_id, layout, loaded.quantization), thread)
 
     async def run(self, fn: Callable[..., T], *args) -> T:
