@@ -272,22 +272,50 @@ def test_a_bfloat16_float_model_multiplies_by_packed_weights_with_the_plain_prod
         assert all(torch.equal(a, b) for a, b in zip(logits, plain_logits))
 
 
-def test_one_bfloat16_row_on_one_thread_takes_the_native_int8_kernel_within_a_rounding(monkeypatch, one_thread):
-    kernel = quant._int8_row_kernel()
+def _within_a_rounding(ours: torch.Tensor, torchs: torch.Tensor) -> bool:
+    ulp = 2.0 ** (torch.floor(torch.log2(torchs.float().abs().clamp_min(1e-3))) - 7)  # bfloat16's step there
+    return bool(((ours.float() - torchs.float()).abs() <= ulp).all())  # the sums' order may round it apart
+
+
+@pytest.fixture
+def int8_kernel_calls(monkeypatch) -> list:
+    kernel = quant._int8_rows_kernel()
     if kernel is None:
         pytest.skip("no C compiler: the native int8 kernel cannot be built here")
     calls = []
-    monkeypatch.setattr(quant, "_int8_row_kernel", lambda: lambda *args: calls.append(args) or kernel(*args))
+    monkeypatch.setattr(quant, "_int8_rows_kernel", lambda: lambda *args: calls.append(args) or kernel(*args))
+    return calls
+
+
+def test_one_bfloat16_row_on_one_thread_takes_the_native_int8_kernel_within_a_rounding(int8_kernel_calls, one_thread):
+    calls = int8_kernel_calls
     torch.manual_seed(0)
     layer = quant.Int8Linear(quant.quantize_int8(torch.randn(3072, 576)), bias=torch.randn(3072)).to(torch.bfloat16)
     x = torch.randn(2, 576).to(torch.bfloat16)
     torch_row = quant._INT8_MM(x[:1], layer.weight_q, layer.scale) + layer.bias
     native_row = layer(x[:1])
     assert len(calls) == 1  # one row on one thread: the native kernel
-    ulp = 2.0 ** (torch.floor(torch.log2(torch_row.float().abs().clamp_min(1e-3))) - 7)  # bfloat16's step there
-    assert ((native_row.float() - torch_row.float()).abs() <= ulp).all()  # the sums' order may round it apart
+    assert _within_a_rounding(native_row, torch_row)
     assert torch.equal(layer.row_op(torch.bfloat16)(x[:1]), native_row)  # the fused step's op is the same
-    layer(x)  # two rows: torch's kernel
+    layer(x)  # two rows of a weight that fits in cache: torch's kernel
     torch.set_num_threads(2)
     layer(x[:1])  # one row, torch on two threads: torch's kernel
     assert len(calls) == 2  # the row_op's call above, and nothing since
+
+
+def test_up_to_eight_rows_of_a_weight_larger_than_the_cache_take_the_native_kernel_each_row_as_alone(
+    int8_kernel_calls, one_thread
+):
+    calls = int8_kernel_calls
+    torch.manual_seed(1)
+    n = quant._INT8_ROWS_MIN_BYTES // 576 + 16  # an LM head's shape: rows of 576, more bytes than the cache
+    layer = quant.Int8Linear(quant.quantize_int8(torch.randn(n, 576))).to(torch.bfloat16)
+    x = torch.randn(quant.KERNEL_MAX_ROWS + 1, 576).to(torch.bfloat16)
+    alone = [layer(x[r : r + 1]) for r in range(quant.KERNEL_MAX_ROWS)]
+    for m in (2, 5, quant.KERNEL_MAX_ROWS):
+        rows = layer(x[:m])
+        assert all(torch.equal(rows[r : r + 1], alone[r]) for r in range(m))  # a row's result is its own
+        assert _within_a_rounding(rows, quant._INT8_MM(x[:m], layer.weight_q, layer.scale))
+    assert [c[4] for c in calls] == [1] * quant.KERNEL_MAX_ROWS + [2, 5, quant.KERNEL_MAX_ROWS]  # rows per call
+    layer(x)  # past the kernel's rows: the dense weight
+    assert len(calls) == quant.KERNEL_MAX_ROWS + 3

@@ -1,30 +1,57 @@
-/* One row times an int8 weight with a scale per output row, for a decode step of one
- * sequence on one thread: y[n] = bf16(sum_k x[k] * w[n][k] * scale[n]), bfloat16 x, y and
- * scale, int8 w ([N, K], row-major as Int8Linear keeps it), float32 sums.
+/* Up to 8 rows times an int8 weight with a scale per output row, on one thread:
+ * y[r][n] = bf16(sum_k x[r][k] * w[n][k] * scale[n]), bfloat16 x, y and scale, int8 w
+ * ([N, K], row-major as Int8Linear keeps it), float32 sums.
  *
  * torch's weight-only int8 kernel (_weight_int8pack_mm) is bound by its arithmetic on one
- * thread: the 28 MB LM head of the default model took 3.8 ms on an AVX-512 Zen core, 7.5
- * GB/s. Here each weight row is one vectorised loop (sign-extend, convert, fused
- * multiply-add over the row converted once to float): 1.9 ms. No thread team: the caller
- * uses it only where torch itself runs on one thread. The sums are float32 like torch's
- * but in another order, so a result can differ from torch's by one bfloat16 rounding.
+ * thread: the 28 MB LM head of the default model took 3.6 ms for one row on an AVX-512 Zen
+ * core and 11.1 ms for eight. Here each weight row is read once for all the rows
+ * (sign-extend, convert, a fused multiply-add per row over the rows converted once to
+ * float): 1.8 ms for one row, 2.4 for two, 3.5 for four, 7.0 for eight
+ * (bench/decode_rows.py --kernel). No thread team: the caller uses it only where torch
+ * itself runs on one thread. The sums are float32 like torch's but in another order, so a
+ * result can differ from torch's by one bfloat16 rounding; a row's result does not depend
+ * on the rows beside it (its sum is the same loop whatever their number).
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "numeric.h"
 
 #define MAX_K 16384
+#define MAX_ROWS 8
 
-int int8_row(const uint16_t *restrict x, const int8_t *restrict w, const uint16_t *restrict scale,
-             uint16_t *restrict y, int n, int k) {
-    float xf[MAX_K];
-    if (k > MAX_K) return -1;
-    for (int i = 0; i < k; i++) xf[i] = bf16_to_f32(x[i]);
+/* m is a constant where it is called (the switch below), so each count gets its own loop. */
+static inline __attribute__((always_inline)) void rows(const float *restrict xf, const int8_t *restrict w,
+                                                       const uint16_t *restrict scale, uint16_t *restrict y,
+                                                       int n, int k, const int m) {
     for (int j = 0; j < n; j++) {
         const int8_t *wj = w + (int64_t)j * k;
-        float acc = 0.0f;
-        for (int i = 0; i < k; i++) acc += xf[i] * (float)wj[i];
-        y[j] = f32_to_bf16(acc * bf16_to_f32(scale[j]));
+        float acc[MAX_ROWS] = {0};
+        for (int i = 0; i < k; i++) {
+            const float wf = (float)wj[i];
+            for (int r = 0; r < m; r++) acc[r] += xf[r * k + i] * wf;
+        }
+        const float s = bf16_to_f32(scale[j]);
+        for (int r = 0; r < m; r++) y[(int64_t)r * n + j] = f32_to_bf16(acc[r] * s);
     }
+}
+
+int int8_rows(const uint16_t *restrict x, const int8_t *restrict w, const uint16_t *restrict scale,
+              uint16_t *restrict y, int m, int n, int k) {
+    if (k > MAX_K || m < 1 || m > MAX_ROWS) return -1;
+    float *xf = malloc(sizeof(float) * (size_t)m * k);
+    if (xf == NULL) return -1;
+    for (int i = 0; i < m * k; i++) xf[i] = bf16_to_f32(x[i]);
+    switch (m) {
+        case 1: rows(xf, w, scale, y, n, k, 1); break;
+        case 2: rows(xf, w, scale, y, n, k, 2); break;
+        case 3: rows(xf, w, scale, y, n, k, 3); break;
+        case 4: rows(xf, w, scale, y, n, k, 4); break;
+        case 5: rows(xf, w, scale, y, n, k, 5); break;
+        case 6: rows(xf, w, scale, y, n, k, 6); break;
+        case 7: rows(xf, w, scale, y, n, k, 7); break;
+        default: rows(xf, w, scale, y, n, k, 8); break;
+    }
+    free(xf);
     return 0;
 }
