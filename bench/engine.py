@@ -524,7 +524,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per variant (default 900)")
     parser.add_argument("--out", default="bench/results/engine.md")
     parser.add_argument("--gguf", metavar="KIND", help="only the decode rows on the default model as this "
-                        "llama-quantize file type (e.g. Q4_K_M)")  # fmt: skip
+                        "llama-quantize file type (e.g. Q4_K_M), kvserve against llama.cpp on that file")  # fmt: skip
     parser.add_argument("--prefill-speed", action="store_true", help="only print what `kvserve up` serves "
                         f"({DEFAULT_VARIANT}) prefills, in tokens/s at 2,048 tokens, as JSON")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -546,6 +546,8 @@ def main() -> None:
         (hf_worker if args.worker.startswith("hf-") else kvserve_worker)(args.worker, args.reps)
         return
     if args.gguf:
+        if args.skip_llama:  # the rows are the comparison: without llama.cpp there is none to write
+            parser.error("--gguf compares kvserve with llama.cpp on the file; --skip-llama cannot apply to it")
         gguf_rows(args.gguf, args.reps, args.timeout, Path(args.out), "python " + " ".join(sys.argv))
         return
     named = {"all": KVSERVE_VARIANTS + HF_VARIANTS, "none": []}
