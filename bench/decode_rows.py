@@ -20,42 +20,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCHES = (1, 2, 4, 8)
-NEW_TOKENS = 32
 
 
 def worker(batches: list[int]) -> None:
-    """In the checkout that is the working directory: decode tokens/s per batch size."""
+    """In the checkout that is the working directory: its own `bench/engine.py` decode
+    rows (what `kvserve up` serves), on one thread, as BENCH lines."""
     sys.path.insert(0, os.getcwd())
     import torch
 
-    from libs.engine.model.engine import EngineConfig
-    from libs.engine.model.generator import Generator
-    from libs.engine.model.loader import build_engine, load_model
-    from libs.protocol.sampling_params import SamplingParams
+    from bench.engine import DEFAULT_VARIANT, kvserve_worker
 
     torch.set_num_threads(1)
-    torch.set_grad_enabled(False)
-    loaded = load_model(None, dtype="bfloat16", quantization="int4", progress=False)
-    engine = build_engine(loaded, EngineConfig(num_blocks=max(batches) * 32 + 256, enable_prefix_cache=False))
-    getattr(engine, "warmup", lambda: None)()
-    out = {}
-    for batch in batches:
-        runs = []
-        for attempt in range(2):  # the first run of a batch size meets its shapes first
-            generator = Generator(engine, loaded.tokenizer, max_batch_size=batch)
-            params = SamplingParams(max_tokens=NEW_TOKENS + 1, temperature=0, ignore_eos=True)
-            for i in range(batch):
-                generator.add_request([1 + (7 * i + j) % 1000 for j in range(128 + 3 * i)], params)
-            generator.step()
-            while generator.running and len(generator.running) < batch:
-                generator.step()
-            start, steps = time.perf_counter(), 0
-            while generator.has_work:
-                generator.step()
-                steps += 1
-            runs.append(batch * steps / (time.perf_counter() - start))
-        out[batch] = runs[-1]
-    print("RESULT " + json.dumps(out), flush=True)
+    kvserve_worker(DEFAULT_VARIANT, 1, batches=tuple(batches), prefill_lengths=())
 
 
 def kernel_table(reps: int = 20) -> str:
@@ -102,10 +78,11 @@ def measure(tree: Path, core: int, batches: list[int]) -> dict[int, float]:
          "--batches", *map(str, batches)],
         cwd=tree, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
-    line = next((line for line in result.stdout.splitlines() if line.startswith("RESULT ")), None)
-    if line is None:
+    rows = [json.loads(line[6:]) for line in result.stdout.splitlines() if line.startswith("BENCH ")]
+    decode = {row["decode"]: row["tok_s"] for row in rows if "decode" in row}
+    if set(decode) != set(batches):
         raise SystemExit(f"{tree}: no result\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    return {int(k): v for k, v in json.loads(line[7:]).items()}
+    return decode
 
 
 def main() -> None:

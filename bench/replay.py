@@ -140,12 +140,12 @@ def configs(worker_threads: int | None, baseline_path: Path | None = None) -> li
     policy = "cache_aware" if policy_exists("cache_aware") else "least_loaded"
     note = "" if policy == "cache_aware" else "no cache_aware policy in this checkout: ran least_loaded"
     host = tuple(sorted(os.sched_getaffinity(0)))
-    idle = default_shared_prefill(1, 1, host)
+    shared = default_shared_prefill(1, 1, host)
     out = [
         Config("kvserve-default", f"kvserve 1 prefill + 1 decode"
-               f"{f' + {idle} at low priority on the decode core' if idle else ''}, "
+               f"{f' + {shared} at low priority on the decode core' if shared else ''}, "
                "store, as `kvserve up` configures them", "kvserve",
-               dict(prefill=1, decode=1, store=True, shared_prefill=idle), {**threads}),
+               dict(prefill=1, decode=1, store=True, shared_prefill=shared), {**threads}),
         Config("kvserve-no-shared-prefill", "kvserve up --shared-prefill 0: 1 prefill + 1 decode, store", "kvserve",
                dict(prefill=1, decode=1, store=True), {**threads}),
         Config("kvserve-disagg", "kvserve 1 prefill + 1 decode, store, prefix cache on", "kvserve",
