@@ -83,17 +83,29 @@ def paged_attention(
         return _decode(layer, q, k, v, pool, batch, scale)
     pool.write(layer, batch.slot_blocks, batch.slot_offsets, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [T, Hq, D], contiguous
+    for span, done in zip(batch.prefill_spans, native_prefill_spans(layer, q, pool, batch, scale, out)):
+        if not done:
+            rows = slice(span.query_start, span.query_start + span.query_len)
+            out[rows] = sdpa_prefill(layer, q[rows], k[rows], v[rows], pool, span, scale)
+    return out
+
+
+def native_prefill_spans(
+    layer: int, q: torch.Tensor, pool: KVPool, batch: AttentionBatch, scale: float, out: torch.Tensor
+) -> list[bool]:
+    """Each prefill span's attention by the native kernel, into its rows of ``out`` ([T, Hq,
+    D], contiguous), where the kernel runs (its K/V already in the pool): per span, whether
+    it ran. The others are the caller's, by ``sdpa_prefill``."""
     kernel = _native_prefill_kernel(q, pool)
+    done = []
     for span in batch.prefill_spans:
         rows = slice(span.query_start, span.query_start + span.query_len)
-        if (
+        done.append(
             kernel is not None
             and span.context_len >= NATIVE_MIN_CONTEXT
             and _native_prefill(kernel, layer, q[rows], pool, span, scale, out[rows])
-        ):
-            continue
-        out[rows] = _prefill_attention(layer, q[rows], k[rows], v[rows], pool, span, scale)
-    return out
+        )
+    return done
 
 
 def _decode(
@@ -136,7 +148,7 @@ def _(q: torch.Tensor, *args) -> torch.Tensor:
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def _prefill_attention(
+def sdpa_prefill(
     layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool: KVPool, span: PrefillSpan, scale: float
 ) -> torch.Tensor:
     n, ctx = span.query_len, span.context_len

@@ -22,7 +22,7 @@ from libs.engine.model.compiled import (
     use_cache_dir,
     warn_eager,
 )
-from libs.engine.model.fused import FusedDecode
+from libs.engine.model.fused import FusedForward
 from libs.engine.model.kv_cache import KVCacheManager
 from libs.engine.model.kv_pool import KVPool
 from libs.engine.model.llama import LlamaModel
@@ -43,6 +43,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     compile: bool | None = None  # compile the decode step; None: as KVSERVE_COMPILE says (off), never in float32
     fuse_decode: bool = True  # fused.py for batches of at most KERNEL_MAX_ROWS where it applies
+    fuse_prefill: bool = True  # fused.py for prefill steps where it applies
 
 
 class Engine:
@@ -54,8 +55,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or 1 << 62, model.config.max_position_embeddings)
         self.device = pool.kv.device
         self.compiled = self._compiled_decode(config.compile)
-        # a few sequences' step with each layer's small ops fused (bfloat16 on the CPU)
-        self.fused = FusedDecode.build(model, pool) if config.fuse_decode else None
+        # prefill steps and a few sequences' decode step with each layer's small ops fused (bfloat16 on the CPU)
+        self.fused = FusedForward.build(model, pool) if config.fuse_decode or config.fuse_prefill else None
 
     def _compiled_decode(self, wanted: bool | None) -> CompiledDecode | None:
         settings = ProcessSettings.from_env()
@@ -156,8 +157,8 @@ class Engine:
             input_ids, positions, batch = self._decode_batch(seqs, max(MIN_ROWS, len(seqs)), padded=True)
             return self.compiled(input_ids, positions, batch)[: len(seqs)]
         input_ids, positions, batch = self._decode_batch(seqs, len(seqs), padded=False)
-        if self.fused is not None and len(seqs) <= self.fused.max_rows:
-            hidden = self.fused(input_ids, positions, batch)
+        if self.fused is not None and self.config.fuse_decode and len(seqs) <= self.fused.max_rows:
+            hidden = self.fused.decode(input_ids, positions, batch)
         else:
             hidden = self.model(input_ids, positions, self.pool, batch)
         return self.model.compute_logits(hidden).float()
@@ -226,4 +227,7 @@ class Engine:
         self, ids: list[int], positions: list[int], batch: AttentionBatch, layer_done: Callable[[int], None] | None
     ) -> torch.Tensor:
         input_ids = torch.tensor(ids, device=self.device)
-        return self.model(input_ids, torch.tensor(positions, device=self.device), self.pool, batch, layer_done)
+        positions = torch.tensor(positions, device=self.device)
+        if self.fused is not None and self.config.fuse_prefill:
+            return self.fused.prefill(input_ids, positions, batch, layer_done)
+        return self.model(input_ids, positions, self.pool, batch, layer_done)

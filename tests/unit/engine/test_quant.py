@@ -14,8 +14,8 @@ from libs.engine.model.loader import build_engine, load_model, open_model
 from libs.engine.model.sequence import Sequence
 from libs.protocol.sampling_params import SamplingParams
 from tests.conftest import make_tiny_checkpoint
-from tests.unit.engine.test_fused_decode import greedy as engine_steps
-from tests.unit.engine.test_fused_decode import one_thread  # noqa: F401 (a fixture)
+from tests.unit.engine.test_fused import greedy as engine_steps
+from tests.unit.engine.test_fused import one_thread  # noqa: F401 (a fixture)
 
 # [out, in]; the middle three are SmolLM2's; rows of 120 are too short for torch's int8 kernel
 SHAPES = [(64, 64), (192, 576), (3072, 576), (576, 1536), (64, 120)]

@@ -14,8 +14,10 @@
  *   buffer, k and v straight into the paged pool (kv_pool.py's layout);
  * - silu_mul: bf16(bf16(silu(gate)) * up), its exponent a polynomial (numeric.h).
  *
- * Single-threaded: at these sizes (a few rows of 576-1536 values) a thread's wake-up
- * costs more than the work.
+ * The fused prefill (fused.py) runs the same functions over a step's hundreds of rows.
+ * Rows are independent, so they are shared among the OpenMP team from PARALLEL_ROWS rows
+ * on, each row computed exactly as alone; below that (a decode step's few rows of 576-1536
+ * values) a thread's wake-up costs more than the work, and one thread runs them.
  */
 #include <math.h>
 #include <stddef.h>
@@ -30,6 +32,8 @@
 #endif
 
 #include "numeric.h"
+
+#define PARALLEL_ROWS 32
 
 /* The float32 sum PyTorch's CPU kernel computes for a contiguous row (cascade_sum in
  * ATen's SumKernel.cpp), in its order, so that the mean of squares, and so the norm,
@@ -75,9 +79,10 @@ static float sum_as_torch(const float *restrict x, int n, int lanes) {
  * `lanes`: the float32 vector width of PyTorch's kernels on this CPU (sum_as_torch). */
 int add_rms_norm(uint16_t *restrict x, const uint16_t *restrict delta, const uint16_t *restrict weight,
                  uint16_t *restrict out, int rows, int dim, float eps, int lanes) {
-    float row[8192], squares[8192];
     if (dim > 8192 || lanes < 1 || lanes > 16) return -1;
+    #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
+        float row[8192], squares[8192];
         uint16_t *xr = x + (int64_t)r * dim;
         if (delta != NULL) {
             const uint16_t *dr = delta + (int64_t)r * dim;
@@ -110,6 +115,7 @@ void rope_kv_write(const uint16_t *restrict qkv, const uint16_t *restrict cos, c
     const int64_t token_stride = (int64_t)kv_heads * head_dim;
     const int64_t plane = (int64_t)block_size * token_stride;
     const int64_t block_stride = (int64_t)num_layers * 2 * plane;
+    #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
         const uint16_t *src = qkv + (int64_t)r * width;
         const uint16_t *c = cos + positions[r] * head_dim, *s = sin + positions[r] * head_dim;
@@ -134,9 +140,10 @@ void rope_kv_write(const uint16_t *restrict qkv, const uint16_t *restrict cos, c
 
 /* gate_up: [rows, 2 * inter], the gate then the up projection; out: [rows, inter]. */
 void silu_mul(const uint16_t *restrict gate_up, uint16_t *restrict out, int rows, int inter) {
-    float e[16384];
     if (inter > 16384) return;
+    #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int r = 0; r < rows; r++) {
+        float e[16384];
         const uint16_t *g = gate_up + (int64_t)r * 2 * inter, *u = g + inter;
         uint16_t *o = out + (int64_t)r * inter;
         for (int i = 0; i < inter; i++) e[i] = exp_poly(-bf16_to_f32(g[i]));  /* two loops: each vectorises */

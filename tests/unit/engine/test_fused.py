@@ -1,13 +1,15 @@
-"""The fused decode step (fused.py) computes what the modules of llama.py do, bit for
-bit: the same logits at every step, so the same greedy tokens; for int4, int8 and float
-projections, with and without biases, on the default model and a tiny one of each
-architecture."""
+"""The fused forward (fused.py) computes what the modules of llama.py do, bit for bit:
+the decode step gives the same logits at every step, so the same greedy tokens; the
+prefill step the same logits for every token and the same K/V in the pool, whole,
+chunked, packed and after a cached prefix; for int4, int8 and float projections, with
+and without biases, on the default model and a tiny one of each architecture."""
 
 import pytest
 import torch
 
+from libs.engine.model import attention, steps
 from libs.engine.model.engine import EngineConfig
-from libs.engine.model.fused import FusedDecode, _ops
+from libs.engine.model.fused import FusedForward, _ops
 from libs.engine.model.loader import build_engine, load_model, resolve_dtype
 from libs.engine.model.sequence import Sequence
 from tests.conftest import TINY_ARCHITECTURES, make_tiny_checkpoint, tiny_architecture
@@ -41,7 +43,8 @@ def prompts(batch: int, vocab: int) -> list[list[int]]:
 
 
 def greedy(loaded, fuse: bool, batch: int) -> tuple[list[list[int]], list[torch.Tensor]]:
-    engine = build_engine(loaded, EngineConfig(num_blocks=256, enable_prefix_cache=False, fuse_decode=fuse))
+    engine = build_engine(loaded, EngineConfig(num_blocks=256, enable_prefix_cache=False, fuse_decode=fuse,
+                                               fuse_prefill=fuse))  # fmt: skip
     assert (engine.fused is not None) == fuse
     seqs = [Sequence.from_prompt(f"s{i}", p) for i, p in enumerate(prompts(batch, loaded.model.config.vocab_size))]
     steps = decode(engine, seqs, STEPS)
@@ -95,9 +98,9 @@ def test_larger_batches_and_float32_use_the_modules(default_bf16, tiny_checkpoin
     assert engine.fused is not None and engine.fused.max_rows == 8
     with pytest.raises(ValueError, match="unpadded rows"):
         ids = torch.zeros(9, dtype=torch.long)
-        engine.fused(ids, ids, None)
+        engine.fused.decode(ids, ids, None)
     tiny32 = load_model(str(tiny_checkpoint), dtype="float32", progress=False)
-    assert FusedDecode.build(tiny32.model, build_engine(tiny32, EngineConfig(num_blocks=64)).pool) is None
+    assert FusedForward.build(tiny32.model, build_engine(tiny32, EngineConfig(num_blocks=64)).pool) is None
 
 
 def test_a_shape_the_native_attention_refuses_runs_the_modules(tmp_path):
@@ -107,3 +110,56 @@ def test_a_shape_the_native_attention_refuses_runs_the_modules(tmp_path):
     engine = build_engine(loaded, EngineConfig(num_blocks=64))
     assert engine.fused is None
     decode(engine, [Sequence.from_prompt("s", [1, 2, 3])], 2)
+
+
+def prefill(loaded, fuse: bool, chunk: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Every computed token's logits, and the pool after them, of three sequences packed
+    into steps of at most ``chunk`` tokens: one too short for the native prefill attention
+    (SDPA), one long, one extending a head prefilled before and found by hash."""
+    engine = build_engine(loaded, EngineConfig(num_blocks=128, max_chunk_tokens=chunk, fuse_decode=False,
+                                               fuse_prefill=fuse))  # fmt: skip
+    assert (engine.fused is not None) == fuse
+    vocab = loaded.model.config.vocab_size
+    ids = torch.randint(3, vocab, (240,), generator=torch.Generator().manual_seed(chunk)).tolist()  # tiny: 256 fit
+    steps.prefill(engine, [Sequence.from_prompt("head", ids[:96])])
+    seqs = [Sequence.from_prompt("short", ids[100:140]), Sequence.from_prompt("long", ids[20:220]),
+            Sequence.from_prompt("cached", ids)]  # fmt: skip
+    assert engine.cache.match_prefix(seqs[2]) == 96
+    return steps.prefill_all_logits(engine, seqs), engine.pool.kv
+
+
+def assert_same_prefill(loaded, chunk: int) -> None:
+    fused_logits, fused_pool = prefill(loaded, True, chunk)
+    logits, pool = prefill(loaded, False, chunk)
+    for a, b in zip(fused_logits, logits, strict=True):
+        assert torch.equal(a, b)
+    assert torch.equal(fused_pool, pool)
+
+
+@pytest.mark.parametrize("chunk", [512, 96])
+def test_fused_prefill_equals_the_modules_on_the_default_model(default_bf16, chunk, monkeypatch):
+    if resolve_dtype("auto", torch.device("cpu")) != torch.bfloat16:
+        pytest.skip("bfloat16 has no fast path on this CPU: kvserve serves float32 here, where nothing is fused")
+    kernel, spans = attention._load_prefill_kernel(), []
+    if kernel is not None:  # which spans the native attention took, by context length
+        monkeypatch.setattr(attention, "_load_prefill_kernel", lambda: lambda *a: spans.append(a[5]) or kernel(*a))
+    assert_same_prefill(default_bf16, chunk)
+    if kernel is not None:
+        assert min(spans) >= attention.NATIVE_MIN_CONTEXT and max(spans) == 240  # the short one: SDPA
+
+
+@pytest.mark.parametrize("quantization, bias", [("int4", False), ("int8", False), ("none", True)])
+def test_fused_prefill_equals_the_modules_for_every_projection(tmp_path, quantization, bias):
+    folder = make_tiny_checkpoint(tmp_path / "tiny", seed=3, attention_bias=bias)
+    loaded = load_model(str(folder), dtype="bfloat16", quantization=quantization, progress=False)
+    if bias:
+        with torch.no_grad():
+            for layer in loaded.model.layers:
+                layer.self_attn.qkv_proj.bias.normal_(0, 0.5)
+    assert_same_prefill(loaded, 96)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_fused_prefill_equals_the_modules_for_every_architecture(arch):
+    loaded = load_model(str(tiny_architecture(arch)), dtype="bfloat16", quantization="int4", progress=False)
+    assert_same_prefill(loaded, 96)
