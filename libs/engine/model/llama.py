@@ -211,7 +211,10 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """The LM head's logits, float32 where the head can give them unrounded (an int8 head
+        on one thread: ``Int8Linear.logits``), else in the head's dtype."""
+        logits = getattr(self.lm_head, "logits", None)
+        return logits(hidden) if logits is not None else self.lm_head(hidden)
 
     def materialize(self, device: torch.device | str, dtype: torch.dtype) -> "LlamaModel":
         """Move to the final device/dtype, build the rotary tables there and pack the float

@@ -59,15 +59,25 @@ _INT8_ROWS_MIN_BYTES = 8 << 20
 
 
 @functools.cache
-def _int8_rows_kernel() -> Callable | None:
-    """``kernels/int8_rows.c``'s ``int8_rows``, or None (no compiler, or native kernels off)."""
+def _int8_rows_kernel(f32: bool = False) -> Callable | None:
+    """``kernels/int8_rows.c``'s ``int8_rows`` (``int8_rows_f32`` with ``f32``: float32
+    results), or None (no compiler, or native kernels off)."""
     lib = native.load("int8_rows")
     if lib is None:
         return None
-    fn = lib.int8_rows
+    fn = lib.int8_rows_f32 if f32 else lib.int8_rows
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
     fn.restype = ctypes.c_int
     return fn
+
+
+def _int8_rows_take(x: torch.Tensor, weight_q: torch.Tensor) -> bool:
+    """Whether ``kernels/int8_rows.c`` serves these rows (see ``_int8_mm``)."""
+    n, k = weight_q.shape
+    m = x.shape[0]
+    return (m == 1 or (m <= KERNEL_MAX_ROWS and weight_q.numel() >= _INT8_ROWS_MIN_BYTES)) \
+        and x.dtype == torch.bfloat16 and k <= _INT8_ROW_MAX_K and torch.get_num_threads() == 1 \
+        and not torch.compiler.is_compiling()  # fmt: skip
 
 
 def _int8_mm(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -79,12 +89,10 @@ def _int8_mm(x: torch.Tensor, weight_q: torch.Tensor, scale: torch.Tensor) -> to
     the rows, about twice as fast (the default model's int8 LM head: 1.9 against 3.8 ms for
     one row), summing in another order (within one bfloat16 rounding of torch's; a row's
     result the same whatever the rows beside it)."""
-    n, k = weight_q.shape
-    m = x.shape[0]
-    if (m == 1 or (m <= KERNEL_MAX_ROWS and weight_q.numel() >= _INT8_ROWS_MIN_BYTES)) and x.dtype == torch.bfloat16 \
-            and k <= _INT8_ROW_MAX_K and torch.get_num_threads() == 1 and not torch.compiler.is_compiling():  # fmt: skip
+    if _int8_rows_take(x, weight_q):
         kernel = _int8_rows_kernel()
         if kernel is not None:
+            (m, k), n = x.shape, weight_q.shape[0]
             y = torch.empty(m, n, dtype=x.dtype)
             if kernel(x.data_ptr(), weight_q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k) == 0:
                 return y
@@ -315,6 +323,22 @@ class Int8Linear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y.view(*shape[:-1], self.out_features)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward(x)`` in float32, as an LM head's logits: unrounded where the native
+        kernel serves the rows (``_int8_mm``), else ``forward``'s values made float32. Rounded
+        to bfloat16 (an ulp of 0.125 at 16-32), two close logits often become equal and
+        greedy decoding takes the lower token id instead of the model's choice."""
+        x = x.reshape(-1, self.in_features)
+        if self.bias is None and self._kernel_takes(x.dtype) and _int8_rows_take(x, self.weight_q):
+            kernel = _int8_rows_kernel(f32=True)
+            if kernel is not None:
+                x = x.contiguous()
+                y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
+                if kernel(x.data_ptr(), self.weight_q.data_ptr(), self.scale.data_ptr(), y.data_ptr(), x.shape[0],
+                          self.out_features, self.in_features) == 0:  # fmt: skip
+                    return y
+        return self.forward(x).float()
 
     def row_op(self, dtype: torch.dtype) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """As Int4Linear.row_op."""

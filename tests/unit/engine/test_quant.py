@@ -283,7 +283,8 @@ def int8_kernel_calls(monkeypatch) -> list:
     if kernel is None:
         pytest.skip("no C compiler: the native int8 kernel cannot be built here")
     calls = []
-    monkeypatch.setattr(quant, "_int8_rows_kernel", lambda: lambda *args: calls.append(args) or kernel(*args))
+    recorded = lambda *args: calls.append(args) or kernel(*args)  # noqa: E731
+    monkeypatch.setattr(quant, "_int8_rows_kernel", lambda f32=False: recorded if not f32 else None)
     return calls
 
 
@@ -319,3 +320,37 @@ def test_up_to_eight_rows_of_a_weight_larger_than_the_cache_take_the_native_kern
     assert [c[4] for c in calls] == [1] * quant.KERNEL_MAX_ROWS + [2, 5, quant.KERNEL_MAX_ROWS]  # rows per call
     layer(x)  # past the kernel's rows: the dense weight
     assert len(calls) == quant.KERNEL_MAX_ROWS + 3
+
+
+def test_an_int8_lm_head_on_one_thread_gives_its_logits_unrounded_in_float32(one_thread):
+    if quant._int8_rows_kernel(f32=True) is None:
+        pytest.skip("no C compiler: the native int8 kernel cannot be built here")
+    torch.manual_seed(2)
+    n = quant._INT8_ROWS_MIN_BYTES // 576 + 16  # an LM head's shape
+    layer = quant.Int8Linear(quant.quantize_int8(torch.randn(n, 576) * 4)).to(torch.bfloat16)
+    x = torch.randn(3, 576).to(torch.bfloat16)
+    logits = layer.logits(x)
+    assert logits.dtype == torch.float32
+    assert torch.equal(logits.to(torch.bfloat16), layer(x))  # the same sums, rounded or not
+    assert (logits != logits.to(torch.bfloat16).float()).float().mean() > 0.9  # not rounded to bfloat16
+
+
+def test_the_default_model_answers_paris_after_its_system_prompt_came_from_the_prefix_cache(one_thread):
+    """With bfloat16 logits, "The" and "L" (a lower token id) both round to 25.0 here once the
+    system prompt's 32 tokens come from the cache, and greedy decoding answered "L'Étoile, la
+    Marseillaise"; in float32 they are 25.061 and 25.046."""
+    if quant._int8_rows_kernel(f32=True) is None:
+        pytest.skip("no C compiler: the native int8 kernel cannot be built here")
+    loaded = load_model(None, dtype="bfloat16", progress=False)
+    engine = build_engine(loaded, EngineConfig(num_blocks=64))
+    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    steps.prefill(engine, [Sequence.from_prompt("system", ids[:32])])
+    seq = Sequence.from_prompt("question", ids)
+    assert engine.cache.match_prefix(seq) == 32
+    logits = steps.prefill(engine, [seq])
+    assert logits.dtype == torch.float32
+    tokens = [int(logits[0].argmax())]
+    for _ in range(6):
+        seq.append_token(tokens[-1])
+        tokens.append(int(steps.decode(engine, [seq])[0].argmax()))
+    assert loaded.tokenizer.decode(tokens).startswith("The capital of France is Paris")

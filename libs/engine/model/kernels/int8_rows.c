@@ -11,6 +11,10 @@
  * itself runs on one thread. The sums are float32 like torch's but in another order, so a
  * result can differ from torch's by one bfloat16 rounding; a row's result does not depend
  * on the rows beside it (its sum is the same loop whatever their number).
+ *
+ * int8_rows_f32 gives the same sums unrounded, in float32: the LM head's logits. Rounded to
+ * bfloat16 (an ulp of 0.125 at 16-32) two close logits often become equal, and greedy
+ * decoding then takes the lower token id rather than the model's choice.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,10 +24,10 @@
 #define MAX_K 16384
 #define MAX_ROWS 8
 
-/* m is a constant where it is called (the switch below), so each count gets its own loop. */
+/* m and f32 are constants where they are called (the switches below), so each case gets its own loop. */
 static inline __attribute__((always_inline)) void rows(const float *restrict xf, const int8_t *restrict w,
-                                                       const uint16_t *restrict scale, uint16_t *restrict y,
-                                                       int n, int k, const int m) {
+                                                       const uint16_t *restrict scale, void *restrict y,
+                                                       int n, int k, const int m, const int f32) {
     for (int j = 0; j < n; j++) {
         const int8_t *wj = w + (int64_t)j * k;
         float acc[MAX_ROWS] = {0};
@@ -32,26 +36,41 @@ static inline __attribute__((always_inline)) void rows(const float *restrict xf,
             for (int r = 0; r < m; r++) acc[r] += xf[r * k + i] * wf;
         }
         const float s = bf16_to_f32(scale[j]);
-        for (int r = 0; r < m; r++) y[(int64_t)r * n + j] = f32_to_bf16(acc[r] * s);
+        for (int r = 0; r < m; r++) {
+            if (f32) ((float *)y)[(int64_t)r * n + j] = acc[r] * s;
+            else ((uint16_t *)y)[(int64_t)r * n + j] = f32_to_bf16(acc[r] * s);
+        }
     }
 }
 
-int int8_rows(const uint16_t *restrict x, const int8_t *restrict w, const uint16_t *restrict scale,
-              uint16_t *restrict y, int m, int n, int k) {
+static int run(const uint16_t *restrict x, const int8_t *restrict w, const uint16_t *restrict scale,
+               void *restrict y, int m, int n, int k, const int f32) {
     if (k > MAX_K || m < 1 || m > MAX_ROWS) return -1;
     float *xf = malloc(sizeof(float) * (size_t)m * k);
     if (xf == NULL) return -1;
     for (int i = 0; i < m * k; i++) xf[i] = bf16_to_f32(x[i]);
     switch (m) {
-        case 1: rows(xf, w, scale, y, n, k, 1); break;
-        case 2: rows(xf, w, scale, y, n, k, 2); break;
-        case 3: rows(xf, w, scale, y, n, k, 3); break;
-        case 4: rows(xf, w, scale, y, n, k, 4); break;
-        case 5: rows(xf, w, scale, y, n, k, 5); break;
-        case 6: rows(xf, w, scale, y, n, k, 6); break;
-        case 7: rows(xf, w, scale, y, n, k, 7); break;
-        default: rows(xf, w, scale, y, n, k, 8); break;
+        case 1: rows(xf, w, scale, y, n, k, 1, f32); break;
+        case 2: rows(xf, w, scale, y, n, k, 2, f32); break;
+        case 3: rows(xf, w, scale, y, n, k, 3, f32); break;
+        case 4: rows(xf, w, scale, y, n, k, 4, f32); break;
+        case 5: rows(xf, w, scale, y, n, k, 5, f32); break;
+        case 6: rows(xf, w, scale, y, n, k, 6, f32); break;
+        case 7: rows(xf, w, scale, y, n, k, 7, f32); break;
+        default: rows(xf, w, scale, y, n, k, 8, f32); break;
     }
     free(xf);
     return 0;
+}
+
+/* y: [m, n] bfloat16. */
+int int8_rows(const uint16_t *restrict x, const int8_t *restrict w, const uint16_t *restrict scale,
+              uint16_t *restrict y, int m, int n, int k) {
+    return run(x, w, scale, y, m, n, k, 0);
+}
+
+/* y: [m, n] float32. */
+int int8_rows_f32(const uint16_t *restrict x, const int8_t *restrict w, const uint16_t *restrict scale,
+                  float *restrict y, int m, int n, int k) {
+    return run(x, w, scale, y, m, n, k, 1);
 }
