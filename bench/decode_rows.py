@@ -34,16 +34,18 @@ def worker(batches: list[int]) -> None:
     kvserve_worker(DEFAULT_VARIANT, 1, batches=tuple(batches), prefill_lengths=())
 
 
-def kernel_table(reps: int = 20) -> str:
-    """The int8 LM head's shape alone on one thread: torch's kernel, ``kernels/int8_rows.c``
-    and the dense bfloat16 weight, per number of rows (ms, median of ``reps`` calls)."""
+def kernel_table(threads: int = 1, reps: int = 20) -> str:
+    """The int8 LM head's shape alone on ``threads`` threads: torch's kernel,
+    ``kernels/int8_rows.c`` (one thread, bfloat16 results), its float32 logits
+    (``int8_rows_f32``, on the threads) and the dense bfloat16 weight, per number of rows (ms,
+    median of ``reps`` calls)."""
     sys.path.insert(0, str(ROOT))
     import torch
 
     from libs.engine.model import quant
 
-    torch.set_num_threads(1)
-    kernel = quant._int8_rows_kernel()
+    torch.set_num_threads(threads)
+    kernel, logits = quant._int8_rows_kernel(), quant._int8_rows_kernel(f32=True)
     if kernel is None:
         raise SystemExit("no native int8 kernel here (no C compiler, or KVSERVE_NATIVE_KERNELS=0)")
     torch.manual_seed(0)
@@ -61,12 +63,17 @@ def kernel_table(reps: int = 20) -> str:
             times.append(time.perf_counter() - start)
         return 1000 * statistics.median(times)
 
-    lines = ["| rows | torch's kernel ms | int8_rows ms | dense bfloat16 (oneDNN) ms |", "|---:|---:|---:|---:|"]
+    lines = [f"torch on {threads} thread(s)", "",
+             "| rows | torch's kernel ms | int8_rows ms (one thread) | int8_rows_f32 ms (logits) | dense bfloat16 ms |",
+             "|---:|---:|---:|---:|---:|"]  # fmt: skip
     for m in BATCHES:
         x = torch.randn(m, k).to(torch.bfloat16)
         y = torch.empty(m, n, dtype=torch.bfloat16)
+        y32 = torch.empty(m, n, dtype=torch.float32)
         timings = (ms(lambda: quant._INT8_MM(x, weight_q, scale)),
                    ms(lambda: kernel(x.data_ptr(), weight_q.data_ptr(), scale.data_ptr(), y.data_ptr(), m, n, k)),
+                   ms(lambda: logits(x.data_ptr(), weight_q.data_ptr(), scale.data_ptr(), y32.data_ptr(), m, n, k,
+                                     threads)),
                    ms(lambda: torch.nn.functional.linear(x, dense)))  # fmt: skip
         lines.append(f"| {m} | " + " | ".join(f"{t:.2f}" for t in timings) + " |")
     return "\n".join(lines) + "\n"
@@ -94,12 +101,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the markdown table here too")
     parser.add_argument("--kernel", action="store_true",
                         help="only the LM head's multiply alone, per number of rows (run it under taskset -c N)")
+    parser.add_argument("--threads", type=int, default=1, help="with --kernel: torch's threads (default 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.batches)
     if args.kernel:
-        return print(kernel_table())
+        return print(kernel_table(args.threads))
     trees = {"this tree": ROOT} | ({"baseline": args.baseline.resolve()} if args.baseline else {})
     runs: dict[str, list[dict[int, float]]] = {name: [] for name in trees}
     began = datetime.datetime.now(datetime.timezone.utc)

@@ -66,7 +66,7 @@ def _int8_rows_kernel(f32: bool = False) -> Callable | None:
     if lib is None:
         return None
     fn = lib.int8_rows_f32 if f32 else lib.int8_rows
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 3
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * (4 if f32 else 3)  # int8_rows_f32: and its threads
     fn.restype = ctypes.c_int
     return fn
 
@@ -325,18 +325,20 @@ class Int8Linear(nn.Module):
         return y.view(*shape[:-1], self.out_features)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """``forward(x)`` in float32, as an LM head's logits: unrounded where the native
-        kernel serves the rows (``_int8_mm``), else ``forward``'s values made float32. Rounded
-        to bfloat16 (an ulp of 0.125 at 16-32), two close logits often become equal and
-        greedy decoding takes the lower token id instead of the model's choice."""
+        """``forward(x)`` in float32, as an LM head's logits: unrounded from the native kernel
+        for up to KERNEL_MAX_ROWS bfloat16 rows, on torch's threads; else ``forward``'s values
+        made float32. Rounded to bfloat16 (a step of 0.125 between 16 and 32), two close
+        logits often tie and greedy decoding takes the lower token id, not the model's choice."""
         x = x.reshape(-1, self.in_features)
-        if self.bias is None and self._kernel_takes(x.dtype) and _int8_rows_take(x, self.weight_q):
+        m = x.shape[0]
+        if self.bias is None and m <= KERNEL_MAX_ROWS and x.dtype == torch.bfloat16 and self._kernel_takes(x.dtype) \
+                and self.in_features <= _INT8_ROW_MAX_K and not torch.compiler.is_compiling():  # fmt: skip
             kernel = _int8_rows_kernel(f32=True)
             if kernel is not None:
                 x = x.contiguous()
-                y = torch.empty(x.shape[0], self.out_features, dtype=torch.float32)
-                if kernel(x.data_ptr(), self.weight_q.data_ptr(), self.scale.data_ptr(), y.data_ptr(), x.shape[0],
-                          self.out_features, self.in_features) == 0:  # fmt: skip
+                y = torch.empty(m, self.out_features, dtype=torch.float32)
+                if kernel(x.data_ptr(), self.weight_q.data_ptr(), self.scale.data_ptr(), y.data_ptr(), m,
+                          self.out_features, self.in_features, torch.get_num_threads()) == 0:  # fmt: skip
                     return y
         return self.forward(x).float()
 

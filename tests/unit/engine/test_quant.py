@@ -322,20 +322,32 @@ def test_up_to_eight_rows_of_a_weight_larger_than_the_cache_take_the_native_kern
     assert len(calls) == quant.KERNEL_MAX_ROWS + 3
 
 
-def test_an_int8_lm_head_on_one_thread_gives_its_logits_unrounded_in_float32(one_thread):
+@pytest.fixture(params=[1, 2], ids=["one thread", "two threads"])
+def threads(request):
+    """torch on one thread (as `kvserve up` runs a worker on 2 cores) and on two."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 3, quant.KERNEL_MAX_ROWS])
+def test_an_int8_lm_head_gives_its_logits_unrounded_in_float32(threads, rows):
     if quant._int8_rows_kernel(f32=True) is None:
         pytest.skip("no C compiler: the native int8 kernel cannot be built here")
     torch.manual_seed(2)
     n = quant._INT8_ROWS_MIN_BYTES // 576 + 16  # an LM head's shape
     layer = quant.Int8Linear(quant.quantize_int8(torch.randn(n, 576) * 4)).to(torch.bfloat16)
-    x = torch.randn(3, 576).to(torch.bfloat16)
+    x = torch.randn(rows, 576).to(torch.bfloat16)
     logits = layer.logits(x)
     assert logits.dtype == torch.float32
-    assert torch.equal(logits.to(torch.bfloat16), layer(x))  # the same sums, rounded or not
     assert (logits != logits.to(torch.bfloat16).float()).float().mean() > 0.9  # not rounded to bfloat16
+    assert _within_a_rounding(logits, layer(x))  # the head's own values, but for the rounding
+    alone = torch.cat([layer.logits(x[r : r + 1]) for r in range(rows)])
+    assert torch.equal(logits, alone)  # a row's logits are its own, whatever the threads and rows beside it
 
 
-def test_the_default_model_answers_paris_after_its_system_prompt_came_from_the_prefix_cache(one_thread):
+def test_the_default_model_answers_paris_after_its_system_prompt_came_from_the_prefix_cache(threads):
     """With bfloat16 logits, "The" and "L" (a lower token id) both round to 25.0 here once the
     system prompt's 32 tokens come from the cache, and greedy decoding answered "L'Étoile, la
     Marseillaise"; in float32 they are 25.061 and 25.046."""
@@ -348,7 +360,6 @@ def test_the_default_model_answers_paris_after_its_system_prompt_came_from_the_p
     seq = Sequence.from_prompt("question", ids)
     assert engine.cache.match_prefix(seq) == 32
     logits = steps.prefill(engine, [seq])
-    assert logits.dtype == torch.float32
     tokens = [int(logits[0].argmax())]
     for _ in range(6):
         seq.append_token(tokens[-1])
