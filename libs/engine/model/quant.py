@@ -73,10 +73,9 @@ def _int8_rows_kernel(f32: bool = False) -> Callable | None:
 
 def _int8_rows_take(x: torch.Tensor, weight_q: torch.Tensor) -> bool:
     """Whether ``kernels/int8_rows.c`` serves these rows (see ``_int8_mm``)."""
-    n, k = weight_q.shape
     m = x.shape[0]
     return (m == 1 or (m <= KERNEL_MAX_ROWS and weight_q.numel() >= _INT8_ROWS_MIN_BYTES)) \
-        and x.dtype == torch.bfloat16 and k <= _INT8_ROW_MAX_K and torch.get_num_threads() == 1 \
+        and x.dtype == torch.bfloat16 and weight_q.shape[1] <= _INT8_ROW_MAX_K and torch.get_num_threads() == 1 \
         and not torch.compiler.is_compiling()  # fmt: skip
 
 
