@@ -27,13 +27,17 @@ from kvserve.cli.console import Console
 from kvserve.cli.cpus import CpuShare, plan_cpus
 from kvserve.cli.heartbeats import HeartbeatWatcher
 from kvserve.cli.join_bundle import (
+    CONTROL_ROLES,
     JOINABLE_ROLES,
     VERSION,
+    BundleControl,
     BundleModel,
     BundleNats,
     BundleTls,
+    BundleUser,
     JoinBundle,
     JoinedNats,
+    control_plane_server,
     write_bundle,
 )
 from kvserve.cli.model import ModelChoiceError, resolve_model
@@ -52,7 +56,7 @@ from kvserve.cli.supervisor import (
 from libs.common import standby
 from libs.common.certificates import ClusterCA, Leaf
 from libs.common.cpu_share import available_cpus
-from libs.common.nats_auth import OBSERVER, load_credentials
+from libs.common.nats_auth import OBSERVER, load_credentials, write_private
 from libs.common.nats_server import NatsCluster, NatsServer
 from libs.common.settings import without_secrets
 from libs.common.tls import TlsFiles, mutual_context
@@ -62,7 +66,6 @@ from libs.protocol.schema import Heartbeat
 from libs.protocol.vocabulary import Role
 
 ROLES = (Role.CONDUCTOR, Role.STORE, Role.PREFILL, Role.DECODE, Role.GATEWAY)  # also the start order
-GATEWAY_ID = "gateway-0"
 # SIGTERM to SIGKILL. Longer than any service's own stop: the gateway drains in-flight
 # requests for up to 10 s (KVSERVE_GATEWAY_DRAIN_TIMEOUT's default, DRAIN_TIMEOUT in
 # services/gateway/settings.py), so twice that.
@@ -73,6 +76,7 @@ STANDBY_RESPAWN_SECONDS = 10.0
 STANDBY_ROLES = (Role.PREFILL, Role.DECODE)  # the roles whose start is slow enough to keep a spare
 SPARE_WAIT_SECONDS = 30.0  # start() waits at least this long for the first spares before giving up on them
 DATA_PLANE_ROLES = (Role.PREFILL, Role.DECODE, Role.STORE)  # the roles that move KV (libs/transfer)
+ROUTE_WAIT_SECONDS = 15.0  # a control-plane host's nats-server gets this long to route into the first host's
 _STDOUT: Any = object()  # `log`'s default: sys.stdout as it is when the cluster is built, not at import
 
 
@@ -124,6 +128,12 @@ class LocalCluster:
     workers and stores asked for, their ids tagged with ``host_id`` (``decode-hostb-0``).
     ``host_id`` (default: the host name) tells hosts apart: peers on one host move KV
     through shared memory, others over TCP.
+
+    A second control plane, so that the first host is no single point of failure: a first
+    host with ``control_bundle`` (and a NATS cluster: ``nats_servers`` of 2 or more) also
+    writes a control-plane bundle there, and a joining host with ``control_plane`` (its
+    ``member`` bundle that one) runs a nats-server routed into the first host's NATS cluster,
+    a conductor replica and a gateway of its own, beside its workers.
     """
 
     def __init__(
@@ -160,6 +170,8 @@ class LocalCluster:
         member: JoinBundle | None = None,
         member_host: str | None = None,
         host_id: str | None = None,
+        control_bundle: str | Path | None = None,
+        control_plane: bool = False,
     ) -> None:
         if decode < 1 and listen is None and member is None:
             raise ValueError("a cluster needs at least one decode worker (0 only with listen: decode hosts join)")
@@ -167,6 +179,11 @@ class LocalCluster:
             raise ValueError("a join bundle needs listen: the address the other hosts reach this one at")
         if member is not None and (listen is None or member_host is None):
             raise ValueError("a joining host needs listen (its own address) and member_host (the first host's)")
+        if control_bundle is not None and (listen is None or nats_servers < 2):
+            raise ValueError("a control-plane bundle needs listen and a NATS cluster (nats_servers of 2 or more): "
+                             "the other host's nats-server routes into it")  # fmt: skip
+        if control_plane and (member is None or member.control is None):
+            raise ValueError("a control-plane host needs a control-plane bundle as its member bundle")
         if prefill < 0 or shared_prefill < 0:
             raise ValueError(f"prefill workers: at least 0, got {min(prefill, shared_prefill)}")
         if conductors < 1:
@@ -180,11 +197,15 @@ class LocalCluster:
         self.listen = listen  # None: this host alone, everything on 127.0.0.1
         self.tls = tls and (member.tls is not None if member is not None else True)
         self.join_bundle = None if join_bundle is None else Path(join_bundle)
+        self.control_bundle = None if control_bundle is None else Path(control_bundle)
+        self.control_plane = control_plane
         self.host_id = host_id or socket.gethostname()
         self.counts = {Role.CONDUCTOR: conductors, Role.STORE: int(store), Role.PREFILL: prefill + shared_prefill,
                        Role.DECODE: decode, Role.GATEWAY: 1}  # fmt: skip
-        if member is not None:  # the first host runs those
-            self.counts |= {Role.CONDUCTOR: 0, Role.GATEWAY: 0}
+        if member is not None:  # the first host runs those (and a control-plane host one of each)
+            self.counts |= {Role.CONDUCTOR: int(control_plane), Role.GATEWAY: int(control_plane)}
+            if control_plane and api_key is None and tenants_file is None:
+                api_key = member.control.api_key  # the first host's, as its gateway checks it
         plan = plan_cpus(self.counts, available_cpus(), cpus, shared_prefill)
         self.cpu_plan: dict[str, CpuShare] = {  # by instance id
             self.instance_id(role, i): plan[f"{role}-{i}"] for role in ROLES for i in range(self.counts[role])
@@ -229,10 +250,13 @@ class LocalCluster:
         self._runtime: tempfile.TemporaryDirectory | None = None
         self._reaper: Reaper | None = None  # removes what the cluster leaves if this process is killed
         self._nats_started_at = 0.0  # time.monotonic()
+        self.gateway_id = self.instance_id(Role.GATEWAY, 0)
         ids = [self.instance_id(role, i) for role in ROLES for i in range(self.counts[role])]
+        servers = [f"nats-server-{i}" for i in range(nats_servers) if nats_servers > 1]
+        if control_plane:
+            servers.append(self._local_nats_name)
         # (a spare's rare lines before it is adopted, say an error, may overflow the label column)
-        self._console = Console(sys.stdout if log is _STDOUT else log,
-                                ids + ["kvserve", "nats-server"] + [f"nats-server-{i}" for i in range(nats_servers) if nats_servers > 1])
+        self._console = Console(sys.stdout if log is _STDOUT else log, ids + ["kvserve", "nats-server"] + servers)
 
     # --- what the cluster looks like ------------------------------------------
     def instance_id(self, role: str, index: int) -> str:
@@ -241,6 +265,11 @@ class LocalCluster:
         if self.member is None:
             return f"{role}-{index}"
         return f"{role}-{instance_tag(self.host_id)}-{index}"
+
+    @property
+    def _local_nats_name(self) -> str:
+        """A control-plane host's nats-server's name, unlike any other server's in the NATS cluster."""
+        return f"nats-server-{instance_tag(self.host_id)}"
 
     @property
     def instances(self) -> dict[str, Heartbeat]:
@@ -324,9 +353,15 @@ class LocalCluster:
             instances = {self.instance_id(role, i): role for role in ROLES for i in range(self.counts[role])}
             self._tls_files = self._make_tls()
             if self.member is not None:  # the first host's; each instance its role's user (join_bundle.py)
-                self._nats = JoinedNats(self.member, self.member_host, self.runtime_dir, instances)
+                local = None
+                if self.control_plane:
+                    local = control_plane_server(self.member, self.member_host, self.listen, self._local_nats_name,
+                                                 self.runtime_dir, self._tls_files)  # fmt: skip
+                    self._take_tenants()
+                self._nats = JoinedNats(self.member, self.member_host, self.runtime_dir, instances, local)
             else:  # each instance its own NATS user: a restart keeps its id, so its credentials too
                 joinable = JOINABLE_ROLES if self.listen is not None else ()
+                joinable += CONTROL_ROLES if self.control_bundle is not None else ()
                 self._nats = NatsCluster(self.nats_servers, self.nats_host, directory=self.runtime_dir,
                                          instances=instances, role_users=joinable, tls=self._tls_files)  # fmt: skip
             for server in self._nats.servers:
@@ -335,11 +370,18 @@ class LocalCluster:
                 self._tell_reaper(watch=server.pid)
                 self.echo(f"{server.name} listening on {server.public_url}", label="kvserve")
             self._nats_started_at = time.monotonic()
+            if self.control_plane and not self._nats.servers[0].wait_routed(OBSERVER, ROUTE_WAIT_SECONDS):
+                self.echo(f"{self._local_nats_name} has no route to the first host's nats-servers within "
+                          f"{ROUTE_WAIT_SECONDS:g}s; starting anyway (it keeps trying)", label="kvserve")  # fmt: skip
             self.nats_url = self._nats.url
             if self.join_bundle is not None:
                 write_bundle(self.join_bundle, self._bundle())
                 self.echo(f"wrote the join bundle {self.join_bundle} (0600; it holds secrets: copy it like a key)",
                           label="kvserve")  # fmt: skip
+            if self.control_bundle is not None:
+                write_bundle(self.control_bundle, self._bundle(control=True))
+                self.echo(f"wrote the control-plane bundle {self.control_bundle} (0600; it holds every key of the "
+                          "cluster: give it only to hosts you would run this one's services on)", label="kvserve")
             if not self.counts.get(Role.PREFILL) and self.member is None:  # a joining host: the others have them
                 self.echo("no prefill worker: each decode worker prefills its own requests", label="kvserve")
             self._watcher = HeartbeatWatcher(
@@ -525,27 +567,49 @@ class LocalCluster:
         it); a joining host takes the bundle's."""
         if self.listen is None or not self.tls:
             return None
-        if self.member is not None:
+        if self.control_plane:  # its nats-server takes routes: a leaf naming its address, as the first host's
+            ca = ClusterCA(self.member.tls.ca, self.member.control.ca_key)
+            leaf = ca.issue(self.host_id, addresses=[self.listen])
+        elif self.member is not None:
             leaf = Leaf(self.member.tls.cert, self.member.tls.key, self.member.tls.ca)
         else:
             self._ca = ClusterCA.create()
             leaf = self._ca.issue(self.host_id, addresses=[self.listen])
         return leaf.write(self.runtime_dir / "tls")
 
-    def _bundle(self) -> JoinBundle:
-        """What another host needs to join this cluster (kvserve/cli/join_bundle.py)."""
-        users = (*JOINABLE_ROLES, OBSERVER)
+    def _bundle(self, control: bool = False) -> JoinBundle:
+        """What another host needs to join this cluster (kvserve/cli/join_bundle.py); with
+        ``control``, to run a control plane of its own too."""
+        users = (*JOINABLE_ROLES, OBSERVER) + (CONTROL_ROLES if control else ())
         passwords = {user: load_credentials(self._nats.credentials_file(user)).password for user in users}
         tls = None
         if self._ca is not None:
             leaf = self._ca.issue("joined-host")
             tls = BundleTls(leaf.cert, leaf.key, leaf.ca)
         spec = None if self.model is None or self.model == DEFAULT_MODEL_ID else str(self.model_path)
+        keys = None
+        if control:
+            tenants = None if self.tenants_file is None else Path(self.tenants_file).read_text()
+            keys = BundleControl(
+                route_ports=[server.route_port for server in self._nats.servers],
+                route_password=self._nats.route_password,
+                users=[BundleUser(i.role, i.instance_id, pw) for i, pw in self._nats.servers[0].users.items()],
+                ca_key=None if self._ca is None else self._ca.key, api_key=self.api_key, tenants=tenants,
+            )  # fmt: skip
         return JoinBundle(
             version=VERSION, host=self.listen, host_id=self.host_id,
             nats=BundleNats(ports=[server.port for server in self._nats.servers], passwords=passwords),
-            model=BundleModel(spec=spec, dtype=self.dtype, quantization=self.quantization), tls=tls,
+            model=BundleModel(spec=spec, dtype=self.dtype, quantization=self.quantization), tls=tls, control=keys,
         )  # fmt: skip
+
+    def _take_tenants(self) -> None:
+        """A control-plane host's gateway checks the first host's tenants file, as the bundle
+        has it, unless this host was given its own."""
+        text = self.member.control.tenants
+        if self.tenants_file is None and text is not None:
+            path = self.runtime_dir / "tenants.toml"
+            write_private(path, text)
+            self.tenants_file = str(path)
 
     def _resolve_model(self) -> None:
         """Prepare the model once, here, and fix the dtype every worker must share."""
@@ -565,6 +629,8 @@ class LocalCluster:
             KVSERVE_NATS_CREDENTIALS=str(self._nats.credentials_file(instance_id)),  # its own user
             KVSERVE_INSTANCE_ID=instance_id,
             KVSERVE_HOST_ID=self.host_id,
+            # a control-plane host's own nats-server first, the first host's once it is out of reach
+            KVSERVE_NATS_IN_ORDER="1" if self.control_plane else "0",
             KVSERVE_DTYPE=self.dtype,
             KVSERVE_QUANTIZATION=self.quantization,
             KVSERVE_DEVICE=self.device,
@@ -635,8 +701,8 @@ class LocalCluster:
             return Backoff(first=first, longest=longest)
 
         # A restarted gateway listens where the announced URL says, even if port 0 was asked for.
-        if GATEWAY_ID in self._procs:  # (a joining host runs none)
-            self._procs[GATEWAY_ID].env["KVSERVE_GATEWAY_PORT"] = str(urlsplit(self.gateway_url).port)
+        if self.gateway_id in self._procs:  # (a joining host runs none)
+            self._procs[self.gateway_id].env["KVSERVE_GATEWAY_PORT"] = str(urlsplit(self.gateway_url).port)
         for inst in self._procs.values():
             self._supervisor.watch(
                 inst.instance_id,
@@ -764,7 +830,7 @@ class LocalCluster:
                 heard_all = self._procs.keys() <= self._heartbeats.keys()
                 if not self.counts[Role.GATEWAY] and heard_all:
                     return  # a joining host: the first host's gateway serves
-                gateway = self._heartbeats.get(GATEWAY_ID)
+                gateway = self._heartbeats.get(self.gateway_id)
                 if gateway is not None and gateway.address and heard_all:
                     self.gateway_url = _base_url(gateway.address)
                     return
@@ -780,9 +846,9 @@ class LocalCluster:
 
     def _not_ready(self, timeout: float) -> str:
         silent = [inst for i, inst in self._procs.items() if i not in self._heartbeats]
-        if not silent and GATEWAY_ID in self._procs:
-            gateway = self._procs[GATEWAY_ID]
-            return f"{GATEWAY_ID} did not report its address within {timeout:g}s" + gateway.last_lines()
+        if not silent and self.gateway_id in self._procs:
+            gateway = self._procs[self.gateway_id]
+            return f"{self.gateway_id} did not report its address within {timeout:g}s" + gateway.last_lines()
         names = ", ".join(inst.instance_id for inst in silent)
         return f"no heartbeat from {names} within {timeout:g}s" + "".join(inst.last_lines() for inst in silent)
 

@@ -11,6 +11,7 @@ from nats.aio.msg import Msg
 
 from libs.common import nats_auth
 from libs.common.nats_flush import flush
+from libs.common.service import short_tls_shutdown
 from libs.protocol import schema, subjects
 from libs.protocol.schema import BadMessageError, Heartbeat
 
@@ -36,7 +37,8 @@ class HeartbeatWatcher(threading.Thread):
         self.error: Exception | None = None
 
     def run(self) -> None:
-        asyncio.run(self._main())
+        with asyncio.Runner(loop_factory=short_tls_shutdown(asyncio.SelectorEventLoop)) as runner:
+            runner.run(self._main())  # off a NATS server out of reach in seconds, as the services are
 
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -47,6 +49,7 @@ class HeartbeatWatcher(threading.Thread):
                 name="kvserve-cluster",
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
+                **nats_auth.KEEPALIVE,
                 error_cb=_quiet,  # the services' own logs say when NATS is gone
                 disconnected_cb=self._disconnected,
                 **({"tls": self._tls} if self._tls is not None else {}),

@@ -9,9 +9,11 @@ import sys
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, LocalCluster, instance_tag
 from kvserve.cli.cpus import cpus_argument
 from kvserve.cli.join_bundle import JoinBundle, read_bundle
-from kvserve.cli.options import count
+from kvserve.cli.options import count, port
 from kvserve.cli.up import serve, unusable_listen_address
+from libs.common import tenants as tenants_file
 from libs.common.cpu_share import available_cpus
+from libs.common.tenants import TenantsFileError
 
 DESCRIPTION = f"""\
 Start prefill and decode workers (and a KV store, with --store) on this host, as part
@@ -27,13 +29,23 @@ host runs with --no-tls); within this host KV moves through shared memory. They 
 each pinned to its share of this host's cores, started again when it dies, a warm spare
 per role; Ctrl-C stops them (each gets {STOP_GRACE_SECONDS:g} s to drain). The dtype and weight
 precision are the first host's (the bundle says which): the KV every worker shares is in
-them."""
+them.
+
+With --control-plane (and a control-plane bundle: kvserve up ... --nats-cluster 3
+--write-control-bundle control.json) this host also runs a control plane of its own, so
+that the first host is no single point of failure: a nats-server routed into the first
+host's NATS cluster (this host's services and the other hosts' workers move to it when the
+first host's servers are out of reach), a conductor replica (active-active with the first
+host's) and an OpenAI-compatible gateway (--host, --port) that checks the first host's
+API key or tenants file. The control-plane bundle holds every key of the cluster: copy
+it only to hosts you would run the first host's services on."""
 
 EPILOG = """\
 examples:
   kvserve join 10.0.0.1 --bundle join.json --decode 1
   kvserve join 10.0.0.1 --bundle join.json --prefill 1 --decode 1 --store
-  kvserve join head.lan --bundle join.json --decode 2 --listen 10.0.0.7 --host-id rack2-node7"""
+  kvserve join head.lan --bundle join.json --decode 2 --listen 10.0.0.7 --host-id rack2-node7
+  kvserve join 10.0.0.1 --bundle control.json --control-plane --host 0.0.0.0 --decode 1"""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +64,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--prefill", type=count, default=0, metavar="N", help="prefill workers (default 0)")
     parser.add_argument("--decode", type=count, default=0, metavar="M", help="decode workers (default 0)")
     parser.add_argument("--store", action="store_true", help="also run a KV store on this host")
+    control = parser.add_argument_group("a second control plane (README: Several machines)")
+    control.add_argument(
+        "--control-plane", action="store_true",
+        help="also run a nats-server routed into the first host's, a conductor replica and a gateway here, so "
+        "the cluster serves while the first host is out of reach (needs a control-plane bundle: kvserve up "
+        "--write-control-bundle)",
+    )  # fmt: skip
+    control.add_argument("--port", type=port, metavar="PORT",
+                         help="with --control-plane: the gateway's port (default 8000; 0 picks a free one)")
+    control.add_argument("--host", dest="gateway_host", metavar="ADDR",
+                         help="with --control-plane: the gateway's listen address (default 127.0.0.1; 0.0.0.0 for "
+                         "every interface)")  # fmt: skip
+    control.add_argument(
+        "--tenants", metavar="FILE",
+        help="with --control-plane: the tenants file this host's gateway checks (default: the first host's, as "
+        "it was when the bundle was written)",
+    )  # fmt: skip
     parser.add_argument(
         "--listen", metavar="ADDR",
         help="this host's address, where the other hosts reach its workers' data plane (default: the address "
@@ -82,10 +111,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not (args.prefill or args.decode or args.store):
-        print("kvserve join: error: nothing to run here: give --prefill N, --decode M or --store", file=sys.stderr)
+    if not (args.prefill or args.decode or args.store or args.control_plane):
+        print("kvserve join: error: nothing to run here: give --prefill N, --decode M, --store or --control-plane",
+              file=sys.stderr)  # fmt: skip
         return 2
     bundle = read_bundle(args.bundle)  # a JoinBundleError is a KVServeError: one line, exit 1
+    given = [option for option, value in (("--port", args.port), ("--host", args.gateway_host),
+                                          ("--tenants", args.tenants)) if value is not None]  # fmt: skip
+    if given and not args.control_plane:
+        print(f"kvserve join: error: {', '.join(given)}: only with --control-plane (this host runs no gateway "
+              "otherwise)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.control_plane and bundle.control is None:
+        print(f"kvserve join: error: --control-plane needs a control-plane bundle; {args.bundle} is a join bundle "
+              "(on the first host: kvserve up ... --nats-cluster 3 --write-control-bundle PATH)", file=sys.stderr)  # fmt: skip
+        return 2
+    if args.tenants is not None:
+        try:
+            tenants_file.read(args.tenants)
+        except TenantsFileError as e:
+            print(f"kvserve join: error: --tenants {args.tenants}: {e}", file=sys.stderr)
+            return 2
     host_id = args.host_id or socket.gethostname()
     if instance_tag(host_id) == instance_tag(bundle.host_id):
         print(f"kvserve join: error: this host is called {host_id!r}, as is the first host: give it another "
@@ -103,7 +149,9 @@ def run(args: argparse.Namespace) -> int:
         prefill=args.prefill, decode=args.decode, store=args.store, member=bundle, member_host=args.host,
         listen=listen, host_id=host_id, model=args.model or bundle.model.spec, dtype=bundle.model.dtype,
         quantization=bundle.model.quantization, device=args.device, supervise=True, standby=args.standby,
-        cpus=args.cpus,
+        cpus=args.cpus, control_plane=args.control_plane, gateway_port=8000 if args.port is None else args.port,
+        gateway_host=args.gateway_host or "127.0.0.1",
+        tenants_file=args.tenants,
     )  # fmt: skip
     return serve(cluster, timeout=args.timeout, announce=lambda c: joined(c, bundle, args.host))
 
@@ -119,10 +167,15 @@ def address_towards(host: str) -> str:
 def joined(cluster: LocalCluster, bundle: JoinBundle, host: str) -> str:
     """What to print once this host's workers have reported to the cluster."""
     between = "mutual TLS" if cluster.tls else "in clear"
+    if cluster.control_plane:
+        serving = (f"this host's gateway: {cluster.gateway_url}/v1 (the first host's serves too); "
+                   "Ctrl-C stops this host's services.\n")  # fmt: skip
+    else:
+        serving = "requests go to the first host's gateway; Ctrl-C stops this host's workers.\n"
     return (
         f"\nthis host ({cluster.host_id}, {cluster.listen}) joined the cluster at {host}: "
         f"{', '.join(cluster.instance_ids)}\n"
         f"model: {cluster.model_id} ({cluster.dtype}, weights {cluster.quantization}, {cluster.device}); "
         f"NATS and KV between hosts: {between}\n"
-        "requests go to the first host's gateway; Ctrl-C stops this host's workers.\n"
+        + serving
     )

@@ -57,6 +57,14 @@ def count(text: str) -> int:
     return value
 
 
+def port(text: str) -> int:
+    """A TCP port, 0 (any free one) included."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     """An argparse type: a finite number above 0."""
     value = _number(text)

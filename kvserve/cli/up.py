@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from kvserve.cli.cluster import STOP_GRACE_SECONDS, ClusterError, LocalCluster
 from kvserve.cli.cpus import cpus_argument, default_shared_prefill
-from kvserve.cli.options import add_model_options, count, positive_int, read_api_key_file
+from kvserve.cli.options import add_model_options, count, port, positive_int, read_api_key_file
 from kvserve.cli.supervisor import HEALTHY_AFTER_SECONDS, RESTART_DELAY_FIRST, RESTART_DELAY_MAX
 from libs.common import tenants as tenants_file
 from libs.common.cpu_share import available_cpus
@@ -64,7 +64,10 @@ examples:
   kvserve up --model path/to/hf-folder --dtype float32
   kvserve up --cpus prefill=0-5,decode=6,7  cores 0-5 to prefill, 6 and 7 to decode
   kvserve up --listen 10.0.0.1 --write-join-bundle join.json
-                                          other hosts join with: kvserve join 10.0.0.1 --bundle join.json ..."""
+                                          other hosts join with: kvserve join 10.0.0.1 --bundle join.json ...
+  kvserve up --listen 10.0.0.1 --nats-cluster 3 --write-join-bundle join.json --write-control-bundle control.json
+                                          and one runs a second control plane: kvserve join 10.0.0.1 --bundle
+                                          control.json --control-plane ..."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -94,7 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run N nats-servers routed to one another, every service given every server's URL: when one "
         "dies, its clients move to another (default 1: one nats-server, restarted when it dies)",
     )  # fmt: skip
-    parser.add_argument("--port", type=_port, default=8000, help="gateway port (default 8000; 0 picks a free one)")
+    parser.add_argument("--port", type=port, default=8000, help="gateway port (default 8000; 0 picks a free one)")
     parser.add_argument(
         "--host", default="127.0.0.1", help="gateway listen address (default 127.0.0.1; 0.0.0.0 for every interface)"
     )
@@ -137,7 +140,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "more goodput at equal loads, capacity 3.37 against 2.83 requests/s, bench/results/shared-prefill.md)",
     )  # fmt: skip
     parser.add_argument(
-        "--metrics-port", type=_port, metavar="PORT",
+        "--metrics-port", type=port, metavar="PORT",
         help="also serve each service's own /metrics and /healthz (on 127.0.0.1), on ports from PORT up: "
         "conductor, store, prefill workers, decode workers, gateway (default: none; the gateway's /metrics "
         "has every instance's metrics)",
@@ -160,6 +163,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--write-join-bundle", metavar="PATH", dest="join_bundle",
         help="with --listen: write what another host needs to join (NATS credentials, a TLS certificate and "
         "key of the cluster's CA, the model's dtype) to PATH, 0600. Copy it to the other hosts like a key",
+    )  # fmt: skip
+    hosts.add_argument(
+        "--write-control-bundle", metavar="PATH", dest="control_bundle",
+        help="with --listen and --nats-cluster 2 or more: also write what another host needs to run a second "
+        "control plane (kvserve join --control-plane: a nats-server routed into this one's NATS cluster, a "
+        "conductor replica, a gateway), so that this host is no single point of failure, to PATH, 0600. It "
+        "holds every key of the cluster (the NATS users, the CA's key, the API key)",
     )  # fmt: skip
     hosts.add_argument(
         "--no-tls", dest="tls", action="store_false",
@@ -191,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
     if args.join_bundle is not None and args.listen is None:
         print("kvserve up: error: --write-join-bundle needs --listen: the address the other hosts reach this one at",
               file=sys.stderr)  # fmt: skip
+        return 2
+    if args.control_bundle is not None and (args.listen is None or args.nats_servers < 2):
+        print("kvserve up: error: --write-control-bundle needs --listen and --nats-cluster 2 or more (3 survives "
+              "one lost): the other host's nats-server routes into this host's NATS cluster", file=sys.stderr)  # fmt: skip
         return 2
     if args.listen is not None and (why := unusable_listen_address(args.listen)):
         print(f"kvserve up: error: --listen {args.listen}: {why}", file=sys.stderr)
@@ -228,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         tls=args.tls,
         join_bundle=args.join_bundle,
         host_id=args.host_id,
+        control_bundle=args.control_bundle,
     )
     return serve(cluster, timeout=args.timeout)
 
@@ -284,6 +299,9 @@ def banner(cluster: LocalCluster) -> str:
         hosts = f"other hosts join at {cluster.listen} (NATS and KV between hosts: {between})"
         if cluster.join_bundle is not None:
             hosts += f":\n  kvserve join {cluster.listen} --bundle {cluster.join_bundle} --decode 1"
+        if cluster.control_bundle is not None:
+            hosts += (f"\na second control plane (nats-server, conductor, gateway) on another host:\n"
+                      f"  kvserve join {cluster.listen} --bundle {cluster.control_bundle} --control-plane --decode 1")
         hosts += "\n"
     return (
         f"\nkvserve is up: {url}\n"
@@ -309,11 +327,3 @@ def unusable_listen_address(address: str) -> str | None:
 
 def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the cluster exactly as Ctrl-C does
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {value}")
-    return value
-

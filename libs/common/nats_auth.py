@@ -63,6 +63,13 @@ ROUTE_USER = "route"  # the user the servers of one cluster connect their routes
 CLUSTER_PORT = 6222  # nats-server's usual route port
 CREDENTIALS = "credentials.json"  # under the auth directory, in a folder per user
 MIN_SECRET_LENGTH = 16
+# A connection (client's or route's) whose peer stopped answering is dropped after at most
+# PING_INTERVAL_S * (MAX_OUTSTANDING_PINGS + 1) seconds, not NATS's default ~6 minutes: a
+# host whose link goes down leaves no FIN or RST, and until then its clients would not move
+# to another server (a control-plane host's, kvserve join --control-plane).
+PING_INTERVAL_S = 3
+MAX_OUTSTANDING_PINGS = 2
+KEEPALIVE = {"ping_interval": PING_INTERVAL_S, "max_outstanding_pings": MAX_OUTSTANDING_PINGS}  # nats.connect's
 JETSTREAM_MEMORY_BYTES = 512 << 20  # the KV history's streams, in memory (libs/common/kv_history.py bounds each)
 JETSTREAM_FILE_BYTES = 64 << 20  # none of kvserve's streams is on disk
 
@@ -279,11 +286,16 @@ def cluster_block(listen: str, password: str, routes: Iterable[str], tls: TlsFil
     )
 
 
-def jetstream_config(server_name: str, store_dir: str) -> str:
+def jetstream_config(name: str, store_dir: str) -> str:
     """JetStream on, for the KV history a starting conductor catches up from
     (libs/common/kv_history.py): in memory, bounded; ``store_dir`` keeps only its
-    bookkeeping. ``server_name`` must differ between the servers of a cluster."""
-    return f"server_name: {json.dumps(server_name)}\n" + jetstream_block(store_dir)
+    bookkeeping. ``name``, the server's, must differ between the servers of a cluster."""
+    return server_name(name) + jetstream_block(store_dir)
+
+
+def server_name(name: str) -> str:
+    """A server's name in its cluster (its routes and JetStream tell servers apart by it)."""
+    return f"server_name: {json.dumps(name)}\n"
 
 
 def jetstream_block(store_dir: str) -> str:
@@ -298,10 +310,12 @@ def jetstream_block(store_dir: str) -> str:
 
 
 def tls_config(users_file: str, tls: TlsFiles | None) -> str:
-    """A server's configuration: the users' file (``users_file``, beside it), included, and
-    with ``tls`` mutual TLS on every client connection: a client must present a certificate
-    the CA signed (services do, `tls_context`), or nats-server refuses it before it can log in."""
-    return f'include "{users_file}"\n' + (_tls_block(tls, "") if tls is not None else "")
+    """A server's configuration: the users' file (``users_file``, beside it), included, the
+    keepalive (`PING_INTERVAL_S`, on clients and routes), and with ``tls`` mutual TLS on
+    every client connection: a client must present a certificate the CA signed (services do,
+    `tls_context`), or nats-server refuses it before it can log in."""
+    keepalive = f'ping_interval: "{PING_INTERVAL_S}s"\nping_max: {MAX_OUTSTANDING_PINGS}\n'
+    return f'include "{users_file}"\n' + keepalive + (_tls_block(tls, "") if tls is not None else "")
 
 
 def _tls_block(tls: TlsFiles, indent: str) -> str:

@@ -11,8 +11,14 @@ routed to one another (``kvserve up --nats-cluster 3``): every server has every
 user, the routes between them authenticate with a route user of their own (its
 password only in the 0600 configuration), and a client given every server's URL
 fails over to another when its server dies.
+
+A server may also join a cluster that runs elsewhere (another host's, `kvserve join
+--control-plane`): given that cluster's users and passwords (``users``), its route
+password and its servers' route addresses, without JetStream of its own (the other
+host's servers keep the streams; its clients' JetStream requests go there over the routes).
 """
 
+import asyncio
 import json
 import os
 import secrets
@@ -26,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats
+
 from libs.common.nats_auth import (
     AuthFiles,
     Identity,
@@ -34,11 +42,12 @@ from libs.common.nats_auth import (
     jetstream_config,
     random_passwords,
     role_identities,
+    server_name,
     tls_config,
     write_auth_files,
     write_private,
 )
-from libs.common.tls import TlsFiles
+from libs.common.tls import TlsFiles, mutual_context
 
 
 class NatsServerError(RuntimeError):
@@ -66,7 +75,7 @@ class Routes:
     """How one server of a `NatsCluster` reaches the others."""
 
     password: str  # the route user's
-    peers: Callable[[], list[int]]  # the route ports of the cluster's other servers, as far as known
+    peers: Callable[[], list[str]]  # the route addresses (host:port) of the cluster's other servers, as far as known
 
 
 class NatsServer:
@@ -76,12 +85,15 @@ class NatsServer:
     def __init__(self, host: str = "127.0.0.1", log_file: Path | None = None, directory: Path | None = None,
                  instances: dict[str, str] | None = None, routes: Routes | None = None, name: str = "nats-server",
                  auth_of: "NatsServer | None" = None, role_users: tuple[str, ...] = (),
-                 tls: TlsFiles | None = None) -> None:  # fmt: skip
+                 tls: TlsFiles | None = None, users: dict[Identity, str] | None = None,
+                 jetstream: bool = True) -> None:  # fmt: skip
         """``instances``: ``{instance id: role}``, each with a user of its own (and no role has
         one but those in ``role_users``: for the instances of other hosts, whose ids it cannot
-        know); None: a user per role. ``routes``: a server of a cluster (`NatsCluster`);
+        know); None: a user per role. ``users``: instead, exactly these users, with these
+        passwords (another host's cluster's). ``routes``: a server of a cluster (`NatsCluster`);
         ``auth_of``: the server whose users and credentials files it shares. ``tls``: its
-        certificate, key and CA: clients and routes must then speak mutual TLS."""
+        certificate, key and CA: clients and routes must then speak mutual TLS. ``jetstream``:
+        False for a server that keeps no streams itself."""
         self.host = host
         self.log_file = log_file
         self.directory = directory  # where its directories go (default: the system's temporary directory)
@@ -91,10 +103,14 @@ class NatsServer:
         self.tls = tls
         self.port: int | None = None
         self.route_port: int | None = None  # where it takes the other servers' routes (in a cluster)
-        self.identities: list[Identity] = role_identities() if instances is None else instance_identities(instances)
-        if instances is not None:
-            self.identities += [Identity(role) for role in role_users]
-        self._passwords = random_passwords(self.identities)  # the same across restarts
+        self.jetstream = jetstream
+        if users is not None:
+            self.identities, self._passwords = list(users), {identity.user: users[identity] for identity in users}
+        else:
+            self.identities = role_identities() if instances is None else instance_identities(instances)
+            if instances is not None:
+                self.identities += [Identity(role) for role in role_users]
+            self._passwords = random_passwords(self.identities)  # the same across restarts
         self._proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None  # the ports file, per run
         self._auth_dir: tempfile.TemporaryDirectory | None = None  # users and credentials, until stop()
@@ -109,6 +125,48 @@ class NatsServer:
     def url_for(self, user: str) -> str:
         """``user``'s URL, credentials included (in this process only, like ``url``)."""
         return f"nats://{user}:{self._passwords[user]}@{self.host}:{self.port}"
+
+    @property
+    def users(self) -> dict[Identity, str]:
+        """Every user it has, with its password (secrets: for a control-plane bundle only)."""
+        return {identity: self._passwords[identity.user] for identity in self.identities}
+
+    def wait_routed(self, user: str, timeout: float) -> bool:
+        """Whether, within ``timeout`` seconds, this server tells its clients (``user``'s) of
+        another server of its cluster: it has a route. A server joining another host's
+        cluster waits for this before its services start, so a conductor among them finds
+        the cluster's JetStream at once."""
+
+        async def routed() -> bool:
+            told = asyncio.Event()
+
+            def others() -> bool:  # the servers its INFO names (itself too, once it is in a cluster)
+                return bool({(url.hostname, url.port) for url in nc.servers} - {(self.host, self.port)})
+
+            async def discovered() -> None:
+                if others():
+                    told.set()
+
+            async def quiet(e: Exception) -> None:
+                pass
+
+            tls = None if self.tls is None else mutual_context(self.tls, server=False)
+            nc = await nats.connect(self.url_for(user), tls=tls, allow_reconnect=False, connect_timeout=timeout,
+                                    discovered_server_cb=discovered, error_cb=quiet)  # fmt: skip
+            try:
+                if others():  # the first INFO named them already
+                    return True
+                await asyncio.wait_for(told.wait(), timeout)
+                return True
+            except TimeoutError:
+                return False
+            finally:
+                await nc.close()
+
+        try:
+            return asyncio.run(routed())
+        except Exception:  # not reachable at all: the caller goes on, as with no route
+            return False
 
     def credentials_file(self, user: str) -> Path:
         """The 0600 file that holds ``user``'s credentials (KVSERVE_NATS_CREDENTIALS)."""
@@ -138,10 +196,11 @@ class NatsServer:
         # its own configuration, beside the users' file, which it includes
         config = self._auth.server_config.with_name(f"{self.name}.conf")
         jetstream_dir = self._auth.directory / "jetstream" / self.name  # the same across restarts
-        text = tls_config(self._auth.server_config.name, self.tls) + jetstream_config(self.name, str(jetstream_dir))
+        text = tls_config(self._auth.server_config.name, self.tls)
+        text += jetstream_config(self.name, str(jetstream_dir)) if self.jetstream else server_name(self.name)
         if self.routes is not None:
-            peers = [f"{self.host}:{port}" for port in self.routes.peers()]
-            text += cluster_block(f"{self.host}:{self.route_port or -1}", self.routes.password, peers, self.tls)
+            text += cluster_block(f"{self.host}:{self.route_port or -1}", self.routes.password, self.routes.peers(),
+                                  self.tls)  # fmt: skip
         write_private(config, text)
         self._dir = tempfile.TemporaryDirectory(prefix="kvserve-nats-", dir=self.directory)
         out = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
@@ -229,9 +288,9 @@ class NatsCluster:
         if size < 1:
             raise ValueError(f"a NATS cluster needs at least one server, got {size}")
         self.servers: list[NatsServer] = []
-        password = secrets.token_urlsafe(24)
+        self.route_password = password = secrets.token_urlsafe(24)
         for i in range(size):
-            routes = None if size == 1 else Routes(password, lambda i=i: self._route_ports(i))
+            routes = None if size == 1 else Routes(password, lambda i=i: self._route_addresses(i))
             name = "nats-server" if size == 1 else f"nats-server-{i}"
             self.servers.append(NatsServer(host, log_file, directory, instances, routes, name,
                                            self.servers[0] if i else None, role_users, tls))  # fmt: skip
@@ -241,8 +300,9 @@ class NatsCluster:
             for server in self.servers:
                 server.route_port = _free_port(host)
 
-    def _route_ports(self, index: int) -> list[int]:
-        return [s.route_port for i, s in enumerate(self.servers) if i != index and s.route_port is not None]
+    def _route_addresses(self, index: int) -> list[str]:
+        return [f"{s.host}:{s.route_port}" for i, s in enumerate(self.servers)
+                if i != index and s.route_port is not None]  # fmt: skip
 
     def start(self, timeout: float = 15.0) -> "NatsCluster":
         for server in self.servers:

@@ -32,6 +32,11 @@ from libs.protocol.vocabulary import ErrorCode
 
 M = TypeVar("M", bound=Message)
 EXIT_FAILED = 70  # EX_SOFTWARE: an essential task failed (the log says which and why)
+# A TLS connection upgraded in place (nats-py's to nats-server between hosts) that is closed
+# waits this long for its peer's close_notify, not asyncio's and uvloop's 30 s: nats-py
+# closes a connection it found stale (a host whose link went down) and waits for that before
+# it tries the next server, so the default kept a worker off NATS for half a minute more.
+TLS_SHUTDOWN_TIMEOUT_S = 2.0
 Handler = Callable[[M, Msg], Awaitable[Message | None]]
 
 
@@ -176,6 +181,8 @@ class Service:
                 name=self.instance_id,
                 max_reconnect_attempts=-1,  # forever, the first connect included
                 reconnect_time_wait=0.5,
+                **nats_auth.KEEPALIVE,  # a server out of reach is left within seconds
+                dont_randomize=self.settings.nats_in_order,
                 disconnected_cb=disconnected,
                 reconnected_cb=reconnected,
                 error_cb=error,
@@ -325,8 +332,21 @@ def run_service(service: Service) -> None:
     try:
         import uvloop
     except ImportError:
-        asyncio.run(service.run())
+        with asyncio.Runner(loop_factory=short_tls_shutdown(asyncio.SelectorEventLoop)) as runner:
+            runner.run(service.run())
     else:
-        uvloop.run(service.run())
+        uvloop.run(service.run(), loop_factory=short_tls_shutdown(uvloop.Loop))
     if service.failed:
         sys.exit(EXIT_FAILED)
+
+
+def short_tls_shutdown(loop_class: type[asyncio.AbstractEventLoop]) -> Callable[[], asyncio.AbstractEventLoop]:
+    """A factory of ``loop_class`` loops whose ``start_tls`` waits at most `TLS_SHUTDOWN_TIMEOUT_S`
+    for a closed connection's shutdown, unless its caller says otherwise."""
+
+    class Loop(loop_class):
+        async def start_tls(self, *args, ssl_shutdown_timeout: float | None = None, **kwargs):
+            timeout = TLS_SHUTDOWN_TIMEOUT_S if ssl_shutdown_timeout is None else ssl_shutdown_timeout
+            return await super().start_tls(*args, ssl_shutdown_timeout=timeout, **kwargs)
+
+    return Loop

@@ -96,6 +96,7 @@ def service_env(role: str) -> dict[str, Any]:
         heartbeat_interval=env_float("HEARTBEAT_INTERVAL", 1.0),
         nats_credentials=credentials,
         nats_tls=TlsFiles(*tls_files) if tls_files[0] else None,
+        nats_in_order=env_bool("NATS_IN_ORDER", False),
         log_level=env_str("LOG_LEVEL", "INFO"),
         model_spec=env_str("MODEL", "") or None,
         metrics_host=env_str("METRICS_HOST", "127.0.0.1"),
@@ -130,6 +131,8 @@ class ServiceSettings:
     nats_credentials: str | None = None  # a 0600 JSON file: {"user", "password"} or {"token"}
     # mutual TLS to nats-server (KVSERVE_NATS_TLS_CERT, _KEY, _CA: PEM files, all or none; libs/common/tls.py)
     nats_tls: TlsFiles | None = None
+    # try KVSERVE_NATS_URL's servers in the order given (this host's own first), not in a random one
+    nats_in_order: bool = False
     log_level: str = "INFO"
     model_spec: str | None = None  # KVSERVE_MODEL as set: the model_name label of the service's metrics
     metrics_host: str = "127.0.0.1"  # where /metrics and /healthz are served (KVSERVE_METRICS_HOST) ...

@@ -25,7 +25,7 @@ from libs.common.settings import ServiceSettings, env_int, env_str
 from libs.protocol.schema import Heartbeat
 
 REPORTED = ("MODEL", "DTYPE", "QUANTIZATION", "DEVICE", "HOST_ID", "API_KEY", "GATEWAY_HOST", "GATEWAY_PORT", "NUM_BLOCKS",
-            "USE_STORE", "NATS_URL", "TRANSFER_HOST", "TRANSFER_TLS_CERT")  # fmt: skip
+            "USE_STORE", "NATS_URL", "NATS_IN_ORDER", "TRANSFER_HOST", "TRANSFER_TLS_CERT")  # fmt: skip
 
 
 class FakeService(Service):

@@ -6,7 +6,11 @@ import asyncio
 import io
 import json
 import logging
+import os
+import signal
+import socket
 import ssl
+import time
 
 import msgspec
 import nats
@@ -27,6 +31,7 @@ from kvserve.cli.join_bundle import (
 from kvserve.cli.main import build_parser
 from libs.common.certificates import ClusterCA, Leaf
 from libs.common.nats_auth import load_credentials
+from libs.common.nats_server import NatsCluster, NatsServer, Routes
 from libs.common.tls import mutual_context
 from libs.transfer.tcp.tls import DataPlaneTls
 from tests.unit.cli.harness import FAKE, ROOT, make_cluster
@@ -163,6 +168,90 @@ def test_a_bundle_without_tls_joins_over_plain_tcp_and_a_bad_bundle_is_refused_w
         read_bundle(tmp_path / "missing.json")
 
 
+@pytest.fixture(scope="module")
+def first_and_control(model_dir, tmp_path_factory):
+    """A first host that writes a control-plane bundle, and a host that runs a second control plane from it."""
+    directory = tmp_path_factory.mktemp("control")
+    bundle = directory / "control.json"
+    first = make_cluster(model_dir, io.StringIO(), prefill=1, decode=0, listen="127.0.0.1", host_id="host-a",
+                         nats_servers=3, control_bundle=bundle, join_bundle=directory / "join.json", api_key="k3y")  # fmt: skip
+    first.start(timeout=60)
+    second, log = None, io.StringIO()
+    try:
+        second = make_cluster(model_dir, log, prefill=0, decode=1, store=False, member=read_bundle(bundle),
+                              member_host="127.0.0.1", listen="127.0.0.1", host_id="host-b", control_plane=True)  # fmt: skip
+        second.start(timeout=60)
+        yield first, second, bundle, log
+    finally:
+        if second is not None:
+            second.stop()
+        first.stop()
+
+
+def test_a_control_plane_host_runs_a_routed_nats_server_a_conductor_and_a_gateway_with_the_first_hosts_key(
+    first_and_control,
+):
+    first, second, _, log = first_and_control
+    assert "nats-server-host-b listening" in log.getvalue() and "no route" not in log.getvalue()  # routed, then started
+    assert second.instance_ids == ["conductor-host-b-0", "decode-host-b-0", "gateway-host-b-0"]
+    assert len(second.nats_pids) == 1 and second.gateway_url.startswith("http://127.0.0.1:")
+    first.wait_for(lambda beats: set(second.instance_ids) <= set(beats), timeout=30)
+    for instance_id in second.instance_ids:
+        s = settings_of(second, instance_id)
+        own, *firsts = s["NATS_URL"].split(",")
+        assert own == second._nats.servers[0].public_url and ",".join(firsts) == first._nats.public_url
+        assert s["NATS_IN_ORDER"] == "1"  # its own server first: the first host's only once that is out of reach
+    assert settings_of(second, "gateway-host-b-0")["API_KEY"] == "k3y"
+    assert settings_of(second, "conductor-host-b-0")["API_KEY"] == "-"
+    assert settings_of(first, "prefill-0")["NATS_IN_ORDER"] == "0"
+
+
+def test_the_control_plane_bundle_holds_every_nats_user_the_route_secret_and_the_cas_key(first_and_control):
+    first, _, path, _ = first_and_control
+    assert path.stat().st_mode & 0o777 == 0o600
+    bundle = read_bundle(path)
+    control = bundle.control
+    assert {user.identity: user.password for user in control.users} == first._nats.servers[0].users
+    assert {"conductor", "gateway"} <= {user.instance_id or user.role for user in control.users}  # role users too
+    assert set(bundle.nats.passwords) == {"prefill", "decode", "store", "observer", "conductor", "gateway"}
+    assert control.route_ports == [server.route_port for server in first._nats.servers]
+    assert control.route_password == first._nats.route_password and control.api_key == "k3y"
+    assert ClusterCA(bundle.tls.ca, control.ca_key).issue("x").ca == open(first._tls_files.ca).read()
+    assert read_bundle(path.with_name("join.json")).control is None  # a join bundle has none of it
+
+
+def test_the_control_plane_host_keeps_serving_when_every_nats_server_of_the_first_host_is_gone(first_and_control):
+    first, second, _, _ = first_and_control
+    for pid in first.nats_pids:
+        os.kill(pid, signal.SIGKILL)
+    gone = time.monotonic()
+    # its services are on its own nats-server, routed to the first host's: they go on, and its watcher hears them
+    second.wait_for(lambda beats: all(second.last_seen.get(i, 0.0) > gone + 2 for i in second.instance_ids), timeout=30)
+
+
+def test_a_server_joining_another_cluster_knows_when_it_is_routed(tmp_path):
+    first = NatsCluster(2, "127.0.0.1", directory=tmp_path, instances={"decode-0": "decode"})
+    first.start()
+    alone = joining = None
+    try:
+        users = first.servers[0].users
+        routes = [f"127.0.0.1:{server.route_port}" for server in first.servers]
+        joining = NatsServer(directory=tmp_path, routes=Routes(first.route_password, lambda: routes), name="joining",
+                             users=users, jetstream=False).start()  # fmt: skip
+        assert joining.wait_routed("observer", timeout=30)
+        with socket.socket() as probe:  # a port no one listens on: no route is ever made there
+            probe.bind(("127.0.0.1", 0))
+            nowhere = [f"127.0.0.1:{probe.getsockname()[1]}"]
+        alone = NatsServer(directory=tmp_path, routes=Routes(first.route_password, lambda: nowhere), name="alone",
+                           users=users, jetstream=False).start()  # fmt: skip
+        assert not alone.wait_routed("observer", timeout=1)
+    finally:
+        for server in (alone, joining):
+            if server is not None:
+                server.stop()
+        first.stop()
+
+
 def test_join_and_up_refuse_what_cannot_work_before_starting_anything(tmp_path, capsys):
     bundle = tmp_path / "join.json"
     leaf = ClusterCA.create().issue("x")
@@ -177,6 +266,10 @@ def test_join_and_up_refuse_what_cannot_work_before_starting_anything(tmp_path, 
         (["up", "--write-join-bundle", str(tmp_path / "j.json")], "needs --listen"),
         (["up", "--listen", "::"], "every interface"),
         (["up", "--decode", "0"], "--decode 0 needs --listen"),
+        (["up", "--listen", "127.0.0.1", "--write-control-bundle", str(tmp_path / "c.json")],
+         "--nats-cluster 2 or more"),
+        (["join", "127.0.0.1", "--bundle", str(bundle), "--control-plane", "--host-id", "b"], "a join bundle"),
+        (["join", "127.0.0.1", "--bundle", str(bundle), "--decode", "1", "--port", "0"], "only with --control-plane"),
     ]  # fmt: skip
     for argv, reason in cases:
         args = build_parser().parse_args(argv)
