@@ -103,6 +103,7 @@ class RequestRun:
         self._reorders = [ChunkReorderer() for _ in range(prepared.sampling.n)]  # one per choice
         self._sub = None
         self._may_be_running = False  # some service may hold the request: cancel it on the way out
+        self.cancelled = False  # a Cancel went out under its id: no attempt may use that id again
         self._failure: str | None = None  # why the token stream failed, for the Cancel
         self._reconnects = 0  # the service's NATS reconnects when the token subject was subscribed
         self._halt: Exception | None = None  # set by `halt`: what the next wait for tokens raises
@@ -327,6 +328,7 @@ class RequestRun:
         if not self._may_be_running or self.finished:
             return
         self._may_be_running = False
+        self.cancelled = True
         log.info("cancelling %s: %s", self.request_id, reason)
         try:
             await self.service.publish(subjects.CANCEL, Cancel(request_id=self.request_id, reason=reason))

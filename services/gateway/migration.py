@@ -71,6 +71,7 @@ class MigratingRun:
         self._attempt: RequestRun | None = None
         self._served: list[RequestRun] = []  # every attempt that reached a worker, in order
         self._num_attempts = 0
+        self._renamed = 0  # attempts asked again under a new id, their old one cancelled (`_attempt_request`)
         # instance id -> (the start time of the process seen gone, how many of its heartbeats were
         # heard then where hearing it again is enough to serve again: see WorkerLostError.until_heard)
         self._gone: dict[str, tuple[float | None, int | None]] = {}
@@ -183,6 +184,8 @@ class MigratingRun:
                 if not self._may_wait_for(e.code) or time.monotonic() >= retry_until:
                     raise
                 self._num_attempts -= 1  # not a worker lost: the same attempt, asked again
+                if run.cancelled:  # its id was cancelled on every worker, which would drop it: a new one
+                    self._renamed += 1
                 await asyncio.sleep(ADMIT_RETRY_DELAY)  # a bounded wait for the conductor to come back
                 continue
             self._attempt, self._offset = run, len(self._delivered)
@@ -237,11 +240,15 @@ class MigratingRun:
 
     async def _attempt_request(self) -> PreparedRequest:
         """The first attempt runs the request as it came; a later one continues it: the
-        tokens delivered so far join the prompt and come off max_tokens."""
+        tokens delivered so far join the prompt and come off max_tokens. Each has an id of
+        its own (``<id>-m<n>``), and so has an attempt asked again after its admission went
+        unanswered: the gateway then cancelled that id everywhere (a conductor may have
+        admitted it), and a worker drops a request whose id it has seen cancelled."""
         p = self.prepared
-        if self._num_attempts == 1:
+        number = self._num_attempts - 1 + self._renamed
+        if number == 0:
             return p
-        request_id = f"{p.request_id}-m{self._num_attempts - 1}"
+        request_id = f"{p.request_id}-m{number}"
         if not self._delivered:
             return replace(p, request_id=request_id)
         done = len(self._delivered)

@@ -27,8 +27,10 @@ class FakeAttempt:
     """An attempt that yields scripted batches of chunks, or raises what the script says."""
 
     def __init__(self, prepared: PreparedRequest, exclude: frozenset[str], script: list, route: tuple[str, str],
-                 enter_error: Exception | None = None) -> None:  # fmt: skip
+                 enter_error: Exception | None = None, cancels_on_error: bool = False) -> None:  # fmt: skip
         self.prepared, self.exclude, self.script = prepared, exclude, list(script)
+        self.cancelled = False
+        self.cancels_on_error = cancels_on_error  # as a real one whose admission went unanswered
         self.request_id = prepared.request_id
         self.prefill_id, self.decode_id = route
         self.serving_decode_id = None
@@ -42,6 +44,7 @@ class FakeAttempt:
     async def __aenter__(self) -> "FakeAttempt":
         if self.enter_error is not None:
             self.closed.append("error")
+            self.cancelled = self.cancels_on_error
             raise self.enter_error
         return self
 
@@ -80,7 +83,8 @@ class Cluster:
 
     def new_attempt(self, prepared: PreparedRequest, exclude: frozenset[str]) -> FakeAttempt:
         plan = self.plans.pop(0)
-        attempt = FakeAttempt(prepared, exclude, plan.get("script", []), plan["route"], plan.get("enter_error"))
+        attempt = FakeAttempt(prepared, exclude, plan.get("script", []), plan["route"], plan.get("enter_error"),
+                              plan.get("cancels", False))  # fmt: skip
         self.attempts.append(attempt)
         return attempt
 
@@ -243,6 +247,28 @@ async def test_a_moved_request_asks_again_while_no_conductor_answers_without_spe
         chunks = await read_all(run)
     assert [bytes(c.token_ids).decode() for c in chunks] == ["H", "i"]
     assert [a.prepared.request_id for a in cluster.attempts] == ["req", "req-m1", "req-m1", "req-m1"]
+    assert run.migrations == 1
+
+
+async def test_an_attempt_asked_again_after_its_id_was_cancelled_goes_under_a_new_id(monkeypatch):
+    """A conductor took the admission but its answer was lost (a host out of reach): the
+    attempt cancelled its id on every worker, so asking again under it would be dropped."""
+    from services.gateway import migration
+    from services.gateway.errors import ServiceUnavailableError
+
+    monkeypatch.setattr(migration, "ADMIT_RETRY_DELAY", 0.0)
+    unanswered = ServiceUnavailableError("conductor unavailable: no conductor answered", "no_conductor")
+    cut = WorkerLostError("the stream was cut by a NATS outage", None, "nats")
+    cluster = Cluster(
+        {"route": ("p0", "d0"), "script": [[chunk(0, "H", instance="p0")], cut]},
+        {"route": ("p0", "d0"), "enter_error": unanswered, "cancels": True},
+        {"route": ("p0", "d0"), "enter_error": unanswered, "cancels": True},
+        {"route": ("p0", "d0"), "script": [[chunk(0, "i", "stop", instance="p0")]]},
+    )
+    async with cluster.run(max_attempts=3) as run:
+        chunks = await read_all(run)
+    assert [bytes(c.token_ids).decode() for c in chunks] == ["H", "i"]
+    assert [a.prepared.request_id for a in cluster.attempts] == ["req", "req-m1", "req-m2", "req-m3"]
     assert run.migrations == 1
 
 
