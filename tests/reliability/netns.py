@@ -1,4 +1,5 @@
-"""Other "hosts" on this machine: network namespaces on a bridge in this one.
+"""Other "hosts" on this machine: network namespaces on a bridge in this one, and the
+kvserve commands they run (`HostProcess`).
 
 Needs root (CI runs as root); `available()` says why not where it cannot be made.
 The addresses are the namespaces' own (10.250.N.1 here, 10.250.N.2 and up there):
@@ -6,10 +7,19 @@ traffic between them never leaves the machine.
 """
 
 import os
+import re
 import secrets
 import shutil
+import signal
 import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvserve.cli.supervisor import die_with_launcher
+from tests.integration.conftest import wait_until
 
 
 def available() -> str | None:
@@ -81,3 +91,46 @@ class Network:
             subprocess.run(["ip", "link", "del", link], capture_output=True)  # takes its peer with it
             subprocess.run(["ip", "netns", "del", host], capture_output=True)
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+class HostProcess:
+    """A kvserve command (``args``) run in network namespace ``netns_name``, its output in ``log``."""
+
+    def __init__(self, netns_name: str, args: list[str], log: Path, env: dict[str, str]) -> None:
+        self.log = log
+        command = [str(Path(sys.executable).parent / "kvserve"), *args]
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", netns_name, *command], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+            env={**os.environ, **env}, preexec_fn=die_with_launcher(),
+        )  # fmt: skip
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        """The first match of ``pattern`` in its output, once there (fails the test if it exits first,
+        or after ``timeout`` seconds)."""
+        found: list[re.Match] = []
+
+        def seen() -> bool:
+            if match := re.search(pattern, self.output()):
+                found.append(match)
+                return True
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.log.name}: exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
+            return False
+
+        try:
+            wait_until(seen, timeout)
+        except (AssertionError, TimeoutError):
+            pytest.fail(f"{self.log.name}: no {pattern!r} within {timeout:g} s:\n{self.output()[-3000:]}")
+        return found[0]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # as Ctrl-C: its services drain
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -22,12 +22,8 @@ cannot be made.
 
 import asyncio
 import json
-import os
 import re
 import secrets
-import signal
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -36,7 +32,6 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli.heartbeats import HeartbeatWatcher
-from kvserve.cli.supervisor import die_with_launcher
 from kvserve.replay.streams import ChatLoad, run_streams, streams_with_a_fault, tally
 from libs.common.tls import TlsFiles, mutual_context
 from tests.integration.conftest import CLUSTER_ENV, wait_until
@@ -52,48 +47,6 @@ ENV = {**CLUSTER_ENV, "KVSERVE_LEASE_SECONDS": str(LEASE_SECONDS), "KVSERVE_TRAN
 A_IDS = {"conductor-0", "prefill-0", "gateway-0"}
 B_IDS = {"conductor-host-b-0", "gateway-host-b-0", "decode-host-b-0"}
 C_IDS = {"prefill-host-c-0", "decode-host-c-0"}
-
-
-class Host:
-    """A kvserve command in a network namespace, its output in a file."""
-
-    def __init__(self, netns_name: str, args: list[str], log: Path, env: dict[str, str]) -> None:
-        self.log = log
-        command = [str(Path(sys.executable).parent / "kvserve"), *args]
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", netns_name, *command], stdout=log.open("wb"), stderr=subprocess.STDOUT,
-            env={**os.environ, **env}, preexec_fn=die_with_launcher(),
-        )  # fmt: skip
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, pattern: str) -> re.Match:
-        """The first match of ``pattern`` in its output, once there (fails the test if it exits first)."""
-        found: list[re.Match] = []
-
-        def seen() -> bool:
-            if match := re.search(pattern, self.output()):
-                found.append(match)
-                return True
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.log.name}: exited with {self.proc.returncode}:\n{self.output()[-3000:]}")
-            return False
-
-        try:
-            wait_until(seen, START_LIMIT_S)
-        except (AssertionError, TimeoutError):
-            pytest.fail(f"{self.log.name}: no {pattern!r} within {START_LIMIT_S} s:\n{self.output()[-3000:]}")
-        return found[0]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # as Ctrl-C: its services drain
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 class Heard:
@@ -121,26 +74,26 @@ def hosts():
     join, control = directory / "join.json", directory / "control.json"
     api_key = secrets.token_urlsafe(24)
     address_a, address_b = net.addresses[0], net.addresses[1]
-    started: list[Host] = []
+    started: list[netns.HostProcess] = []
     watcher = None
     try:
-        a = Host(net.hosts[0], ["up", "--listen", address_a, "--nats-cluster", "3", "--write-join-bundle", str(join),
+        a = netns.HostProcess(net.hosts[0], ["up", "--listen", address_a, "--nats-cluster", "3", "--write-join-bundle", str(join),
                                 "--write-control-bundle", str(control), "--prefill", "1", "--decode", "0",
                                 "--shared-prefill", "0", "--host", "0.0.0.0", "--port", "0", "--host-id", "host-a",
                                 "--no-standby"],
                  directory / "host-a.log", ENV | {"KVSERVE_API_KEY": api_key})  # fmt: skip
         started.append(a)
-        port_a = a.wait_for(r"kvserve is up: http://\S*:(\d+)/v1")[1]
-        b = Host(net.hosts[1], ["join", address_a, "--bundle", str(control), "--control-plane", "--decode", "1",
+        port_a = a.wait_for(r"kvserve is up: http://\S*:(\d+)/v1", START_LIMIT_S)[1]
+        b = netns.HostProcess(net.hosts[1], ["join", address_a, "--bundle", str(control), "--control-plane", "--decode", "1",
                                 "--host", "0.0.0.0", "--port", "0", "--host-id", "host-b", "--no-standby"],
                  directory / "host-b.log", ENV)  # fmt: skip
         started.append(b)
-        port_b = b.wait_for(r"this host's gateway: http://\S*:(\d+)/v1")[1]
-        nats_b = b.wait_for(r"nats-server-host-b listening on nats://(\S+)")[1]
-        c = Host(net.hosts[2], ["join", address_a, "--bundle", str(join), "--prefill", "1", "--decode", "1",
+        port_b = b.wait_for(r"this host's gateway: http://\S*:(\d+)/v1", START_LIMIT_S)[1]
+        nats_b = b.wait_for(r"nats-server-host-b listening on nats://(\S+)", START_LIMIT_S)[1]
+        c = netns.HostProcess(net.hosts[2], ["join", address_a, "--bundle", str(join), "--prefill", "1", "--decode", "1",
                                 "--host-id", "host-c", "--no-standby"], directory / "host-c.log", ENV)  # fmt: skip
         started.append(c)
-        c.wait_for(r"joined the cluster")
+        c.wait_for(r"joined the cluster", START_LIMIT_S)
 
         bundle = json.loads(control.read_text())
         tls = TlsFiles(*(str(directory / f"test-{name}.pem") for name in ("cert", "key", "ca")))

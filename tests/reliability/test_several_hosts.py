@@ -23,8 +23,6 @@ import re
 import signal
 import socket
 import ssl
-import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -33,7 +31,6 @@ from pathlib import Path
 import pytest
 
 from kvserve.cli.cluster import LocalCluster
-from kvserve.cli.supervisor import die_with_launcher
 from kvserve.replay.streams import ChatLoad, run_streams, streams_with_a_fault, tally
 from tests.integration.conftest import CLUSTER_ENV, STARTED, metric_value, wait_until
 from tests.integration.test_one_request import reference
@@ -54,30 +51,13 @@ NUM_STREAMS, MAX_TOKENS = 8, 24
 PROMPTS = [f"Write one sentence about the number {i}." for i in range(NUM_STREAMS)]
 
 
-class JoinedHost:
-    """`kvserve join` running in another network namespace, its output in a file."""
+class JoinedHost(netns.HostProcess):
+    """`kvserve join` running in another network namespace, its output beside the bundle."""
 
     def __init__(self, netns_name: str, first_host: str, bundle: Path, host_id: str, workers: list[str]) -> None:
-        self.log = bundle.with_name(f"join-{host_id}.log")
-        command = [str(Path(sys.executable).parent / "kvserve"), "join", first_host, "--bundle", str(bundle),
-                   *workers, "--host-id", host_id, "--no-standby"]  # fmt: skip
-        self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", netns_name, *command],
-            stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-            env={**os.environ, **CLUSTER_ENV, **FAULT_ENV}, preexec_fn=die_with_launcher(),
-        )  # fmt: skip
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # as Ctrl-C: its workers drain
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().__init__(netns_name, ["join", first_host, "--bundle", str(bundle), *workers, "--host-id", host_id,
+                                      "--no-standby"],
+                         bundle.with_name(f"join-{host_id}.log"), {**CLUSTER_ENV, **FAULT_ENV})  # fmt: skip
 
 
 def _join(cluster: LocalCluster, joined: JoinedHost, *instance_ids: str) -> JoinedHost:
