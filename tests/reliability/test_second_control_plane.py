@@ -77,21 +77,21 @@ def hosts():
     started: list[netns.HostProcess] = []
     watcher = None
     try:
-        a = netns.HostProcess(net.hosts[0], ["up", "--listen", address_a, "--nats-cluster", "3", "--write-join-bundle", str(join),
-                                "--write-control-bundle", str(control), "--prefill", "1", "--decode", "0",
-                                "--shared-prefill", "0", "--host", "0.0.0.0", "--port", "0", "--host-id", "host-a",
-                                "--no-standby"],
-                 directory / "host-a.log", ENV | {"KVSERVE_API_KEY": api_key})  # fmt: skip
+        up = ["up", "--listen", address_a, "--nats-cluster", "3", "--write-join-bundle", str(join),
+              "--write-control-bundle", str(control), "--prefill", "1", "--decode", "0", "--shared-prefill", "0",
+              "--host", "0.0.0.0", "--port", "0", "--host-id", "host-a", "--no-standby"]  # fmt: skip
+        a = netns.HostProcess(net.hosts[0], up, directory / "host-a.log", ENV | {"KVSERVE_API_KEY": api_key})
         started.append(a)
         port_a = a.wait_for(r"kvserve is up: http://\S*:(\d+)/v1", START_LIMIT_S)[1]
-        b = netns.HostProcess(net.hosts[1], ["join", address_a, "--bundle", str(control), "--control-plane", "--decode", "1",
-                                "--host", "0.0.0.0", "--port", "0", "--host-id", "host-b", "--no-standby"],
-                 directory / "host-b.log", ENV)  # fmt: skip
+        second = ["join", address_a, "--bundle", str(control), "--control-plane", "--decode", "1", "--host", "0.0.0.0",
+                  "--port", "0", "--host-id", "host-b", "--no-standby"]  # fmt: skip
+        b = netns.HostProcess(net.hosts[1], second, directory / "host-b.log", ENV)
         started.append(b)
         port_b = b.wait_for(r"this host's gateway: http://\S*:(\d+)/v1", START_LIMIT_S)[1]
         nats_b = b.wait_for(r"nats-server-host-b listening on nats://(\S+)", START_LIMIT_S)[1]
-        c = netns.HostProcess(net.hosts[2], ["join", address_a, "--bundle", str(join), "--prefill", "1", "--decode", "1",
-                                "--host-id", "host-c", "--no-standby"], directory / "host-c.log", ENV)  # fmt: skip
+        third = ["join", address_a, "--bundle", str(join), "--prefill", "1", "--decode", "1", "--host-id", "host-c",
+                 "--no-standby"]  # fmt: skip
+        c = netns.HostProcess(net.hosts[2], third, directory / "host-c.log", ENV)
         started.append(c)
         c.wait_for(r"joined the cluster", START_LIMIT_S)
 
