@@ -355,8 +355,8 @@ class LocalCluster:
             if self.member is not None:  # the first host's; each instance its role's user (join_bundle.py)
                 local = None
                 if self.control_plane:
-                    local = control_plane_server(self.member, self.member_host, self.listen, self._local_nats_name,
-                                                 self.runtime_dir, self._tls_files)  # fmt: skip
+                    local = control_plane_server(self.member.control, self.member_host, self.listen,
+                                                 self._local_nats_name, self.runtime_dir, self._tls_files)  # fmt: skip
                     self._take_tenants()
                 self._nats = JoinedNats(self.member, self.member_host, self.runtime_dir, instances, local)
             else:  # each instance its own NATS user: a restart keeps its id, so its credentials too

@@ -192,15 +192,12 @@ class JoinedNats:
             server.stop()  # the credentials go with the cluster's runtime directory
 
 
-def control_plane_server(bundle: JoinBundle, host: str, listen: str, name: str, directory: Path,
+def control_plane_server(control: BundleControl, host: str, listen: str, name: str, directory: Path,
                          tls: TlsFiles | None) -> NatsServer:  # fmt: skip
-    """A control-plane host's nats-server: on ``listen``, with the first host's users, routed to
-    its servers (at ``host``, as this host reaches it), mutual TLS with ``tls`` (a leaf naming
-    ``listen``); no JetStream of its own, so the first host's JetStream quorum is its alone."""
-    control = bundle.control
-    if control is None:
-        raise JoinBundleError("this is a join bundle, not a control-plane bundle: on the first host, write one with "
-                              "kvserve up ... --write-control-bundle PATH")  # fmt: skip
+    """A control-plane host's nats-server: on ``listen``, with the first host's users (from a
+    control-plane bundle's ``control``), routed to its servers (at ``host``, as this host
+    reaches it), mutual TLS with ``tls`` (a leaf naming ``listen``); no JetStream of its own,
+    so the first host's JetStream quorum is its alone."""
     peers = [f"{host}:{port}" for port in control.route_ports]
     return NatsServer(listen, directory=directory, routes=Routes(control.route_password, lambda: peers), name=name,
                       users={user.identity: user.password for user in control.users}, tls=tls, jetstream=False)  # fmt: skip

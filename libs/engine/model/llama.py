@@ -211,8 +211,8 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head's logits, float32 where the head can give them unrounded (an int8 head
-        on one thread: ``Int8Linear.logits``), else in the head's dtype."""
+        """The LM head's logits, float32 where the head can give them unrounded (an int8 head:
+        ``Int8Linear.logits``), else in the head's dtype."""
         logits = getattr(self.lm_head, "logits", None)
         return logits(hidden) if logits is not None else self.lm_head(hidden)
 
