@@ -4,8 +4,9 @@ For each size: our shm path against a torch ``copy_`` between two preallocated,
 touched tensors; our TCP path (1, 4 and 8 connections, 4 MiB slices) against a
 bare blocking socket (one connection, ``sendall`` / ``recv_into``); Mooncake's
 Transfer Engine over TCP where it installs; our TCP path with mutual TLS (1 and 4
-connections, a throwaway CA made with the openssl CLI) beside the same path in clear,
-and the bare socket with the same TLS (what Python's ssl module costs by itself). Receivers live in other processes
+connections, a throwaway CA; the TLS session agrees the keys of sealed records) beside
+the same path in clear, and the bare socket with TLS throughout (what Python's ssl module
+costs by itself). Receivers live in other processes
 (bench/transfer_peer.py); the shm path is also run with the receiver in this
 process. Then the KV hand-off of a 2,048-token prompt (bench/transfer_handoff.py).
 Repetitions alternate between the contenders so machine noise hits all of them;

@@ -8,10 +8,11 @@ the greeting and one for the final status, not a TCP handshake and a thread; one
 receiver has closed meanwhile is replaced without a word.
 
 With TLS on the data plane (``tls``, the client context of `tls.py`), a new connection
-opens its TLS session before the greeting; a pooled one keeps its session.
+opens its TLS session and agrees its keys before the greeting, then carries sealed
+records (`sealed.py`); a pooled one keeps its keys until they have sealed enough.
 
 Blocking sockets on pooled threads: the GIL is released in every send/recv (and in
-TLS's encryption), and the event loop never waits on the wire.
+the records' encryption), and the event loop never waits on the wire.
 """
 
 import select
@@ -23,6 +24,7 @@ from collections.abc import Callable, Iterator
 
 from libs.protocol.vocabulary import ErrorCode
 from libs.transfer.descriptors import Span, TransferError
+from libs.transfer.tcp.sealed import SealedSocket, seal_sender
 from libs.transfer.tcp.wire import END_OFFSET, FRAME, STATUS_CAUSE, Status, greeting, new_nonces
 
 REUSE_SECONDS = 30.0  # the sender reuses an idle connection only this long
@@ -131,7 +133,7 @@ class TcpConnection:
             return sock
         try:
             sock.settimeout(self._remaining())
-            return self.tls.wrap_socket(sock)  # the handshake, within the deadline
+            return seal_sender(self.tls.wrap_socket(sock))  # the handshake and the keys, within the deadline
         except TimeoutError:
             sock.close()
             raise TransferError(ErrorCode.TIMEOUT, f"TLS handshake with {address} timed out") from None
@@ -158,7 +160,7 @@ class TcpConnection:
             payload = source[span.src_offset : span.src_offset + span.length]
             if self.tls is None:
                 self._guard(lambda: _sendmsg_all(self.sock, [header, payload]))
-            else:  # no sendmsg in TLS: the header is a record of its own
+            else:  # sealed: the header is a record of its own, so the payload's open straight into place
                 self._guard(lambda: (self.sock.sendall(header), self.sock.sendall(payload)))
 
     def finish(self) -> None:
@@ -167,6 +169,9 @@ class TcpConnection:
         self._guard(lambda: self.sock.sendall(FRAME.pack(END_OFFSET, 0)))
         self._expect_ok("end of transfer")
         sock, self.sock = self.sock, None
+        if isinstance(sock, SealedSocket) and sock.worn:
+            sock.close()  # its keys have sealed enough: the next transfer gets a new connection
+            return
         self.pool.give(self.address, sock)
 
     def close(self) -> None:

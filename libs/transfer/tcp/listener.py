@@ -13,9 +13,11 @@ logged — never with the token, which does not cross the wire — counted by re
 and ends the connection.
 
 With TLS (``tls``, the server context of `tls.py`), each accepted connection completes
-its handshake on the event loop before its greeting, and a sender whose certificate
-the CA did not sign is refused there; a sender without TLS is answered TLS_REQUIRED, in
-clear. The event loop drives plain and TLS sockets alike through `_io`.
+its handshake and agrees its keys on the event loop before its greeting, and a sender
+whose certificate the CA did not sign is refused there; a sender without TLS is answered
+TLS_REQUIRED, in clear. From the greeting on, the connection's bytes are sealed records
+(`sealed.py`), opened straight into the segment. The event loop drives plain, TLS and
+sealed sockets alike through `_io`.
 """
 
 import asyncio
@@ -29,6 +31,7 @@ from typing import TypeVar
 
 from libs.common import failpoints
 from libs.protocol.vocabulary import ErrorCode
+from libs.transfer.tcp.sealed import SECRET_BYTES, SealedSocket, SealError, new_secret, seal_receiver
 from libs.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status
 from libs.transfer.tickets import OpenTicket, Refusal, TicketBook
 from libs.transfer.transfer_metrics import TransferMetrics
@@ -169,8 +172,9 @@ class TcpListener:
             self._conns.discard(conn)
             conn.close()
 
-    async def _secure(self, conn: socket.socket, peer) -> ssl.SSLSocket | None:
-        """``conn`` in a TLS session whose peer the CA certified; None (``conn`` closed) if not."""
+    async def _secure(self, conn: socket.socket, peer) -> SealedSocket | None:
+        """``conn`` sealed under keys agreed in a TLS session whose peer the CA certified;
+        None (``conn`` closed) if not."""
         try:
             async with asyncio.timeout(HANDSHAKE_SECONDS):
                 opening = await _io(conn, lambda: conn.recv(len(MAGIC), socket.MSG_PEEK))
@@ -188,17 +192,24 @@ class TcpListener:
         secured = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         self._conns.discard(conn)  # ``conn`` is now detached: its socket is ``secured``'s
         self._conns.add(secured)
+        secret = bytearray(SECRET_BYTES)
         try:
             async with asyncio.timeout(HANDSHAKE_SECONDS):
                 await _io(secured, secured.do_handshake)
-        except (TimeoutError, OSError) as e:
+                await _recv_exact(secured, memoryview(secret))  # the sender's secret, then ours
+                mine = new_secret()
+                await _send_all(secured, mine)
+        except (TimeoutError, OSError, EOFError) as e:
             log.warning("refused a TCP transfer connection from %s:%s: %s: %s",
                         peer[0], peer[1], Refusal.TLS_HANDSHAKE.text, e)  # fmt: skip
             self.metrics.refused.labels(Refusal.TLS_HANDSHAKE).inc()
             self._conns.discard(secured)
             secured.close()
             return None
-        return secured
+        self._conns.discard(secured)
+        sealed = seal_receiver(secured, bytes(secret), mine)
+        self._conns.add(sealed)
+        return sealed
 
     async def _greeting(self, conn: socket.socket, peer, first: bool) -> OpenTicket | None:
         """The next greeting's ticket; None when the connection is to be closed."""
@@ -284,6 +295,10 @@ class TcpListener:
             return Status.SHORT
         except TimeoutError:
             ticket.failed = ErrorCode.TIMEOUT
+            return Status.FAILED
+        except SealError as e:
+            ticket.failed = ErrorCode.TLS
+            log.warning("TCP transfer from %s: %s; connection closed", peer[0], e)
             return Status.FAILED
         except OSError as e:
             ticket.failed = ErrorCode.PEER_GONE

@@ -1,5 +1,6 @@
-"""TLS on the TCP data plane: mutual, from one cluster CA (libs/common/tls.py). Shared
-memory within a host never uses it."""
+"""TLS on the TCP data plane: mutual, from one cluster CA (libs/common/tls.py). Each
+connection's TLS session authenticates both ends and agrees the keys of its sealed
+records (`sealed.py`). Shared memory within a host never uses it."""
 
 from libs.common.tls import TlsFiles, mutual_context
 

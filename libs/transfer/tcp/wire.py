@@ -9,9 +9,10 @@ Per connection::
               then the end frame (END_OFFSET, 0)
     receiver: 1 status byte: OK once every byte is in the segment, else why not
 
-With TLS on the data plane (`tls.py`), all of this is said inside the TLS session, which
-the sender opens first; a receiver with TLS answers a sender without it TLS_REQUIRED, in
-clear, and closes. The token itself never crosses the wire: the greeting names the ticket by a hash of
+With TLS on the data plane (`tls.py`), the sender first opens a TLS session in which the
+two agree keys, and all of this is said in records sealed under them (`sealed.py`); a
+receiver with TLS answers a sender without it TLS_REQUIRED, in clear, and closes. The
+token itself never crosses the wire: the greeting names the ticket by a hash of
 its token and proves the sender holds the token with an HMAC of a fresh nonce
 (`tickets.py`), so each greeting is good once. A transfer sliced over several
 connections greets on each with a new nonce. After an OK the connection may carry

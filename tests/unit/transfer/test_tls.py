@@ -2,14 +2,13 @@
 cluster CA signed delivers its bytes inside TLS; a peer with a certificate from another
 CA, or without TLS, is refused with the cause `tls` and writes nothing."""
 
-import ssl
-
 import pytest
 import torch
 
 from libs.protocol.vocabulary import ErrorCode
 from libs.transfer import Span, TransferError
 from libs.transfer.settings import TransferSettings
+from libs.transfer.tcp.sealed import SealedSocket
 from libs.transfer.tickets import Refusal
 from tests.unit.transfer.tls_certs import TestCA
 
@@ -49,14 +48,15 @@ def received(receiver) -> float:
     return receiver.metrics.received.value()
 
 
-async def test_a_transfer_over_tls_delivers_the_bytes_inside_a_tls_session(segments, cas):
+async def test_a_transfer_over_tls_delivers_the_bytes_sealed_under_keys_of_a_tls_session(segments, cas):
     cluster, _ = cas
     receiver, dst, sender, src = make_pair(segments, cluster.leaf("receiver"), cluster.leaf("sender"))
     ticket = await write_all(receiver, dst, sender, src)
     assert torch.equal(dst.tensor, src.tensor)
     pooled = sender.transports["tcp"].idle.take(ticket.address)  # the connection the transfer ended on
-    assert isinstance(pooled, ssl.SSLSocket) and pooled.version() == "TLSv1.3"
-    assert pooled.getpeercert()["subject"] == ((("commonName", "receiver"),),)
+    assert isinstance(pooled, SealedSocket) and pooled.version == "TLSv1.3"
+    assert pooled.peer_subject == ((("commonName", "receiver"),),)
+    assert pooled.sealed_bytes >= SIZE // 2  # two connections: each sealed its slices
     pooled.close()
 
 
