@@ -77,13 +77,13 @@ class SealedSocket:
         self._opened = 0
         self.sealed_bytes = 0
         self.opened_bytes = 0
-        self._out = bytearray(HEADER.size + RECORD_BYTES + TAG)
+        self._out = bytearray(0)  # where sendall seals, grown on first need (a receiver's stays small)
         self._pending: memoryview | None = None  # a record `send` sealed and has not all written
         self._pending_length = 0
         # the record being read: its header, its sealed bytes, and plain bytes a short read left
         self._head = bytearray(HEADER.size)
         self._head_got = 0
-        self._body = bytearray(RECORD_BYTES + TAG)
+        self._body = bytearray(0)  # grown on first need, as `_out`
         self._body_got = 0
         self._plain = memoryview(b"")
 
@@ -105,9 +105,10 @@ class SealedSocket:
 
     def sendall(self, data) -> None:
         view = memoryview(data).cast("B")
-        out = memoryview(self._out)
         if not view:
             return
+        self._out = _room(self._out, HEADER.size + min(len(view), RECORD_BYTES) + TAG)
+        out = memoryview(self._out)
         for start in range(0, len(view), RECORD_BYTES):
             size = self._seal_into(view[start : start + RECORD_BYTES], out)
             self._sock.sendall(out[:size])
@@ -169,6 +170,7 @@ class SealedSocket:
         if length > RECORD_BYTES:
             raise SealError(f"a sealed record of {length} bytes (at most {RECORD_BYTES})")
         need = length + TAG
+        self._body = _room(self._body, need)  # (a record under way already has its room)
         body = memoryview(self._body)
         while self._body_got < need:
             n = self._sock.recv_into(body[self._body_got : need])
@@ -201,6 +203,13 @@ class SealedSocket:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def _room(buffer: bytearray, need: int) -> bytearray:
+    """``buffer`` if it holds ``need`` bytes, else a new one: small records get 4 KiB, larger a whole record's room."""
+    if len(buffer) >= need:
+        return buffer
+    return bytearray(4096 if need <= 4096 else HEADER.size + RECORD_BYTES + TAG)
 
 
 def _switch(tls: ssl.SSLSocket, send_key: bytes, recv_key: bytes) -> SealedSocket:

@@ -1,9 +1,10 @@
 """Sealed records (libs/transfer/tcp/sealed.py), the data plane's bytes after a TLS
 session agreed the keys: what goes in comes out, in any size of read; nothing of the
 plain bytes is on the wire; a record changed, replayed, dropped or too long ends the
-connection; a non-blocking send asked again with the same bytes sends them once; a read
+connection (at a listener: the transfer fails with cause `tls`, nothing written); a non-blocking send asked again with the same bytes sends them once; a read
 that would block keeps what it has; a connection whose keys have sealed enough is not reused."""
 
+import asyncio
 import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -11,9 +12,21 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from libs.common.tls import mutual_context
+from libs.protocol.vocabulary import ErrorCode
 from libs.transfer import Span
 from libs.transfer.tcp import sealed
-from libs.transfer.tcp.sealed import HEADER, RECORD_BYTES, TAG, SealedSocket, SealError, derive_keys, new_secret
+from libs.transfer.tcp.sealed import (
+    HEADER,
+    RECORD_BYTES,
+    TAG,
+    SealedSocket,
+    SealError,
+    derive_keys,
+    new_secret,
+    seal_sender,
+)
+from libs.transfer.tcp.wire import FRAME, Status, greeting
 from tests.unit.transfer.test_tls import SIZE, make_pair, write_all
 from tests.unit.transfer.tls_certs import TestCA
 
@@ -181,3 +194,30 @@ async def test_a_connection_whose_keys_sealed_enough_is_closed_not_pooled(segmen
         receiver.close_ticket(ticket.token)
     assert torch.equal(dst.tensor, src.tensor)
     assert sender.transports["tcp"].idle.take(ticket.address) is None
+
+
+async def test_a_record_changed_on_the_wire_fails_the_transfer_at_the_receiver_and_writes_nothing(segments, tmp_path):
+    cluster = TestCA(tmp_path, "cluster")
+    receiver = segments.engine("host-a", listen="127.0.0.1:0", tls=cluster.leaf("receiver"))
+    dst = segments.segment(receiver, SIZE)
+    ticket = receiver.expect(dst.name, [(0, SIZE)], ttl=30)
+    client = mutual_context(cluster.leaf("sender"), server=False)
+
+    def send_a_changed_frame() -> tuple[bytes, bytes]:
+        host, port = ticket.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as raw:
+            conn = seal_sender(client.wrap_socket(raw))  # a sender by hand: the session, the keys, a greeting
+            conn.sendall(greeting(ticket.token, 7))
+            greeted = conn.recv(1)
+            conn.sendall(FRAME.pack(0, 64))
+            record = bytearray(HEADER.size + 64 + TAG)
+            conn._seal_into(b"\xff" * 64, memoryview(record))
+            record[-1] ^= 1  # the tag no longer matches
+            conn._sock.sendall(record)
+            return greeted, conn.recv(1)
+
+    greeted, status = await asyncio.to_thread(send_a_changed_frame)
+    closed = receiver.close_ticket(ticket.token)
+    assert greeted == bytes([Status.OK]) and status == bytes([Status.FAILED])
+    assert closed.failed == ErrorCode.TLS
+    assert not dst.tensor.any() and receiver.metrics.received.value() == 0
