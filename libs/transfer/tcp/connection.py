@@ -161,7 +161,7 @@ class TcpConnection:
             if self.tls is None:
                 self._guard(lambda: _sendmsg_all(self.sock, [header, payload]))
             else:  # sealed: the header is a record of its own, so the payload's open straight into place
-                self._guard(lambda: (self.sock.sendall(header), self.sock.sendall(payload)))
+                self._guard(lambda: self.sock.sendall_parts([header, payload]))
 
     def finish(self) -> None:
         """Send the end frame and wait for the receiver's OK; the connection then goes

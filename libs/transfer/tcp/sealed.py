@@ -15,9 +15,9 @@ one or two system calls each; `cryptography`'s OpenSSL seals 1 MiB records with 
 CPU's vector AES instructions where it has them (measured in bench/results/transfer.md).
 
 Nothing is read past the TLS session's last record (OpenSSL reads no further ahead than
-one record), so the switch needs no round trip of its own. A connection retires once
-either direction has sealed `KEY_BYTES_LIMIT` bytes under its key, well inside AES-GCM's
-limits for one key.
+one record), so the switch needs no round trip of its own. A sender does not reuse a
+connection once either direction has sealed `KEY_BYTES_LIMIT` bytes under its key (checked
+between transfers), well inside what TLS 1.3 allows one AES-GCM key (about 2^38.5 bytes).
 
 `SealedSocket` has the socket methods the transport uses. As with TLS, a `send` that
 would block (non-blocking socket) must be called again with the same bytes.
@@ -36,6 +36,7 @@ RECORD_BYTES = 1 << 20  # the most a record seals
 TAG = 16
 HEADER = struct.Struct("<I")
 SECRET_BYTES = 32
+SMALL = 4096  # a read takes up to this much past its record; a write, a header record before a full one
 KEY_BYTES_LIMIT = 1 << 36  # 64 GiB a direction; then the connection is not reused
 _INFO = b"kvserve transfer records v1"
 
@@ -80,11 +81,10 @@ class SealedSocket:
         self._out = bytearray(0)  # where sendall seals, grown on first need (a receiver's stays small)
         self._pending: memoryview | None = None  # a record `send` sealed and has not all written
         self._pending_length = 0
-        # the record being read: its header, its sealed bytes, and plain bytes a short read left
-        self._head = bytearray(HEADER.size)
-        self._head_got = 0
-        self._body = bytearray(0)  # grown on first need, as `_out`
-        self._body_got = 0
+        # what has been read and not yet opened: self._in[self._start : self._end], grown on
+        # first need as `_out`; and plain bytes of an opened record a short read left
+        self._in = bytearray(0)
+        self._start = self._end = 0
         self._plain = memoryview(b"")
 
     @property
@@ -104,14 +104,25 @@ class SealedSocket:
         return HEADER.size + n + TAG
 
     def sendall(self, data) -> None:
-        view = memoryview(data).cast("B")
-        if not view:
-            return
-        self._out = _room(self._out, HEADER.size + min(len(view), RECORD_BYTES) + TAG)
+        self.sendall_parts([data])
+
+    def sendall_parts(self, parts: list) -> None:
+        """Each of ``parts`` in records of its own (so a reader of each part's length gets it
+        whole), as few writes as fit: a frame's header goes out with its first bytes."""
+        views = [memoryview(part).cast("B") for part in parts]
+        largest = max((min(len(v), RECORD_BYTES) for v in views), default=0)
+        self._out = _room(self._out, SMALL + HEADER.size + largest + TAG)
         out = memoryview(self._out)
-        for start in range(0, len(view), RECORD_BYTES):
-            size = self._seal_into(view[start : start + RECORD_BYTES], out)
-            self._sock.sendall(out[:size])
+        used = 0
+        for view in views:
+            for start in range(0, len(view), RECORD_BYTES):
+                piece = view[start : start + RECORD_BYTES]
+                if used and used + HEADER.size + len(piece) + TAG > len(out):
+                    self._sock.sendall(out[:used])
+                    used = 0
+                used += self._seal_into(piece, out[used:])
+        if used:
+            self._sock.sendall(out[:used])
 
     def send(self, data) -> int:
         """Seal up to a record of ``data`` and write it whole; BlockingIOError (call again
@@ -137,10 +148,11 @@ class SealedSocket:
         if not view:
             return 0
         if not self._plain:
-            length = self._read_record()
-            if length is None:
+            record = self._read_record()
+            if record is None:
                 return 0
-            body = memoryview(self._body)[: length + TAG]
+            at, length = record
+            body = memoryview(self._in)[at : at + length + TAG]
             if length <= len(view):
                 self._unseal(body, view[:length], length)
                 return length
@@ -158,27 +170,33 @@ class SealedSocket:
         buffer = bytearray(bufsize)
         return bytes(buffer[: self.recv_into(buffer)])
 
-    def _read_record(self) -> int | None:
-        """Reads the next record's header and sealed bytes (keeping what it has when the
-        socket would block or times out); its plain length, or None at the end of the stream."""
-        while self._head_got < HEADER.size:
-            n = self._sock.recv_into(memoryview(self._head)[self._head_got :])
+    def _read_record(self) -> tuple[int, int] | None:
+        """The next record: where its sealed bytes start in ``self._in`` and its plain length;
+        None at the end of the stream. Reads at most SMALL bytes past the record, so that the
+        next one's header (or a small record whole) comes in the same read; keeps what it has
+        when the socket would block or times out."""
+        while True:
+            have = self._end - self._start
+            need = HEADER.size
+            if have >= HEADER.size:
+                (length,) = HEADER.unpack_from(self._in, self._start)
+                if length > RECORD_BYTES:
+                    raise SealError(f"a sealed record of {length} bytes (at most {RECORD_BYTES})")
+                need = HEADER.size + length + TAG
+                if have >= need:
+                    at = self._start + HEADER.size
+                    self._start += need
+                    if self._start == self._end:
+                        self._start = self._end = 0
+                    return at, length
+            if self._start + need + SMALL > len(self._in):  # move what is left of the stream to the front
+                room = _room(self._in, need + SMALL)
+                room[:have] = self._in[self._start : self._end]
+                self._in, self._start, self._end = room, 0, have
+            n = self._sock.recv_into(memoryview(self._in)[self._end : self._start + need + SMALL])
             if n == 0:
                 return None
-            self._head_got += n
-        (length,) = HEADER.unpack(self._head)
-        if length > RECORD_BYTES:
-            raise SealError(f"a sealed record of {length} bytes (at most {RECORD_BYTES})")
-        need = length + TAG
-        self._body = _room(self._body, need)  # (a record under way already has its room)
-        body = memoryview(self._body)
-        while self._body_got < need:
-            n = self._sock.recv_into(body[self._body_got : need])
-            if n == 0:
-                return None
-            self._body_got += n
-        self._head_got = self._body_got = 0
-        return length
+            self._end += n
 
     def _unseal(self, body: memoryview, into: memoryview, length: int) -> None:
         try:
@@ -206,10 +224,11 @@ class SealedSocket:
 
 
 def _room(buffer: bytearray, need: int) -> bytearray:
-    """``buffer`` if it holds ``need`` bytes, else a new one: small records get 4 KiB, larger a whole record's room."""
+    """``buffer`` if it holds ``need`` bytes, else a new one: twice SMALL for small records,
+    else room for a whole record and SMALL more."""
     if len(buffer) >= need:
         return buffer
-    return bytearray(4096 if need <= 4096 else HEADER.size + RECORD_BYTES + TAG)
+    return bytearray(2 * SMALL if need <= 2 * SMALL else SMALL + HEADER.size + RECORD_BYTES + TAG)
 
 
 def _switch(tls: ssl.SSLSocket, send_key: bytes, recv_key: bytes) -> SealedSocket:

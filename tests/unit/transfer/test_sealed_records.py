@@ -75,6 +75,17 @@ def test_bytes_sent_come_out_the_same_read_whole_or_in_small_pieces(pair, size):
         sending.result()
 
 
+def test_parts_sent_together_are_records_of_their_own_and_small_records_read_together_come_out_one_by_one(pair):
+    a, b, _, _ = pair
+    header, payload = os.urandom(16), os.urandom(2 * RECORD_BYTES + 5)
+    with ThreadPoolExecutor(1) as writer:
+        sending = writer.submit(lambda: (a.sendall_parts([header, payload]), a.sendall(b"x"), a.sendall(b"yz")))
+        assert read_exact(b, 16) == header  # the header's own record: no part of the payload in it
+        assert read_exact(b, len(payload)) == payload
+        sending.result()
+    assert b.recv(100) == b"x" and b.recv(100) == b"yz"  # read in one go or not, each record comes out alone
+
+
 def test_the_plain_bytes_are_not_on_the_wire_and_each_record_carries_its_length_and_tag(pair):
     a, _, _, b_plain = pair
     data = bytes(range(256)) * 4096 + b"secret prompt"  # 1 MiB and a little: two records
