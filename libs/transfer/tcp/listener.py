@@ -31,7 +31,15 @@ from typing import TypeVar
 
 from libs.common import failpoints
 from libs.protocol.vocabulary import ErrorCode
-from libs.transfer.tcp.sealed import SECRET_BYTES, SealedSocket, SealError, new_secret, seal_receiver
+from libs.transfer.tcp.sealed import (
+    EXCHANGE_BYTES,
+    SealedSocket,
+    SealError,
+    exchange_message,
+    new_secret,
+    peer_secret,
+    seal_receiver,
+)
 from libs.transfer.tcp.wire import END_OFFSET, FRAME, GREETING, MAGIC, Status
 from libs.transfer.tickets import OpenTicket, Refusal, TicketBook
 from libs.transfer.transfer_metrics import TransferMetrics
@@ -192,13 +200,14 @@ class TcpListener:
         secured = self.tls.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
         self._conns.discard(conn)  # ``conn`` is now detached: its socket is ``secured``'s
         self._conns.add(secured)
-        secret = bytearray(SECRET_BYTES)
+        message = bytearray(EXCHANGE_BYTES)
         try:
             async with asyncio.timeout(HANDSHAKE_SECONDS):
                 await _io(secured, secured.do_handshake)
-                await _recv_exact(secured, memoryview(secret))  # the sender's secret, then ours
+                await _recv_exact(secured, memoryview(message))  # the sender's secret, then ours
+                theirs = peer_secret(bytes(message), "sender")
                 mine = new_secret()
-                await _send_all(secured, mine)
+                await _send_all(secured, exchange_message(mine))
         except (TimeoutError, OSError, EOFError) as e:
             log.warning("refused a TCP transfer connection from %s:%s: %s: %s",
                         peer[0], peer[1], Refusal.TLS_HANDSHAKE.text, e)  # fmt: skip
@@ -207,7 +216,7 @@ class TcpListener:
             secured.close()
             return None
         self._conns.discard(secured)
-        sealed = seal_receiver(secured, bytes(secret), mine)
+        sealed = seal_receiver(secured, theirs, mine)
         self._conns.add(sealed)
         return sealed
 

@@ -2,7 +2,8 @@
 authenticated both ends.
 
 A connection opens with a TLS 1.3 handshake, mutual, from the cluster CA (`tls.py`). Inside
-that session each side sends 32 random bytes (the sender first); from both, HKDF-SHA256
+that session each side sends `EXCHANGE_MAGIC` and 32 random bytes (the sender first; a peer
+that says anything else speaks another version and is refused); from both, HKDF-SHA256
 derives one AES-256-GCM key per direction. TLS's records end there: the rest of the
 connection is records of our own, each
 
@@ -36,6 +37,8 @@ RECORD_BYTES = 1 << 20  # the most a record seals
 TAG = 16
 HEADER = struct.Struct("<I")
 SECRET_BYTES = 32
+EXCHANGE_MAGIC = b"KVS1"  # what each side's secret comes after: this version of sealed records
+EXCHANGE_BYTES = len(EXCHANGE_MAGIC) + SECRET_BYTES
 SMALL = 4096  # a read takes up to this much past its record; a write, a header record before a full one
 KEY_BYTES_LIMIT = 1 << 36  # 64 GiB a direction; then the connection is not reused
 _INFO = b"kvserve transfer records v1"
@@ -59,6 +62,18 @@ def derive_keys(sender_secret: bytes, receiver_secret: bytes) -> tuple[bytes, by
 
 def new_secret() -> bytes:
     return os.urandom(SECRET_BYTES)
+
+
+def exchange_message(secret: bytes) -> bytes:
+    """What a side says in the TLS session: the magic, then its secret."""
+    return EXCHANGE_MAGIC + secret
+
+
+def peer_secret(message: bytes, peer: str) -> bytes:
+    """The secret in what ``peer`` said; SealError when it is not this version's exchange."""
+    if len(message) != EXCHANGE_BYTES or not message.startswith(EXCHANGE_MAGIC):
+        raise SealError(f"the {peer} did not open sealed records (a kvserve of another version?)")
+    return message[len(EXCHANGE_MAGIC) :]
 
 
 class SealedSocket:
@@ -244,14 +259,14 @@ def _switch(tls: ssl.SSLSocket, send_key: bytes, recv_key: bytes) -> SealedSocke
 def seal_sender(tls: ssl.SSLSocket) -> SealedSocket:
     """The sending side's exchange, on a blocking TLS socket whose handshake is done."""
     mine = new_secret()
-    tls.sendall(mine)
+    tls.sendall(exchange_message(mine))
     theirs = bytearray()
-    while len(theirs) < SECRET_BYTES:
-        chunk = tls.recv(SECRET_BYTES - len(theirs))
+    while len(theirs) < EXCHANGE_BYTES:
+        chunk = tls.recv(EXCHANGE_BYTES - len(theirs))
         if not chunk:
-            raise ssl.SSLEOFError("the receiver closed the connection during the key exchange")
+            break  # what it said so far tells why: a receiver of another version refuses and closes
         theirs += chunk
-    send_key, recv_key = derive_keys(mine, bytes(theirs))
+    send_key, recv_key = derive_keys(mine, peer_secret(bytes(theirs), "receiver"))
     return _switch(tls, send_key, recv_key)
 
 

@@ -1,12 +1,16 @@
 """Sealed records (libs/transfer/tcp/sealed.py), the data plane's bytes after a TLS
 session agreed the keys: what goes in comes out, in any size of read; nothing of the
 plain bytes is on the wire; a record changed, replayed, dropped or too long ends the
-connection (at a listener: the transfer fails with cause `tls`, nothing written); a non-blocking send asked again with the same bytes sends them once; a read
-that would block keeps what it has; a connection whose keys have sealed enough is not reused."""
+connection (at a listener: the transfer fails with cause `tls`, nothing written); a peer
+of another version is refused in the key exchange; a non-blocking send asked again with
+the same bytes sends them once; a read that would block keeps what it has; a connection
+whose keys have sealed enough is not reused."""
 
 import asyncio
+import functools
 import os
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -14,8 +18,9 @@ import torch
 
 from libs.common.tls import mutual_context
 from libs.protocol.vocabulary import ErrorCode
-from libs.transfer import Span
+from libs.transfer import Span, TransferError
 from libs.transfer.tcp import sealed
+from libs.transfer.tcp.connection import IdleConnections, TcpConnection
 from libs.transfer.tcp.sealed import (
     HEADER,
     RECORD_BYTES,
@@ -27,6 +32,7 @@ from libs.transfer.tcp.sealed import (
     seal_sender,
 )
 from libs.transfer.tcp.wire import FRAME, Status, greeting
+from libs.transfer.tickets import Refusal
 from tests.unit.transfer.test_tls import SIZE, make_pair, write_all
 from tests.unit.transfer.tls_certs import TestCA
 
@@ -232,3 +238,39 @@ async def test_a_record_changed_on_the_wire_fails_the_transfer_at_the_receiver_a
     assert greeted == bytes([Status.OK]) and status == bytes([Status.FAILED])
     assert closed.failed == ErrorCode.TLS
     assert not dst.tensor.any() and receiver.metrics.received.value() == 0
+
+
+async def test_peers_of_another_version_are_refused_in_the_key_exchange_with_the_reason(segments, tmp_path):
+    cluster = TestCA(tmp_path, "cluster")
+    receiver = segments.engine("host-a", listen="127.0.0.1:0", tls=cluster.leaf("receiver"))
+    dst = segments.segment(receiver, SIZE)
+    ticket = receiver.expect(dst.name, [(0, SIZE)], ttl=30)
+    client = mutual_context(cluster.leaf("sender"), server=False)
+    host, port = ticket.address.rsplit(":", 1)
+
+    def an_older_sender() -> bytes:  # its greeting straight inside TLS, with no key exchange
+        with socket.create_connection((host, int(port)), timeout=10) as raw, client.wrap_socket(raw) as tls:
+            tls.sendall(greeting(ticket.token, 7))
+            return tls.recv(1)
+
+    assert await asyncio.to_thread(an_older_sender) == b""  # closed, not greeted
+    assert receiver.metrics.refused.value(Refusal.TLS_HANDSHAKE) == 1 and not dst.tensor.any()
+    receiver.close_ticket(ticket.token)
+
+    server = mutual_context(cluster.leaf("receiver"), server=True)
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+
+        def an_older_receiver() -> None:  # reads a greeting inside TLS and refuses it
+            conn, _ = listening.accept()
+            with server.wrap_socket(conn, server_side=True) as tls:
+                tls.recv(64)
+                tls.sendall(bytes([Status.REFUSED]))
+
+        older = asyncio.create_task(asyncio.to_thread(an_older_receiver))
+        host, port = listening.getsockname()[:2]
+        connection = functools.partial(TcpConnection, f"{host}:{port}", "token", time.monotonic() + 10,
+                                       IdleConnections(), tls=client)  # fmt: skip
+        with pytest.raises(TransferError) as caught:
+            await asyncio.to_thread(connection)
+        await older
+    assert caught.value.cause == ErrorCode.TLS and "another version" in str(caught.value)
