@@ -213,16 +213,22 @@ async def test_a_connection_whose_keys_sealed_enough_is_closed_not_pooled(segmen
     assert sender.transports["tcp"].idle.take(ticket.address) is None
 
 
-async def test_a_record_changed_on_the_wire_fails_the_transfer_at_the_receiver_and_writes_nothing(segments, tmp_path):
+def tls_receiver(segments, tmp_path):
+    """A receiver with TLS and a ticket for its segment, for senders made by hand: the CA,
+    the receiver, the segment, the ticket, a sender's client context and the address."""
     cluster = TestCA(tmp_path, "cluster")
     receiver = segments.engine("host-a", listen="127.0.0.1:0", tls=cluster.leaf("receiver"))
     dst = segments.segment(receiver, SIZE)
     ticket = receiver.expect(dst.name, [(0, SIZE)], ttl=30)
-    client = mutual_context(cluster.leaf("sender"), server=False)
+    host, port = ticket.address.rsplit(":", 1)
+    return cluster, receiver, dst, ticket, mutual_context(cluster.leaf("sender"), server=False), (host, int(port))
+
+
+async def test_a_record_changed_on_the_wire_fails_the_transfer_at_the_receiver_and_writes_nothing(segments, tmp_path):
+    _, receiver, dst, ticket, client, address = tls_receiver(segments, tmp_path)
 
     def send_a_changed_frame() -> tuple[bytes, bytes]:
-        host, port = ticket.address.rsplit(":", 1)
-        with socket.create_connection((host, int(port)), timeout=10) as raw:
+        with socket.create_connection(address, timeout=10) as raw:
             conn = seal_sender(client.wrap_socket(raw))  # a sender by hand: the session, the keys, a greeting
             conn.sendall(greeting(ticket.token, 7))
             greeted = conn.recv(1)
@@ -241,15 +247,10 @@ async def test_a_record_changed_on_the_wire_fails_the_transfer_at_the_receiver_a
 
 
 async def test_peers_of_another_version_are_refused_in_the_key_exchange_with_the_reason(segments, tmp_path):
-    cluster = TestCA(tmp_path, "cluster")
-    receiver = segments.engine("host-a", listen="127.0.0.1:0", tls=cluster.leaf("receiver"))
-    dst = segments.segment(receiver, SIZE)
-    ticket = receiver.expect(dst.name, [(0, SIZE)], ttl=30)
-    client = mutual_context(cluster.leaf("sender"), server=False)
-    host, port = ticket.address.rsplit(":", 1)
+    cluster, receiver, dst, ticket, client, address = tls_receiver(segments, tmp_path)
 
     def an_older_sender() -> bytes:  # its greeting straight inside TLS, with no key exchange
-        with socket.create_connection((host, int(port)), timeout=10) as raw, client.wrap_socket(raw) as tls:
+        with socket.create_connection(address, timeout=10) as raw, client.wrap_socket(raw) as tls:
             tls.sendall(greeting(ticket.token, 7))
             return tls.recv(1)
 
