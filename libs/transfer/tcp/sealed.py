@@ -144,6 +144,8 @@ class SealedSocket:
         with the same bytes) while the socket cannot take the rest of it."""
         if self._pending is None:
             view = memoryview(data).cast("B")[:RECORD_BYTES]
+            if not view:
+                return 0
             record = bytearray(HEADER.size + len(view) + TAG)
             self._seal_into(view, memoryview(record))
             self._pending, self._pending_length = memoryview(record), len(view)
@@ -195,8 +197,8 @@ class SealedSocket:
             need = HEADER.size
             if have >= HEADER.size:
                 (length,) = HEADER.unpack_from(self._in, self._start)
-                if length > RECORD_BYTES:
-                    raise SealError(f"a sealed record of {length} bytes (at most {RECORD_BYTES})")
+                if not 0 < length <= RECORD_BYTES:  # (an empty one would read as the end of the stream)
+                    raise SealError(f"a sealed record of {length} bytes (1 to {RECORD_BYTES})")
                 need = HEADER.size + length + TAG
                 if have >= need:
                     at = self._start + HEADER.size

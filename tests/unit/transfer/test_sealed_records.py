@@ -138,10 +138,13 @@ def test_a_replayed_or_dropped_record_fails_its_check(pair):
     b2.close()
 
 
-def test_a_record_longer_than_any_sender_seals_is_refused_before_it_is_read(pair):
-    _, b, a_plain, _ = pair
-    a_plain.sendall(HEADER.pack(RECORD_BYTES + 1))
-    with pytest.raises(SealError, match="at most"):
+@pytest.mark.parametrize("length", [0, RECORD_BYTES + 1])
+def test_a_record_longer_than_any_sender_seals_or_empty_is_refused_before_it_is_read(pair, length):
+    a, b, a_plain, _ = pair
+    a.sendall(b"")
+    assert a.send(b"") == 0  # nothing to send: no record
+    a_plain.sendall(HEADER.pack(length))
+    with pytest.raises(SealError, match=f"1 to {RECORD_BYTES}"):
         b.recv(10)
 
 
