@@ -230,45 +230,36 @@ async def test_a_stream_cut_by_a_nats_outage_continues_on_the_same_workers_exclu
     assert run.migrations == 1
 
 
-async def test_a_moved_request_asks_again_while_no_conductor_answers_without_spending_an_attempt(monkeypatch):
+@pytest.mark.parametrize(
+    "message, cancels, max_attempts, request_ids",
+    [
+        # no conductor running: the same attempt is asked again under its own id, spending no attempt
+        ("conductor unavailable: no conductor is running", False, 2, ["req", "req-m1", "req-m1", "req-m1"]),
+        # a conductor took the admission but its answer was lost (a host out of reach): the attempt
+        # cancelled its id on every worker, so asking again under it would be dropped: a new id each time
+        ("conductor unavailable: no conductor answered", True, 3, ["req", "req-m1", "req-m2", "req-m3"]),
+    ],
+    ids=["no-conductor-same-id", "cancelled-id-renamed"],
+)
+async def test_a_moved_request_asks_again_while_no_conductor_answers(
+    monkeypatch, message, cancels, max_attempts, request_ids
+):
     from services.gateway import migration
     from services.gateway.errors import ServiceUnavailableError
 
     monkeypatch.setattr(migration, "ADMIT_RETRY_DELAY", 0.0)
-    no_conductor = ServiceUnavailableError("conductor unavailable: no conductor is running", "no_conductor")
+    no_answer = ServiceUnavailableError(message, "no_conductor")
     cut = WorkerLostError("the stream was cut by a NATS outage", None, "nats")
     cluster = Cluster(
         {"route": ("p0", "d0"), "script": [[chunk(0, "H", instance="p0")], cut]},
-        {"route": ("p0", "d0"), "enter_error": no_conductor},
-        {"route": ("p0", "d0"), "enter_error": no_conductor},
+        {"route": ("p0", "d0"), "enter_error": no_answer, "cancels": cancels},
+        {"route": ("p0", "d0"), "enter_error": no_answer, "cancels": cancels},
         {"route": ("p0", "d0"), "script": [[chunk(0, "i", "stop", instance="p0")]]},
     )
-    async with cluster.run(max_attempts=2) as run:
+    async with cluster.run(max_attempts=max_attempts) as run:
         chunks = await read_all(run)
     assert [bytes(c.token_ids).decode() for c in chunks] == ["H", "i"]
-    assert [a.prepared.request_id for a in cluster.attempts] == ["req", "req-m1", "req-m1", "req-m1"]
-    assert run.migrations == 1
-
-
-async def test_an_attempt_asked_again_after_its_id_was_cancelled_goes_under_a_new_id(monkeypatch):
-    """A conductor took the admission but its answer was lost (a host out of reach): the
-    attempt cancelled its id on every worker, so asking again under it would be dropped."""
-    from services.gateway import migration
-    from services.gateway.errors import ServiceUnavailableError
-
-    monkeypatch.setattr(migration, "ADMIT_RETRY_DELAY", 0.0)
-    unanswered = ServiceUnavailableError("conductor unavailable: no conductor answered", "no_conductor")
-    cut = WorkerLostError("the stream was cut by a NATS outage", None, "nats")
-    cluster = Cluster(
-        {"route": ("p0", "d0"), "script": [[chunk(0, "H", instance="p0")], cut]},
-        {"route": ("p0", "d0"), "enter_error": unanswered, "cancels": True},
-        {"route": ("p0", "d0"), "enter_error": unanswered, "cancels": True},
-        {"route": ("p0", "d0"), "script": [[chunk(0, "i", "stop", instance="p0")]]},
-    )
-    async with cluster.run(max_attempts=3) as run:
-        chunks = await read_all(run)
-    assert [bytes(c.token_ids).decode() for c in chunks] == ["H", "i"]
-    assert [a.prepared.request_id for a in cluster.attempts] == ["req", "req-m1", "req-m2", "req-m3"]
+    assert [a.prepared.request_id for a in cluster.attempts] == request_ids
     assert run.migrations == 1
 
 
