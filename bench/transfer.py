@@ -6,9 +6,11 @@ bare blocking socket (one connection, ``sendall`` / ``recv_into``); Mooncake's
 Transfer Engine over TCP where it installs; our TCP path with mutual TLS (1 and 4
 connections, a throwaway CA; the TLS session agrees the keys of sealed records) beside
 the same path in clear, and the bare socket with TLS throughout (what Python's ssl module
-costs by itself). Receivers live in other processes
-(bench/transfer_peer.py); the shm path is also run with the receiver in this
-process. Then the KV hand-off of a 2,048-token prompt (bench/transfer_handoff.py).
+costs by itself); then, for each size from 4 MiB, TCP in clear and with TLS alone, side by
+side, one transfer each back to back for hundreds of pairs, with warm caches and with the
+caches evicted before every transfer (the figure TLS's target is judged on). Receivers
+live in other processes (bench/transfer_peer.py); the shm path is also run with the
+receiver in this process. Then the KV hand-off of a 2,048-token prompt (bench/transfer_handoff.py).
 Repetitions alternate between the contenders so machine noise hits all of them;
 every contender's bytes are checked once per size, outside the timed region.
 
@@ -46,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.transfer_costs import fixed_costs  # noqa: E402
 from bench.transfer_handoff import HandoffBench, kv_bytes  # noqa: E402
-from bench.transfer_report import machine_load, report, write_report  # noqa: E402
+from bench.transfer_report import TARGET_FROM, machine_load, report, write_report  # noqa: E402
 from libs.common.certificates import ClusterCA  # noqa: E402
 from libs.common.tls import mutual_context  # noqa: E402
 from libs.protocol.schema import WriteTicket  # noqa: E402
@@ -58,6 +60,8 @@ NETNS_ENV = "KVSERVE_BENCH_NETNS"
 DEFAULT_SIZES = "64K 256K 1M 4M 16M 64M 256M"
 LENGTH = struct.Struct("<Q")
 SLICE = 4 << 20
+FLUSH_BYTES = 64 << 20  # copied before each transfer of a cold TLS pair: more than this machine's caches
+PAIRS_SECONDS = 2.0  # about how long each size and condition of the TLS pairs takes, by default
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -282,6 +286,22 @@ class WireBench:
                                                     for name, s in samples.items()) + " GB/s", flush=True)  # fmt: skip
         return results
 
+    async def tls_pairs(self, n: int, pairs: int, cold: bool) -> list[tuple[float, float]]:
+        """Seconds of (clear, TLS) transfers over 4 connections, ``pairs`` times back to back,
+        which goes first alternating; ``cold``: caches flushed before each transfer."""
+        flush = None
+        if cold:
+            flush = (torch.ones(FLUSH_BYTES, dtype=torch.uint8), torch.zeros(FLUSH_BYTES, dtype=torch.uint8))
+        result = []
+        for i in range(pairs):
+            times = {}
+            for name in ("tcp4", "tls4") if i % 2 else ("tls4", "tcp4"):
+                if flush is not None:
+                    flush[1].copy_(flush[0])
+                times[name] = await self.run(name, n, 1)
+            result.append((times["tcp4"], times["tls4"]))
+        return result
+
 
 def mooncake_availability() -> tuple[bool, str]:
     """Whether Mooncake can run here, and if not, why not."""
@@ -330,7 +350,17 @@ async def bench(args, stack: ExitStack, logdir: Path, pids: list[int]) -> dict:
     room = max((kv_bytes(m) for m in loaded.values()), default=0)
     wire = WireBench(stack, logdir, max(args.sizes), room, mooncake, pids)
     result = {"wire": await wire.measure(args.sizes, args.reps), "mooncake": why_not or "ran",
-              "mooncake_late": wire.mooncake_late, "handoff": []}  # fmt: skip
+              "mooncake_late": wire.mooncake_late, "handoff": [], "tls_pairs": [],
+              "flush_bytes": FLUSH_BYTES}  # fmt: skip
+    for n in (n for n in args.sizes if n >= TARGET_FROM):
+        s = result["wire"][n]
+        pairs = args.tls_pairs or max(40, min(1000, int(PAIRS_SECONDS / (statistics.median(s["tcp4"])
+                                                                          + statistics.median(s["tls4"])))))  # fmt: skip
+        for cold in (False, True):
+            samples = await wire.tls_pairs(n, pairs, cold)
+            result["tls_pairs"].append({"size": n, "cold": cold, "pairs": samples})
+            print(f"  TLS pairs {n >> 20} MiB {'cold' if cold else 'warm'}: {pairs} pairs, median cost "
+                  f"{statistics.median(1 - c / t for c, t in samples) * 100:.0f}%", flush=True)  # fmt: skip
     result["costs"] = await fixed_costs(wire.peer, wire.source)
     for dtype, model in loaded.items():
         for chunk in args.chunks:
@@ -348,6 +378,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", default=DEFAULT_SIZES.split(), help="e.g. 64K 1M 256M")
     parser.add_argument("--reps", type=int, default=11)
+    parser.add_argument("--tls-pairs", type=int, default=0,
+                        help="clear and TLS transfers side by side, per size >= 4 MiB and condition (default: ~2 s)")
     parser.add_argument("--handoff-reps", type=int, default=3)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="hand-off dtypes, comma-separated")
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 512], help="hand-off max_chunk_tokens")
